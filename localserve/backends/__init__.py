@@ -1,0 +1,1 @@
+"""Model backends behind one contract (base.py). batching/ and server/ never import a concrete one."""

@@ -1,0 +1,1 @@
+"""The continuous-batching scheduler: pure Python over the Backend contract."""

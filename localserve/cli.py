@@ -1,0 +1,65 @@
+"""Terminal entry point: parses flags, loads settings once, dispatches to `commands/`.
+
+Each module in `commands/` owns its subcommands: `register(subparsers, common)` adds parsers whose
+`func(args, settings) -> int` runs the command. Errors from our tree print as one line, never a
+traceback; Ctrl-C exits 130 quietly.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import sys
+from typing import Sequence
+
+from . import __version__
+from .config import load_settings
+from .errors import LocalserveError
+
+# Modules under localserve/commands/, each registering its own subcommands.
+COMMAND_MODULES = ("models", "hw", "settings", "daemon")
+
+# Flags shared by every subcommand; each maps 1:1 to a Settings field.
+SETTING_FLAGS = {
+    "--home": ("home", "model cache and state directory (LOCALSERVE_HOME)"),
+    "--host": ("host", "daemon address (LOCALSERVE_HOST)"),
+    "--port": ("port", "daemon port (LOCALSERVE_PORT)"),
+    "--catalog": ("catalog", "extra catalog JSON file (LOCALSERVE_CATALOG)"),
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    common = argparse.ArgumentParser(add_help=False)
+    for flag, (dest, help_text) in SETTING_FLAGS.items():
+        common.add_argument(flag, dest=f"setting_{dest}", default=argparse.SUPPRESS, help=help_text)
+    common.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS, help="debug logging")
+
+    parser = argparse.ArgumentParser(prog="localserve", description="Run LLMs locally.", parents=[common])
+    parser.add_argument("--version", action="version", version=f"localserve {__version__}")
+    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name in COMMAND_MODULES:
+        importlib.import_module(f".commands.{name}", __package__).register(subparsers, common)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, "func", None):
+        parser.print_help()
+        return 2
+    logging.basicConfig(
+        level=logging.DEBUG if getattr(args, "verbose", False) else logging.WARNING,
+        format="%(levelname)s %(name)s: %(message)s",
+    )
+    flags = {key[len("setting_"):]: value for key, value in vars(args).items() if key.startswith("setting_")}
+    try:
+        settings = load_settings(flags)
+        return int(args.func(args, settings) or 0)
+    except LocalserveError as e:
+        print(f"Error: {e}", file=sys.stderr)
+        return e.exit_code
+    except KeyboardInterrupt:
+        print("\nInterrupted.", file=sys.stderr)
+        return 130

@@ -1,0 +1,174 @@
+"""Settings, read in one place: defaults < config file < environment (LOCALSERVE_*) < flags.
+
+Every other module receives a `Settings` object; nothing else reads the environment or the config
+file. `localserve config` prints each effective value with where it came from, because "why is it
+listening on that port?" is the first question a user asks when two sources disagree.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any, Mapping
+
+import platformdirs
+
+from .errors import ConfigError
+
+try:  # Python 3.11+
+    import tomllib
+except ModuleNotFoundError:  # pragma: no cover - Python 3.10
+    import tomli as tomllib  # type: ignore[no-redef]
+
+APP_NAME = "localserve"
+# Ollama uses 11434, LM Studio 1234, llama-server 8080: stay clear of all three.
+DEFAULT_PORT = 11480
+DEFAULT_MODEL = "smollm2-135m"
+DEFAULT_CORS_ORIGINS = ("http://localhost", "http://127.0.0.1", "vscode-webview://", "vscode-file://")
+
+
+@dataclass
+class Settings:
+    home: Path = field(default_factory=lambda: Path(platformdirs.user_data_dir(APP_NAME)))
+    host: str = "127.0.0.1"
+    port: int = DEFAULT_PORT
+    catalog: Path | None = None  # a user catalog that extends / overrides the built-in models.json
+    default_model: str = DEFAULT_MODEL
+    api_key: str | None = None
+    cors_origins: tuple[str, ...] = DEFAULT_CORS_ORIGINS
+    hf_endpoint: str = "https://huggingface.co"  # tests point this at a local server answering like the Hub
+    keep_alive: float = 300.0  # seconds a model stays loaded after its last request
+    max_loaded_models: int = 2
+    context_length: int = 0  # 0 = min(model's trained context, 8192)
+    max_sequences: int = 0  # 0 = sized from memory and the machine
+    batch_tokens: int = 0  # per-step token budget; 0 = sized from the machine
+    queue_size: int = 64  # per lane
+    queue_timeout: float = 600.0
+    threads: int = 0  # 0 = physical cores
+    max_body_bytes: int = 8 * 1024 * 1024
+    log_level: str = "info"
+    # Where each value came from, for `localserve config`.
+    sources: dict[str, str] = field(default_factory=dict, compare=False, repr=False)
+
+    @property
+    def models_dir(self) -> Path:
+        return self.home / "models"
+
+    @property
+    def run_dir(self) -> Path:
+        """Pid/lock files of the daemon; beside the data so two LOCALSERVE_HOMEs never collide."""
+        return self.home / "run"
+
+    @property
+    def log_dir(self) -> Path:
+        if "home" in self.sources and self.sources["home"] != "default":
+            return self.home / "logs"
+        return Path(platformdirs.user_log_dir(APP_NAME))
+
+    @property
+    def base_url(self) -> str:
+        host = "127.0.0.1" if self.host in ("0.0.0.0", "") else self.host
+        if ":" in host and not host.startswith("["):
+            host = f"[{host}]"
+        return f"http://{host}:{self.port}"
+
+
+_SETTING_NAMES = [f.name for f in fields(Settings) if f.name != "sources"]
+
+
+def config_file_path(environ: Mapping[str, str] | None = None) -> Path:
+    environ = os.environ if environ is None else environ
+    if environ.get("LOCALSERVE_CONFIG"):
+        return Path(environ["LOCALSERVE_CONFIG"])
+    return Path(platformdirs.user_config_dir(APP_NAME)) / "config.toml"
+
+
+def _coerce(name: str, value: Any) -> Any:
+    """Turn a raw value (TOML value, env string, flag) into the field's type, or raise ConfigError."""
+    default = getattr(Settings(), name)
+    try:
+        if name in ("home", "catalog"):
+            return Path(os.path.expanduser(str(value))) if value not in (None, "") else None
+        if name == "cors_origins":
+            items = value.split(",") if isinstance(value, str) else list(value)
+            return tuple(s.strip() for s in items if s.strip())
+        if name == "api_key":
+            return str(value) or None
+        if isinstance(default, bool):
+            return str(value).lower() in ("1", "true", "yes", "on")
+        if isinstance(default, int):
+            result: Any = int(value)
+        elif isinstance(default, float):
+            result = float(value)
+        else:
+            result = str(value)
+    except (TypeError, ValueError):
+        raise ConfigError(f"setting {name!r}: {value!r} is not a valid {type(default).__name__}") from None
+    if isinstance(result, (int, float)) and result < 0:
+        raise ConfigError(f"setting {name!r} must not be negative (got {value!r})")
+    return result
+
+
+def load_settings(
+    flags: Mapping[str, Any] | None = None,
+    environ: Mapping[str, str] | None = None,
+    config_path: Path | None = None,
+) -> Settings:
+    """Build the effective settings. `flags` holds only options the user actually gave (None = not given)."""
+    environ = os.environ if environ is None else environ
+    settings = Settings()
+    sources = {name: "default" for name in _SETTING_NAMES}
+
+    path = config_path or config_file_path(environ)
+    if path.is_file():
+        try:
+            data = tomllib.loads(path.read_text(encoding="utf-8"))
+        except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError) as e:
+            raise ConfigError(f"config file {path.name} is not valid TOML: {e}") from None
+        for key, value in data.items():
+            name = key.replace("-", "_")
+            if name not in _SETTING_NAMES:
+                raise ConfigError(f"config file {path.name}: unknown setting {key!r}")
+            setattr(settings, name, _coerce(name, value))
+            sources[name] = f"config file ({path})"
+
+    for name in _SETTING_NAMES:
+        env_name = f"LOCALSERVE_{name.upper()}"
+        if environ.get(env_name, "") != "":
+            setattr(settings, name, _coerce(name, environ[env_name]))
+            sources[name] = f"env {env_name}"
+
+    for name, value in (flags or {}).items():
+        if value is None:
+            continue
+        if name not in _SETTING_NAMES:
+            raise ConfigError(f"unknown setting {name!r}")
+        setattr(settings, name, _coerce(name, value))
+        sources[name] = f"flag --{name.replace('_', '-')}"
+
+    settings.sources = sources
+    return settings
+
+
+def describe(settings: Settings) -> list[tuple[str, str, str]]:
+    """(name, value, source) rows for display; the API key is masked."""
+    rows = []
+    for name in _SETTING_NAMES:
+        value = getattr(settings, name)
+        if name == "api_key" and value:
+            shown = "****"
+        elif isinstance(value, tuple):
+            shown = ",".join(value)
+        else:
+            shown = "" if value is None else str(value)
+        rows.append((name, shown, settings.sources.get(name, "default")))
+    return rows
+
+
+def replace(settings: Settings, **changes: Any) -> Settings:
+    """A copy with some values changed (tests and the daemon's child process use this)."""
+    new = dataclasses.replace(settings, **changes)
+    new.sources = dict(settings.sources, **{k: "override" for k in changes})
+    return new

@@ -1,0 +1,130 @@
+"""The one error tree of localserve.
+
+Every message is safe to show to a user or an HTTP client: no host paths, no tracebacks. The CLI
+prints `str(error)` on one line and exits with `exit_code`; the server maps each class to an HTTP
+status and an OpenAI error body (`server/errors.py`) through `http_status`, `error_type` and `code`.
+
+    LocalserveError
+    ├── ConfigError                  bad setting / config file
+    ├── InvalidRequestError          bad input from a user or client (400)
+    │   ├── InvalidNameError         a model name/tag that could escape the cache directory
+    │   └── ContextLengthExceededError
+    ├── ModelNotFoundError           not in the catalog / not pulled (404)
+    ├── GGUFError                    malformed, truncated or non-GGUF file
+    ├── DownloadError                pull failures
+    │   ├── NetworkError             cannot reach the source (after retries)
+    │   ├── HTTPStatusError          401/403/404/5xx from the source
+    │   ├── ChecksumMismatchError    bytes do not match the sha256 (bad file removed)
+    │   ├── DiskFullError            not enough free space
+    │   └── PullLockedError          another process is pulling the same model
+    ├── QueueFullError               a lane's queue is full (429 + Retry-After)
+    ├── OverloadedError              the whole server is full or a model is loading (503)
+    └── BackendError                 a model failed to load or decode (500, details only in the log)
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+
+class LocalserveError(Exception):
+    http_status = 500
+    error_type = "server_error"
+    code: str | None = None
+    exit_code = 1
+
+    def __init__(self, message: str, *, param: str | None = None):
+        super().__init__(message)
+        self.message = message
+        self.param = param
+
+
+class ConfigError(LocalserveError):
+    exit_code = 2
+
+
+class InvalidRequestError(LocalserveError):
+    http_status = 400
+    error_type = "invalid_request_error"
+    exit_code = 2
+
+
+class InvalidNameError(InvalidRequestError):
+    code = "invalid_model_name"
+
+
+class ContextLengthExceededError(InvalidRequestError):
+    code = "context_length_exceeded"
+
+
+class ModelNotFoundError(LocalserveError):
+    http_status = 404
+    error_type = "invalid_request_error"
+    code = "model_not_found"
+
+    def __init__(self, name: str, suggestions: Sequence[str] = (), *, message: str | None = None):
+        text = message or f"model {name!r} not found"
+        if suggestions:
+            text += f" (did you mean: {', '.join(suggestions)}?)"
+        super().__init__(text, param="model")
+        self.name = name
+        self.suggestions = list(suggestions)
+
+
+class GGUFError(LocalserveError):
+    http_status = 400
+    error_type = "invalid_request_error"
+    code = "invalid_model_file"
+
+
+class DownloadError(LocalserveError):
+    http_status = 502
+    code = "download_failed"
+
+
+class NetworkError(DownloadError):
+    pass
+
+
+class HTTPStatusError(DownloadError):
+    def __init__(self, message: str, status: int):
+        super().__init__(message)
+        self.status = status
+
+
+class ChecksumMismatchError(DownloadError):
+    code = "checksum_mismatch"
+
+
+class DiskFullError(DownloadError):
+    http_status = 507
+    code = "disk_full"
+
+
+class PullLockedError(DownloadError):
+    http_status = 409
+    code = "pull_in_progress"
+
+
+class QueueFullError(LocalserveError):
+    http_status = 429
+    error_type = "rate_limit_error"
+    code = "queue_full"
+
+    def __init__(self, message: str, retry_after: float):
+        super().__init__(message)
+        self.retry_after = retry_after
+
+
+class OverloadedError(LocalserveError):
+    http_status = 503
+    error_type = "server_error"
+    code = "overloaded"
+
+    def __init__(self, message: str, retry_after: float = 1.0):
+        super().__init__(message)
+        self.retry_after = retry_after
+
+
+class BackendError(LocalserveError):
+    code = "backend_error"
