@@ -19,7 +19,8 @@ status and an OpenAI error body (`server/errors.py`) through `http_status`, `err
     │   └── PullLockedError          another process is pulling the same model
     ├── QueueFullError               a lane's queue is full (429 + Retry-After)
     ├── OverloadedError              the whole server is full or a model is loading (503)
-    └── BackendError                 a model failed to load or decode (500, details only in the log)
+    ├── BackendError                 a model failed to load or decode (500, details only in the log)
+    └── DaemonError                  the daemon cannot be started, reached or stopped, or answered an error
 """
 
 from __future__ import annotations
@@ -128,3 +129,14 @@ class OverloadedError(LocalserveError):
 
 class BackendError(LocalserveError):
     code = "backend_error"
+
+
+class DaemonError(LocalserveError):
+    """Raised in CLI processes (run, ps, stop, serve): a second daemon, a daemon that died while
+    starting, one that will not stop, or an error answer relayed from the daemon (`status` set)."""
+
+    code = "daemon_error"
+
+    def __init__(self, message: str, *, status: int | None = None):
+        super().__init__(message)
+        self.status = status
