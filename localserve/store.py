@@ -1,0 +1,344 @@
+"""The model cache on disk: readable names, one manifest per model, inter-process locks.
+
+Layout under `settings.models_dir`:
+
+    models/<name>/<tag>/<file>.gguf      the weights (absent for models registered in place)
+    models/<name>/<tag>/manifest.json    source, sha256, size, GGUF facts, pulled_at
+    models/.locks/<name>@<tag>.lock      held while a pull or removal of that model runs
+
+A model is visible only once its manifest exists, and the manifest is written last (atomically), so
+a crash mid-pull never shows a half-written model. Every path built from a user-supplied name goes
+through `safe_component`: a name is the one thing a remote client (Ollama's /api/pull, /api/delete)
+controls that becomes a path, so it is the door a traversal attack would use.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import time
+import unicodedata
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterator
+
+from .config import Settings
+from .errors import InvalidNameError, LocalserveError, ModelNotFoundError
+
+log = logging.getLogger(__name__)
+
+MANIFEST_NAME = "manifest.json"
+MANIFEST_SCHEMA = 1
+LOCKS_DIR = ".locks"
+MAX_COMPONENT_LENGTH = 128
+# Characters Windows refuses in file names; refusing them everywhere keeps a cache portable.
+_WINDOWS_FORBIDDEN = set('<>:"|?*')
+_WINDOWS_DEVICES = {"con", "prn", "aux", "nul", *(f"com{i}" for i in range(10)), *(f"lpt{i}" for i in range(10))}
+
+
+def safe_component(text: str, what: str = "name") -> str:
+    """Return `text` if it is safe as ONE path component under the cache, else raise InvalidNameError.
+
+    Rejects: empty, overlong, `.`/`..`, path separators, absolute paths and drive letters, control
+    characters, characters Windows forbids, leading dots (our own lock/partial files start with a
+    dot), trailing dots/spaces (Windows silently strips them, so two names would share a folder),
+    and DOS device names.
+    """
+    if not isinstance(text, str) or text == "":
+        raise InvalidNameError(f"model {what} must not be empty")
+    shown = text[:40].encode("unicode_escape").decode("ascii")
+    if len(text) > MAX_COMPONENT_LENGTH:
+        raise InvalidNameError(f"model {what} is longer than {MAX_COMPONENT_LENGTH} characters")
+    if any(unicodedata.category(ch) in ("Cc", "Cf", "Zl", "Zp") for ch in text):
+        raise InvalidNameError(f"model {what} {shown!r} contains control characters")
+    if "/" in text or "\\" in text or os.sep in text or (os.altsep and os.altsep in text):
+        raise InvalidNameError(f"model {what} {shown!r} must not contain path separators")
+    if text in (".", "..") or text.startswith("."):
+        raise InvalidNameError(f"model {what} {shown!r} must not start with a dot")
+    if _WINDOWS_FORBIDDEN & set(text):
+        raise InvalidNameError(f"model {what} {shown!r} contains a character not allowed in file names")
+    if text.endswith((" ", ".")) or text != text.strip():
+        raise InvalidNameError(f"model {what} {shown!r} must not start or end with spaces or dots")
+    if text.split(".")[0].lower() in _WINDOWS_DEVICES:
+        raise InvalidNameError(f"model {what} {shown!r} is a reserved device name")
+    return text
+
+
+def name_to_dir(name: str) -> str:
+    """Directory name for a model name. `hf.co/org/repo` names keep their readable form with `--`
+    in place of `/`; every resulting component is validated."""
+    parts = name.split("/")
+    for part in parts:
+        safe_component(part, "name")
+    return safe_component("--".join(parts), "name")
+
+
+def atomic_write_json(path: Path, data: Any) -> None:
+    """Write JSON so readers see the old or the new file, never a torn one (tmp + fsync + replace)."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        with open(tmp, "w", encoding="utf-8") as f:
+            json.dump(data, f, indent=2, sort_keys=True)
+            f.write("\n")
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+class FileLock:
+    """An exclusive inter-process lock on a file (fcntl on POSIX, msvcrt on Windows).
+
+    The lock belongs to the open file description, so it is released by the OS if the holder dies
+    (a killed pull never leaves a stale lock behind, unlike pid files).
+    """
+
+    def __init__(self, path: Path):
+        self.path = path
+        self._fd: int | None = None
+
+    def acquire(self, blocking: bool = True, poll: float = 0.2, timeout: float | None = None) -> bool:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            if _try_lock(fd):
+                self._fd = fd
+                return True
+            if not blocking or (deadline is not None and time.monotonic() >= deadline):
+                os.close(fd)
+                return False
+            time.sleep(poll)
+
+    def release(self) -> None:
+        if self._fd is not None:
+            _unlock(self._fd)
+            os.close(self._fd)
+            self._fd = None
+
+    def __enter__(self) -> "FileLock":
+        self.acquire()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+
+if os.name == "nt":  # pragma: no cover - exercised on Windows only
+    import msvcrt
+
+    def _try_lock(fd: int) -> bool:
+        try:
+            os.lseek(fd, 0, os.SEEK_SET)
+            msvcrt.locking(fd, msvcrt.LK_NBLCK, 1)
+            return True
+        except OSError:
+            return False
+
+    def _unlock(fd: int) -> None:
+        os.lseek(fd, 0, os.SEEK_SET)
+        msvcrt.locking(fd, msvcrt.LK_UNLCK, 1)
+
+else:
+    import fcntl
+
+    def _try_lock(fd: int) -> bool:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return True
+        except BlockingIOError:
+            return False
+
+    def _unlock(fd: int) -> None:
+        fcntl.flock(fd, fcntl.LOCK_UN)
+
+
+@dataclass
+class InstalledModel:
+    name: str
+    tag: str
+    path: Path  # the .gguf file (inside the cache, or the user's own file for models added in place)
+    size: int
+    sha256: str | None
+    quant: str | None
+    format: str
+    modified: float  # epoch seconds of the pull / registration
+    manifest: dict[str, Any] = field(default_factory=dict, repr=False)
+
+    @property
+    def ref(self) -> str:
+        return f"{self.name}:{self.tag}"
+
+    @property
+    def in_place(self) -> bool:
+        return bool(self.manifest.get("in_place"))
+
+    @property
+    def facts(self) -> dict[str, Any]:
+        return dict(self.manifest.get("facts") or {})
+
+    @property
+    def available(self) -> bool:
+        return self.path.is_file()
+
+
+class ModelStore:
+    def __init__(self, settings: Settings):
+        self.settings = settings
+        self.root = settings.models_dir
+
+    # -- paths -------------------------------------------------------------------------------
+    def model_dir(self, name: str, tag: str) -> Path:
+        return self.root / name_to_dir(name) / safe_component(tag, "tag")
+
+    def lock(self, name: str, tag: str) -> FileLock:
+        return FileLock(self.root / LOCKS_DIR / f"{name_to_dir(name)}@{safe_component(tag, 'tag')}.lock")
+
+    def tmp_dir(self) -> Path:
+        path = self.root / ".tmp"
+        path.mkdir(parents=True, exist_ok=True)
+        return path
+
+    # -- reading -----------------------------------------------------------------------------
+    def _manifests(self) -> Iterator[Path]:
+        if not self.root.is_dir():
+            return
+        for name_dir in sorted(self.root.iterdir()):
+            if name_dir.name.startswith(".") or not name_dir.is_dir():
+                continue
+            for tag_dir in sorted(name_dir.iterdir()):
+                manifest = tag_dir / MANIFEST_NAME
+                if manifest.is_file():
+                    yield manifest
+
+    def _load(self, manifest_path: Path) -> InstalledModel | None:
+        try:
+            data = json.loads(manifest_path.read_text(encoding="utf-8"))
+            file_ref = Path(data["file"])
+            path = file_ref if file_ref.is_absolute() else manifest_path.parent / safe_component(data["file"], "file")
+            return InstalledModel(
+                name=str(data["name"]),
+                tag=str(data["tag"]),
+                path=path,
+                size=int(data.get("size") or 0),
+                sha256=data.get("sha256"),
+                quant=data.get("quant"),
+                format=str(data.get("format") or "gguf"),
+                modified=float(data.get("pulled_at_epoch") or manifest_path.stat().st_mtime),
+                manifest=data,
+            )
+        except (OSError, ValueError, KeyError, TypeError, LocalserveError) as e:
+            # One damaged manifest must not hide every other model.
+            log.warning("ignoring unreadable manifest %s: %s", manifest_path, e)
+            return None
+
+    def list(self) -> list[InstalledModel]:
+        models = [m for m in (self._load(p) for p in self._manifests()) if m is not None]
+        return sorted(models, key=lambda m: (m.name, m.tag))
+
+    def get(self, name: str, tag: str) -> InstalledModel | None:
+        """The installed model with exactly this name and tag, or None."""
+        manifest = self.model_dir(name, tag) / MANIFEST_NAME
+        return self._load(manifest) if manifest.is_file() else None
+
+    def find(self, ref: str) -> InstalledModel:
+        """An installed model by `name[:tag]` (tag case-insensitive). Without a tag: the catalog's
+        default tag, else `latest`, else the only installed tag."""
+        from .catalog import canonical_name, load_catalog, parse_ref
+
+        parsed = parse_ref(ref)
+        name = canonical_name(parsed.name)
+        installed = self.list()
+        same_name = [m for m in installed if m.name.lower() == name.lower()]
+        if not same_name:
+            refs = sorted({m.name for m in installed} | {m.ref for m in installed})
+            import difflib
+
+            raise ModelNotFoundError(
+                ref,
+                difflib.get_close_matches(ref, refs, n=3, cutoff=0.5),
+                message=f"model {ref!r} is not installed (try `localserve pull {ref}`)",
+            )
+        if parsed.tag is not None:
+            for m in same_name:
+                if m.tag.lower() == parsed.tag.lower():
+                    return m
+            raise ModelNotFoundError(ref, [m.ref for m in same_name], message=f"model {ref!r} is not installed")
+        if len(same_name) == 1:
+            return same_name[0]
+        preferred = ["latest"]
+        try:
+            preferred.insert(0, load_catalog(self.settings).resolve(name).variant.tag)
+        except LocalserveError:
+            pass
+        for tag in preferred:
+            for m in same_name:
+                if m.tag.lower() == tag.lower():
+                    return m
+        raise ModelNotFoundError(
+            ref, [m.ref for m in same_name], message=f"model {ref!r} has several tags installed; name one"
+        )
+
+    # -- writing -----------------------------------------------------------------------------
+    def write_manifest(self, name: str, tag: str, data: dict[str, Any]) -> InstalledModel:
+        directory = self.model_dir(name, tag)
+        directory.mkdir(parents=True, exist_ok=True)
+        now = time.time()
+        full = {
+            "schema": MANIFEST_SCHEMA,
+            "name": name,
+            "tag": tag,
+            "format": "gguf",
+            "pulled_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(now)),
+            "pulled_at_epoch": now,
+            **data,
+        }
+        atomic_write_json(directory / MANIFEST_NAME, full)
+        model = self._load(directory / MANIFEST_NAME)
+        assert model is not None
+        return model
+
+    def register_local(self, path: Path | str, name: str, tag: str = "latest") -> InstalledModel:
+        """Register a GGUF file the user already has, in place (no copy), after validating it."""
+        from .gguf_facts import read_gguf_facts
+        from .pull.verify import facts_to_manifest, sha256_file
+
+        source = Path(path).expanduser()
+        if not source.is_file():
+            raise ModelNotFoundError(str(path), message=f"no such file: {source.name}")
+        source = source.resolve()
+        name = safe_component(name, "name")
+        tag = safe_component(tag, "tag")
+        facts = read_gguf_facts(source)  # raises GGUFError on anything that is not a sane GGUF
+        with self.lock(name, tag):
+            return self.write_manifest(
+                name,
+                tag,
+                {
+                    "file": str(source),
+                    "in_place": True,
+                    "size": source.stat().st_size,
+                    "sha256": sha256_file(source),
+                    "quant": getattr(facts, "quant", None),
+                    "source": {"kind": "file", "path": str(source)},
+                    "facts": facts_to_manifest(facts),
+                },
+            )
+
+    def remove(self, ref: str) -> InstalledModel:
+        """Delete a model from the cache (never the user's own file for models added in place)."""
+        model = self.find(ref)
+        directory = self.model_dir(model.name, model.tag)
+        with self.lock(model.name, model.tag):
+            # The manifest goes first: from this instant the model is invisible, even if the
+            # deletion of a multi-GB file is interrupted.
+            (directory / MANIFEST_NAME).unlink(missing_ok=True)
+            shutil.rmtree(directory, ignore_errors=True)
+        try:
+            directory.parent.rmdir()
+        except OSError:
+            pass  # other tags remain
+        return model
