@@ -1,0 +1,274 @@
+"""`localserve pull / list / show / rm / add`: the model cache from the terminal (offline commands,
+no daemon needed)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from typing import Any
+
+from rich.console import Console
+from rich.progress import (
+    BarColumn,
+    DownloadColumn,
+    Progress,
+    TaskID,
+    TextColumn,
+    TimeRemainingColumn,
+    TransferSpeedColumn,
+)
+from rich.table import Table
+
+from ..catalog import parse_ref
+from ..config import Settings
+from ..errors import InvalidRequestError
+from ..pull import PullEvent, pull_model
+from ..store import InstalledModel, ModelStore
+
+
+def register(subparsers: argparse._SubParsersAction, common: argparse.ArgumentParser) -> None:
+    p = subparsers.add_parser("pull", parents=[common], help="download a model (name[:tag], hf.co/ORG/REPO[:QUANT], or URL)")
+    p.add_argument("model", help="e.g. smollm2-135m, qwen2.5-1.5b:Q4_K_M, hf.co/ORG/REPO:Q4_K_M, https://.../x.gguf")
+    p.set_defaults(func=run_pull)
+
+    p = subparsers.add_parser("list", aliases=["ls"], parents=[common], help="list installed models")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.set_defaults(func=run_list)
+
+    p = subparsers.add_parser("show", parents=[common], help="details of an installed model")
+    p.add_argument("model")
+    p.add_argument("--ctx", type=int, default=None, help="context length for the memory estimate")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.set_defaults(func=run_show)
+
+    p = subparsers.add_parser("rm", parents=[common], help="remove installed models")
+    p.add_argument("models", nargs="+", metavar="MODEL")
+    p.set_defaults(func=run_rm)
+
+    p = subparsers.add_parser("add", parents=[common], help="register a GGUF file you already have (in place, no copy)")
+    p.add_argument("path")
+    p.add_argument("--name", required=True, help="NAME[:TAG] to register it under")
+    p.set_defaults(func=run_add)
+
+
+# -- pull -----------------------------------------------------------------------------------
+
+class PullDisplay:
+    """Renders PullEvents: one progress row per part (bytes, speed, ETA), status lines otherwise."""
+
+    def __init__(self, console: Console):
+        self.console = console
+        self.progress = Progress(
+            TextColumn("{task.description}"),
+            BarColumn(),
+            DownloadColumn(),
+            TransferSpeedColumn(),
+            TimeRemainingColumn(),
+            console=console,
+        )
+        self.tasks: dict[tuple[str, str], TaskID] = {}
+        self.last_status: str | None = None
+
+    def __call__(self, event: PullEvent) -> None:
+        if event.part is not None and event.completed is not None:
+            kind = "verifying" if event.status.startswith("verifying") else "pulling"
+            key = (kind, event.part)
+            task = self.tasks.get(key)
+            if task is None:
+                # Start at the resumed offset, so the speed column measures this session's bytes only.
+                if not self.tasks:
+                    self.progress.start()  # lazily: no empty live area when nothing downloads
+                task = self.progress.add_task(f"{kind} {event.part}", total=event.total, completed=event.completed)
+                self.tasks[key] = task
+            self.progress.update(task, completed=event.completed, total=event.total)
+            return
+        if event.status != self.last_status:
+            self.last_status = event.status
+            self.progress.console.print(event.status if event.part is None else f"{event.status} {event.part}")
+
+    def __enter__(self) -> "PullDisplay":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.progress.stop()
+
+
+def run_pull(args: argparse.Namespace, settings: Settings) -> int:
+    console = Console(stderr=True)
+    display = PullDisplay(console)
+    try:
+        with display:
+            model = pull_model(args.model, settings, progress=display)
+    except KeyboardInterrupt:
+        console.print(f"Interrupted. The partial download is kept: run `localserve pull {args.model}` to resume.")
+        return 130
+    Console().print(f"{model.ref} ready ({_size(model.size)}, sha256 {(model.sha256 or '?')[:12]}…)")
+    return 0
+
+
+# -- list -----------------------------------------------------------------------------------
+
+def run_list(args: argparse.Namespace, settings: Settings) -> int:
+    models = ModelStore(settings).list()
+    if args.json:
+        print(json.dumps([_summary(m) for m in models], indent=2))
+        return 0
+    if not models:
+        Console().print(f"No models installed. Try `localserve pull {settings.default_model}`.")
+        return 0
+    table = Table(box=None, header_style="bold")
+    for column in ("NAME", "TAG", "SIZE", "QUANT", "MODIFIED"):
+        table.add_column(column, justify="right" if column == "SIZE" else "left")
+    for m in models:
+        name = m.name + ("" if m.available else " (file missing)")
+        table.add_row(name, m.tag, _size(m.size), m.quant or "?", _ago(m.modified))
+    Console().print(table)
+    return 0
+
+
+def _summary(m: InstalledModel) -> dict[str, Any]:
+    return {
+        "name": m.name,
+        "tag": m.tag,
+        "model": m.ref,
+        "size": m.size,
+        "quant": m.quant,
+        "format": m.format,
+        "sha256": m.sha256,
+        "modified": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(m.modified)),
+        "path": str(m.path),
+        "in_place": m.in_place,
+    }
+
+
+# -- show -----------------------------------------------------------------------------------
+
+def describe_model(model: InstalledModel, settings: Settings, n_ctx: int | None = None) -> dict[str, Any]:
+    """Everything `show` prints, as data: GGUF facts, memory at a context, where it would run."""
+    from ..gguf_facts import read_gguf_facts
+    from ..memory import estimate_memory
+
+    facts = read_gguf_facts(model.path)
+    if n_ctx is None:
+        n_ctx = settings.context_length or min(facts.context_length or 8192, 8192)
+    if n_ctx <= 0:
+        raise InvalidRequestError("--ctx must be a positive number of tokens")
+    estimate = estimate_memory(facts, n_ctx)
+    info: dict[str, Any] = {
+        **_summary(model),
+        "architecture": facts.architecture,
+        "parameters": facts.n_params,
+        "context_length": facts.context_length,
+        "layers": facts.n_layers,
+        "embedding_length": facts.n_embd,
+        "heads": facts.n_heads,
+        "kv_heads": facts.n_kv_heads,
+        "quantization": facts.quant,
+        "chat_template": bool(facts.chat_template),
+        "license": model.manifest.get("license") or facts.license,
+        "source": (model.manifest.get("source") or {}).get("ref"),
+        "memory": {"n_ctx": n_ctx, **estimate.as_dict()},
+    }
+    info["placement"] = _placement(facts, estimate, model)
+    return info
+
+
+def _placement(facts: Any, estimate: Any, model: InstalledModel) -> dict[str, Any]:
+    from ..hardware import detect_hardware
+    from ..placement import choose_backend
+
+    choice = choose_backend(detect_hardware(), facts=facts, estimate=estimate, model_format=model.format)
+    return {
+        "backend": choice.backend,
+        "device": choice.device,
+        "n_gpu_layers": choice.n_gpu_layers,
+        "reason": choice.reason,
+    }
+
+
+def run_show(args: argparse.Namespace, settings: Settings) -> int:
+    model = ModelStore(settings).find(args.model)
+    info = describe_model(model, settings, args.ctx)
+    if args.json:
+        print(json.dumps(info, indent=2))
+        return 0
+    from ..memory import format_bytes
+
+    mem = info["memory"]
+    place = info["placement"]
+    table = Table(box=None, show_header=False)
+    table.add_column(style="bold")
+    table.add_column()
+    rows = [
+        ("model", model.ref),
+        ("architecture", info["architecture"]),
+        ("parameters", _count(info["parameters"])),
+        ("context length", str(info["context_length"])),
+        ("quantization", str(info["quantization"])),
+        ("chat template", "yes" if info["chat_template"] else "no"),
+        ("license", str(info["license"] or "unknown")),
+        ("size", _size(model.size)),
+        ("sha256", str(model.sha256)),
+        ("file", str(model.path) + ("  (registered in place)" if model.in_place else "")),
+        ("source", str(info["source"] or "")),
+        (f"memory @ {mem['n_ctx']} ctx",
+         f"{format_bytes(mem['total_bytes'])} (weights {format_bytes(mem['weights_bytes'])} + "
+         f"KV {format_bytes(mem['kv_bytes'])} + compute {format_bytes(mem['compute_bytes'])})"),
+        ("runs on", f"{place['backend']} / {place['device']}"
+         + (f", {place['n_gpu_layers']} layers offloaded" if place.get("n_gpu_layers") else "")),
+        ("why", str(place["reason"])),
+    ]
+    for key, value in rows:
+        table.add_row(key, value)
+    Console().print(table)
+    return 0
+
+
+# -- rm / add -------------------------------------------------------------------------------
+
+def run_rm(args: argparse.Namespace, settings: Settings) -> int:
+    store = ModelStore(settings)
+    for ref in args.models:
+        model = store.remove(ref)
+        note = " (unregistered; your file was left in place)" if model.in_place else ""
+        print(f"deleted {model.ref}{note}")
+    return 0
+
+
+def run_add(args: argparse.Namespace, settings: Settings) -> int:
+    ref = parse_ref(args.name)
+    if ref.name.startswith(("hf.co/", "http://", "https://")) or "/" in ref.name:
+        raise InvalidRequestError("--name must be a plain NAME[:TAG] (no slashes)")
+    model = ModelStore(settings).register_local(args.path, ref.name, ref.tag or "latest")
+    print(f"added {model.ref} -> {model.path} ({_size(model.size)}, {model.quant or 'unknown quant'})")
+    return 0
+
+
+# -- formatting -------------------------------------------------------------------------------
+
+def _size(n: int | None) -> str:
+    if not n:
+        return "?"
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
+        if n >= scale:
+            return f"{n / scale:.1f} {unit}"
+    return f"{n} B"
+
+
+def _count(n: int | None) -> str:
+    if not n:
+        return "?"
+    for unit, scale in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if n >= scale:
+            return f"{n / scale:.1f}{unit} ({n:,})"
+    return str(n)
+
+
+def _ago(epoch: float) -> str:
+    delta = max(0.0, time.time() - epoch)
+    for unit, seconds in (("day", 86400), ("hour", 3600), ("minute", 60)):
+        if delta >= seconds:
+            count = int(delta // seconds)
+            return f"{count} {unit}{'s' if count != 1 else ''} ago"
+    return "just now"
