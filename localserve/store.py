@@ -303,16 +303,15 @@ class ModelStore:
 
     def register_local(self, path: Path | str, name: str, tag: str = "latest") -> InstalledModel:
         """Register a GGUF file the user already has, in place (no copy), after validating it."""
-        from .gguf_facts import read_gguf_facts
-        from .pull.verify import facts_to_manifest, sha256_file
+        from .pull.verify import facts_to_manifest, read_facts, sha256_file
 
+        name = safe_component(name, "name")
+        tag = safe_component(tag, "tag")
         source = Path(path).expanduser()
         if not source.is_file():
             raise ModelNotFoundError(str(path), message=f"no such file: {source.name}")
         source = source.resolve()
-        name = safe_component(name, "name")
-        tag = safe_component(tag, "tag")
-        facts = read_gguf_facts(source)  # raises GGUFError on anything that is not a sane GGUF
+        facts = read_facts(source)  # raises GGUFError on anything that is not a sane GGUF
         with self.lock(name, tag):
             return self.write_manifest(
                 name,
