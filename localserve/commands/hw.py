@@ -1,0 +1,72 @@
+"""`localserve hw`: what this machine has and what localserve can run on it (offline, no daemon)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from rich.console import Console
+from rich.table import Table
+
+from ..config import Settings
+from ..hardware import HardwareReport, detect_hardware
+from ..memory import format_bytes
+
+
+def register(subparsers: argparse._SubParsersAction, common: argparse.ArgumentParser) -> None:
+    p = subparsers.add_parser("hw", parents=[common], help="show CPU, RAM, GPUs, NPUs and runtimes")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.set_defaults(func=run_hw)
+
+
+def run_hw(args: argparse.Namespace, settings: Settings) -> int:
+    report = detect_hardware()
+    if args.json:
+        print(json.dumps(report.to_dict(), indent=2))
+    else:
+        Console().print(render(report))
+    return 0
+
+
+def _size(n: int | None) -> str:
+    return format_bytes(n) if n is not None else "?"
+
+
+def render(report: HardwareReport) -> Table:
+    """One row per device, then the runtimes; probe errors last, so a partial report says why."""
+    table = Table(title="localserve hardware", show_lines=False)
+    for column in ("device", "name", "memory", "details"):
+        table.add_column(column)
+    cpu = report.cpu
+    cores = f"{cpu.cores_physical or '?'} cores / {cpu.cores_logical or '?'} threads"
+    if cpu.cores_usable and cpu.cores_usable != cpu.cores_logical:
+        cores += f" ({cpu.cores_usable} usable)"
+    table.add_row("CPU", cpu.model, "", f"{cpu.arch}, {cores}; {' '.join(cpu.features) or 'no SIMD features found'}")
+    table.add_row("RAM", "", f"{_size(report.ram_total_bytes)} total", f"{_size(report.ram_available_bytes)} available")
+    for i, gpu in enumerate(report.gpus):
+        memory = {"unified": "unified, GPU share"}.get(gpu.kind, gpu.kind)
+        if gpu.vram_bytes is not None:
+            memory = f"{_size(gpu.vram_bytes)} {memory}"
+        if gpu.vram_free_bytes is not None:
+            memory += f", {_size(gpu.vram_free_bytes)} free"
+        details = ", ".join(filter(None, ["/".join(gpu.apis), gpu.arch and f"arch {gpu.arch}", gpu.driver and f"driver {gpu.driver}"]))
+        table.add_row(f"GPU {i}", gpu.name, memory, details)
+    if not report.gpus:
+        table.add_row("GPU", "none found", "", "")
+    for i, npu in enumerate(report.npus):
+        details = ", ".join(filter(None, [npu.generation, npu.driver and f"driver {npu.driver}",
+                                          "EP " + "/".join(npu.execution_providers) if npu.execution_providers else None,
+                                          npu.note]))
+        table.add_row(f"NPU {i}", npu.name, "", details)
+    if report.llama_gpu_offload is None:
+        llama = "not installed"
+    elif report.llama_gpu_offload:
+        llama = "GPU offload (" + ("/".join(report.llama_gpu_apis) or "backend unknown") + ")"
+    else:
+        llama = "CPU only (no GPU offload in this build)"
+    table.add_row("llama.cpp", "llama-cpp-python", "", llama)
+    onnx = "not installed" if report.onnx_providers is None else ", ".join(report.onnx_providers) or "no providers"
+    table.add_row("ONNX Runtime", "onnxruntime", "", onnx)
+    for error in report.errors:
+        table.add_row("[yellow]probe error[/]", "", "", error)
+    return table
