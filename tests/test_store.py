@@ -146,3 +146,23 @@ def test_cli_add_list_rm(tmp_path, smollm2_gguf):
     removed = run_cli("rm", "local-smol:q41", home=home)
     assert removed.returncode == 0 and "left in place" in removed.stdout
     assert json.loads(run_cli("list", "--json", home=home).stdout) == [] and smollm2_gguf.exists()
+
+
+def test_cli_show_reports_facts_memory_and_placement(tmp_path, smollm2_gguf):
+    home = tmp_path / "home"
+    assert run_cli("add", str(smollm2_gguf), "--name", "smol", home=home).returncode == 0
+    shown = run_cli("show", "smol", "--ctx", "2048", "--json", home=home)
+    assert shown.returncode == 0, shown.stderr
+    info = json.loads(shown.stdout)
+    assert (info["architecture"], info["context_length"], info["quantization"]) == ("llama", 8192, "Q4_1")
+    assert 130_000_000 < info["parameters"] < 140_000_000 and info["chat_template"] is True
+    assert info["path"] == str(smollm2_gguf.resolve())
+    memory = info["memory"]
+    assert memory["n_ctx"] == 2048 and memory["total_bytes"] > memory["weights_bytes"] + memory["kv_bytes"]
+    assert info["placement"]["backend"] in ("llamacpp", "onnx") and info["placement"]["reason"]
+
+    text = run_cli("show", "smol", home=home)
+    assert text.returncode == 0 and "llama" in text.stdout and "8192" in text.stdout and "Q4_1" in text.stdout
+    assert "memory @ 8192 ctx" in text.stdout
+    missing = run_cli("show", "smoll", home=home)
+    assert missing.returncode == 1 and missing.stderr.startswith("Error: model 'smoll' is not installed")

@@ -170,21 +170,15 @@ def describe_model(model: InstalledModel, settings: Settings, n_ctx: int | None 
         "source": (model.manifest.get("source") or {}).get("ref"),
         "memory": {"n_ctx": n_ctx, **estimate.as_dict()},
     }
-    info["placement"] = _placement(facts, estimate, model)
+    info["placement"] = _placement(estimate, model)
     return info
 
 
-def _placement(facts: Any, estimate: Any, model: InstalledModel) -> dict[str, Any]:
+def _placement(estimate: Any, model: InstalledModel) -> dict[str, Any]:
     from ..hardware import detect_hardware
     from ..placement import choose_backend
 
-    choice = choose_backend(detect_hardware(), facts=facts, estimate=estimate, model_format=model.format)
-    return {
-        "backend": choice.backend,
-        "device": choice.device,
-        "n_gpu_layers": choice.n_gpu_layers,
-        "reason": choice.reason,
-    }
+    return choose_backend(detect_hardware(), [model.format], estimate=estimate).as_dict()
 
 
 def run_show(args: argparse.Namespace, settings: Settings) -> int:
@@ -198,8 +192,8 @@ def run_show(args: argparse.Namespace, settings: Settings) -> int:
     mem = info["memory"]
     place = info["placement"]
     table = Table(box=None, show_header=False)
-    table.add_column(style="bold")
-    table.add_column()
+    table.add_column(style="bold", no_wrap=True)
+    table.add_column(overflow="fold")  # paths and digests wrap whole rather than being cut off
     rows = [
         ("model", model.ref),
         ("architecture", info["architecture"]),
@@ -215,8 +209,7 @@ def run_show(args: argparse.Namespace, settings: Settings) -> int:
         (f"memory @ {mem['n_ctx']} ctx",
          f"{format_bytes(mem['total_bytes'])} (weights {format_bytes(mem['weights_bytes'])} + "
          f"KV {format_bytes(mem['kv_bytes'])} + compute {format_bytes(mem['compute_bytes'])})"),
-        ("runs on", f"{place['backend']} / {place['device']}"
-         + (f", {place['n_gpu_layers']} layers offloaded" if place.get("n_gpu_layers") else "")),
+        ("runs on", f"{place['backend']} on {place['device_name']} ({place['device']})"),
         ("why", str(place["reason"])),
     ]
     for key, value in rows:
