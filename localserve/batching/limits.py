@@ -1,0 +1,91 @@
+"""Per-model engine limits: how many sequences, how many tokens per step, how big the queues.
+
+Settings of 0 mean "size it for me": the defaults come from the machine (physical cores, RAM via
+psutil) and the model's memory needs, so a laptop and a workstation both get a sane engine
+without anyone tuning it. The same numbers size the backend's context (n_ctx, n_seq_max, n_batch),
+so the scheduler's accounting and llama.cpp's cache always agree.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import psutil
+
+from ..config import Settings
+from ..errors import ConfigError
+
+# KV bytes per token when the model does not tell us: f16 K+V of a ~1B llama-style model
+# (16 layers x 2 x 512 dims x 2 bytes). Larger models pass their real figure.
+_DEFAULT_KV_BYTES_PER_TOKEN = 32 * 1024
+_MAX_AUTO_CONTEXT = 8192  # per sequence; llama.cpp allocates the whole cache up front
+_KV_RAM_SHARE = 0.25  # at most this share of the RAM left after the weights goes to the KV cache
+_LLAMA_MAX_SEQ = 256  # llama.cpp refuses contexts with more sequence ids
+
+
+@dataclass
+class EngineLimits:
+    max_sequences: int = 8  # sequences decoding at once
+    batch_tokens: int = 512  # tokens per step (decodes + prefill chunks); <= backend.n_batch
+    queue_size: int = 64  # waiting requests per lane before submit refuses
+    queue_timeout: float = 600.0  # seconds a request may wait before its first step
+    n_ctx: int = 8192  # KV cells in the shared cache (all sequences together)
+    n_ctx_seq: int = 8192  # prompt + completion of one request
+    prefix_cache: bool = True
+    aging_steps: int = 256  # a waiting/running request gains one lane of priority per this many steps
+
+    def __post_init__(self) -> None:
+        for name in ("max_sequences", "batch_tokens", "queue_size", "n_ctx", "n_ctx_seq", "aging_steps"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"engine limit {name} must be at least 1 (got {getattr(self, name)})")
+        # Every running sequence decodes one token per step, so the budget must hold them all.
+        self.max_sequences = min(self.max_sequences, self.batch_tokens, _LLAMA_MAX_SEQ // 2)
+        self.n_ctx_seq = min(self.n_ctx_seq, self.n_ctx)
+
+    @property
+    def n_seq_max(self) -> int:
+        """Sequence ids the backend context needs: the running ones plus as many parked prefix-cache
+        entries (a finished request's KV stays resident under its own id until evicted)."""
+        return min(_LLAMA_MAX_SEQ, self.max_sequences * (2 if self.prefix_cache else 1))
+
+    @classmethod
+    def from_settings(
+        cls,
+        settings: Settings,
+        *,
+        n_ctx_train: int,
+        model_bytes: int,
+        kv_bytes_per_token: int = 0,
+        cores: int | None = None,
+        ram_bytes: int | None = None,
+    ) -> "EngineLimits":
+        """Limits for one model. Settings win where they are non-zero; the rest is derived."""
+        cores = cores or settings.threads or psutil.cpu_count(logical=False) or os.cpu_count() or 1
+        ram = ram_bytes or psutil.virtual_memory().total
+        kv_token = kv_bytes_per_token or _DEFAULT_KV_BYTES_PER_TOKEN
+
+        n_ctx_seq = settings.context_length or min(n_ctx_train or _MAX_AUTO_CONTEXT, _MAX_AUTO_CONTEXT)
+        if n_ctx_train:
+            n_ctx_seq = min(n_ctx_seq, n_ctx_train)
+        # CPU decode scales with cores; beyond ~4 streams per core each stream just gets slower.
+        max_sequences = settings.max_sequences or max(4, min(32, 4 * cores))
+        # A step of this many prompt tokens takes a few hundred ms on a small CPU: long enough to
+        # amortise the per-step overhead, short enough that running streams do not visibly stall.
+        batch_tokens = settings.batch_tokens or max(256, min(2048, 128 * cores))
+
+        # Total KV cells: room for every sequence to hold a good share of its context, capped by
+        # the RAM the weights leave over, and never below one full-length request.
+        kv_budget_cells = int(max(ram - model_bytes, 0) * _KV_RAM_SHARE) // kv_token
+        wanted = max_sequences * min(n_ctx_seq, 2048)
+        n_ctx = max(n_ctx_seq, min(wanted, kv_budget_cells, 65536))
+        n_ctx = -(-n_ctx // 256) * 256  # llama.cpp pads its cache to 256 cells anyway
+        return cls(
+            max_sequences=max_sequences,
+            batch_tokens=batch_tokens,
+            queue_size=settings.queue_size or 64,
+            queue_timeout=settings.queue_timeout or 600.0,
+            n_ctx=n_ctx,
+            n_ctx_seq=n_ctx_seq,
+            prefix_cache=settings.prefix_cache,
+        )

@@ -1,0 +1,349 @@
+"""The continuous-batching scheduler: which tokens of which sequences go into the next step.
+
+Each step has one token budget (<= backend.n_batch, so one decode call per step). Running
+sequences with one pending token (decoding) go first, best lane first; then prompt chunks of
+admitted sequences fill the rest, so a 4k-token prompt is spread over several steps instead of
+freezing every stream for one long step. Waiting requests are admitted by KV capacity; when the
+cache is full the worst sequence (lowest effective lane, most recent) is preempted -- its KV is
+parked as prefix cache and dropped only if memory is really needed, and it is re-fed later --
+instead of failing anyone. Shape after nano-vllm: schedule() -> backend.decode -> postprocess().
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+from ..backends.base import Backend, BatchToken, KVFullError, SampledToken
+from ..errors import BackendError, LocalserveError
+from .kvpool import KVPool
+from .lanes import LaneQueues, priority_key
+from .limits import EngineLimits
+from .prefix_cache import CachedPrefix, PrefixCache
+from .sequence import Sequence, Status
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class StepPlan:
+    batch: list[BatchToken] = field(default_factory=list)
+    scheduled: list[tuple[Sequence, int]] = field(default_factory=list)  # (sequence, tokens fed)
+    outputs: list[tuple[Sequence, int]] = field(default_factory=list)  # (sequence, batch row to sample)
+    decode_tokens: int = 0
+    prompt_tokens: int = 0
+
+
+class Scheduler:
+    def __init__(
+        self,
+        backend: Backend,
+        limits: EngineLimits,
+        on_dequeue: Callable[[Sequence], None] | None = None,
+    ):
+        self.backend = backend
+        self.budget = min(limits.batch_tokens, backend.n_batch)
+        self.max_running = max(1, min(limits.max_sequences, backend.n_seq_max, self.budget))
+        self.pool = KVPool(backend, min(limits.n_ctx, backend.n_ctx), backend.n_seq_max)
+        self.n_ctx_seq = min(limits.n_ctx_seq, self.pool.n_cells)
+        self.cache = PrefixCache(self.pool, limits.prefix_cache)
+        self.lanes = LaneQueues(limits.aging_steps)
+        self.aging_steps = limits.aging_steps
+        self.queue_timeout = limits.queue_timeout
+        self.running: list[Sequence] = []
+        self.step = 0
+        self.preemptions = 0
+        self.updates: list[Sequence] = []  # sequences with output for the engine to deliver
+        self._next_timeout_check = 0.0
+        # Called once per sequence when it leaves its lane's queue for good (started or finished
+        # while waiting): the engine bounds its queues with that count.
+        self._on_dequeue = on_dequeue or (lambda seq: None)
+
+    # --- entry points (engine thread only) -------------------------------------------------
+    def add(self, seq: Sequence) -> None:
+        seq.arrival_step = self.step
+        self.lanes.push(seq)
+
+    def has_work(self) -> bool:
+        return bool(self.running) or len(self.lanes) > 0
+
+    def key(self, seq: Sequence) -> tuple[int, int]:
+        return priority_key(seq, self.step, self.aging_steps)
+
+    def schedule(self) -> StepPlan:
+        self.step += 1
+        self._reap()
+        self._make_room()
+        plan = StepPlan()
+        budget = self.budget
+        order = sorted(self.running, key=self.key)
+        unscheduled = set(map(id, order))
+
+        decoders = [s for s in order if s.pending == 1]
+        for seq in decoders:
+            if budget == 0:
+                break
+            if self._reserve(seq, 1, unscheduled):
+                self._feed(plan, seq, 1)
+                unscheduled.discard(id(seq))
+                budget -= 1
+
+        prefillers = [s for s in order if s.pending > 1]
+        budget = self._admit(prefillers, budget, len(plan.scheduled))
+        prefillers.sort(key=self.key)
+        unscheduled.update(map(id, prefillers))
+        # While a request of the top lane is prefilling, lower lanes' prompts stay out of the
+        # step: a step's length is its token count, and the top lane's first token should not
+        # wait for a batch job's prompt chunk. Aging lifts old requests into the top rank too.
+        top = self.key(prefillers[0])[0] if prefillers else 1
+        for seq in prefillers:
+            if budget == 0:
+                break
+            if top <= 0 and self.key(seq)[0] > 0:
+                continue
+            n = self._reserve(seq, min(seq.pending, budget), unscheduled, shrink=True)
+            if n:
+                self._feed(plan, seq, n)
+                unscheduled.discard(id(seq))
+                budget -= n
+        return plan
+
+    def run_step(self) -> StepPlan:
+        """One step: schedule, decode, sample, postprocess."""
+        plan = self.schedule()
+        if plan.batch:
+            self.execute(plan)
+        return plan
+
+    def execute(self, plan: StepPlan) -> None:
+        try:
+            self.backend.decode(plan.batch)
+        except KVFullError:
+            log.debug("KV cache full at step %d; freeing cells", self.step)
+            self.on_kv_full(plan)
+            return
+        except Exception as e:
+            if isinstance(e, BackendError):  # expected failure mode: the message says enough
+                log.error("decode failed for %d requests: %s", len(plan.scheduled), e)
+            else:
+                log.exception("decode failed for %d requests", len(plan.scheduled))
+            self.on_error(plan, "the model failed to process this request")
+            return
+        samples: list[SampledToken | BaseException | None] = []
+        for seq, row in plan.outputs:
+            if seq.cancelled:
+                samples.append(None)
+                continue
+            try:
+                samples.append(seq.sampler.sample(row))
+            except Exception as e:  # one request's sampler (grammar dead end, ...) fails only it
+                if not isinstance(e, LocalserveError):
+                    log.exception("sampling failed for %s", seq.request_id)
+                samples.append(e)
+        self.postprocess(plan, samples)
+
+    def postprocess(self, plan: StepPlan, samples: list[SampledToken | BaseException | None]) -> None:
+        """Advance the fed sequences; `samples` pairs with plan.outputs (None = not sampled
+        because the request was cancelled, an exception = its sampler failed)."""
+        for seq, n in plan.scheduled:
+            seq.num_computed += n
+        for (seq, _), sample in zip(plan.outputs, samples):
+            if seq.status is not Status.RUNNING:
+                continue
+            if sample is None:
+                self.finish(seq, "cancelled")
+            elif isinstance(sample, BaseException):
+                message = sample.message if isinstance(sample, LocalserveError) else "sampling failed"
+                self.finish(seq, "error", message)
+            else:
+                reason = seq.append(sample)
+                if reason:
+                    self.finish(seq, reason)
+                else:
+                    self.updates.append(seq)
+
+    def on_kv_full(self, plan: StepPlan) -> None:
+        """decode found no room (our accounting was optimistic: fragmentation, or a backend
+        that reserves cells). Undo the step, free something, let the next step retry."""
+        self._rollback(plan)
+        if self.cache.evict_one():
+            return
+        if len(self.running) > 1:
+            self._preempt(max(self.running, key=self.key), park=False)
+        elif self.running:
+            self.finish(self.running[0], "error", "the model's context memory is exhausted")
+
+    def on_error(self, plan: StepPlan, message: str) -> None:
+        """The backend failed this batch: only its requests fail. Their KV may be half-written,
+        so it is dropped, never parked as cache."""
+        self._rollback(plan)
+        for seq, _ in plan.scheduled:
+            if seq.status is Status.RUNNING:
+                self.pool.release(seq)
+                self.finish(seq, "error", message)
+
+    def finish(self, seq: Sequence, reason, error: str | None = None) -> None:
+        if seq.status is Status.FINISHED:
+            return
+        if seq.status is Status.RUNNING:
+            self.running.remove(seq)
+            self._park_or_release(seq)
+        else:
+            self.lanes.remove(seq)
+            self._dequeued(seq)
+        seq.mark_finished(reason, error)
+        self.updates.append(seq)
+
+    def finish_all(self, reason="cancelled") -> None:
+        for seq in [*self.running, *self.lanes]:
+            self.finish(seq, reason)
+
+    def fail_running(self, message: str) -> None:
+        """After an unexpected error the running sequences' KV cannot be trusted: drop and fail them."""
+        for seq in list(self.running):
+            self.pool.release(seq)
+            self.finish(seq, "error", message)
+
+    # --- internals -------------------------------------------------------------------------
+    def _feed(self, plan: StepPlan, seq: Sequence, n: int) -> None:
+        start = seq.num_computed
+        end = start + n
+        tokens = seq.tokens
+        sid = seq.seq_id
+        batch = plan.batch
+        batch.extend(BatchToken(tokens[p], sid, p) for p in range(start, end - 1))
+        last = end == len(tokens)  # logits only where the sequence's next token is sampled
+        batch.append(BatchToken(tokens[end - 1], sid, end - 1, last))
+        if last:
+            plan.outputs.append((seq, len(batch) - 1))
+        plan.scheduled.append((seq, n))
+        if n == 1 and seq.num_generated:
+            plan.decode_tokens += 1
+        else:
+            plan.prompt_tokens += n
+        if not seq.t_scheduled:
+            seq.t_scheduled = time.monotonic()
+
+    def _reserve(self, seq: Sequence, n: int, unscheduled: set[int], shrink: bool = False) -> int:
+        """Count cells for n tokens of seq (fewer for a prompt chunk when `shrink` and memory is
+        short), evicting cache entries, then preempting the worst sequence not yet fed this step
+        (possibly seq itself), until they fit. Returns the tokens reserved; 0 if seq was preempted."""
+        if seq.status is not Status.RUNNING:
+            return 0
+        while self.pool.free < n:
+            if self.cache.evict_one():
+                continue
+            if shrink and self.pool.free > 0:
+                n = self.pool.free
+                break
+            victim = max((s for s in self.running if id(s) in unscheduled), key=self.key)
+            self._preempt(victim, park=False)
+            unscheduled.discard(id(victim))
+            if victim is seq:
+                return 0
+        self.pool.grow(seq, n)
+        return n
+
+    def _admit(self, prefillers: list[Sequence], budget: int, n_fed: int) -> int:
+        """Move waiting sequences into the running set while their prompts fit the KV cache and
+        there is step budget their prompts could use. Returns the budget left for prefill."""
+        demand = sum(s.pending for s in prefillers)
+        while len(self.running) < self.max_running:
+            seq = self.lanes.peek(self.step)
+            if seq is None:
+                break
+            # Budget already spoken for by earlier prompts: only a better lane may still join.
+            if demand >= budget and not any(self.key(p)[0] > self.key(seq)[0] for p in prefillers):
+                break
+            if not self._start(seq, reserved=demand):
+                break
+            prefillers.append(seq)
+            demand += seq.pending
+        return budget
+
+    def _start(self, seq: Sequence, reserved: int) -> bool:
+        """Give seq a sequence id and its cached prefix; False if its prompt cannot fit yet."""
+        source, n_hit = self.cache.lookup(seq.tokens, self.running)
+        while True:
+            need = len(seq.tokens) - n_hit
+            if self.pool.free - reserved >= need and (self.pool.free_ids or isinstance(source, CachedPrefix)):
+                break
+            if not self.cache.evict_one(keep=source if isinstance(source, CachedPrefix) else None):
+                if isinstance(source, CachedPrefix):  # last resort: give up the hit, use the memory
+                    self.cache.evict_one()
+                    source, n_hit = None, 0
+                    continue
+                return False
+        if isinstance(source, CachedPrefix):
+            self.cache.take(source)
+            self.pool.adopt(source, seq, n_hit)
+        else:
+            self.pool.acquire(seq)
+            if n_hit:
+                self.pool.share_prefix(source, seq, n_hit)
+        seq.num_computed = n_hit
+        if seq.queued:  # the first admission is the one the client sees in usage
+            seq.cached_tokens = n_hit
+            self.cache.record(seq.num_prompt, n_hit)
+            self._dequeued(seq)
+        self.lanes.remove(seq)
+        seq.status = Status.RUNNING
+        self.running.append(seq)
+        return True
+
+    def _make_room(self) -> None:
+        """Preempt running sequences of a worse lane when the best waiting one cannot start."""
+        seq = self.lanes.peek(self.step)
+        while seq is not None and self.running:
+            victim = max(self.running, key=self.key)
+            if self.key(victim)[0] <= self.key(seq)[0]:
+                return
+            fits_slot = len(self.running) < self.max_running and (
+                self.pool.free_ids or self.cache.parked
+            )
+            fits_cells = self.pool.free + self.cache.evictable_cells() >= len(seq.tokens)
+            if fits_slot and fits_cells:
+                return
+            self._preempt(victim, park=True)
+
+    def _preempt(self, seq: Sequence, park: bool) -> None:
+        """Back to the front of its lane; its KV is parked as cache (re-admission adopts it and
+        recomputes nothing) or dropped (recomputed: prompt and generated tokens are re-fed)."""
+        self.running.remove(seq)
+        self._park_or_release(seq, park)
+        seq.num_computed = 0
+        seq.num_preemptions += 1
+        seq.status = Status.WAITING
+        self.lanes.push_front(seq)
+        self.preemptions += 1
+        log.debug("preempted %s (lane %s, %d tokens)", seq.request_id, seq.request.lane, len(seq.tokens))
+
+    def _park_or_release(self, seq: Sequence, park: bool = True) -> None:
+        if not (park and self.cache.park(seq, seq.tokens)):
+            self.pool.release(seq)
+
+    def _dequeued(self, seq: Sequence) -> None:
+        if seq.queued:
+            seq.queued = False
+            self._on_dequeue(seq)
+
+    def _rollback(self, plan: StepPlan) -> None:
+        for seq, n in plan.scheduled:
+            if seq.seq_id >= 0:
+                self.pool.uncount(seq, len(seq.cells) - n)
+
+    def _reap(self) -> None:
+        """Finish cancelled sequences and those that waited past the queue timeout."""
+        for seq in [s for s in self.running if s.cancelled]:
+            self.finish(seq, "cancelled")
+        if not len(self.lanes):
+            return
+        for seq in [s for s in self.lanes if s.cancelled]:
+            self.finish(seq, "cancelled")
+        now = time.monotonic()
+        if now >= self._next_timeout_check:
+            self._next_timeout_check = now + 1.0
+            for seq in [s for s in self.lanes if s.queued and now - s.t_submit > self.queue_timeout]:
+                self.finish(seq, "error", "timed out waiting in the queue; the server is busy")

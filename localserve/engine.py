@@ -1,0 +1,372 @@
+"""One loaded model: a backend and a scheduler driven by one engine thread.
+
+    while running: plan = scheduler.schedule(); backend.decode(plan.batch); scheduler.postprocess(samples)
+
+Requests enter through a thread-safe inbox; each step's output goes back to the asyncio loop that
+submitted it with one `call_soon_threadsafe` per loop per step (one per token per request would
+wake the loop up to 16x more often for nothing). The event loop never waits for model work:
+ctypes releases the GIL while llama.cpp computes. The thread sleeps on a condition when idle.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import concurrent.futures
+import logging
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Callable
+
+from .backends.base import Backend
+from .batching.limits import EngineLimits
+from .batching.params import LANES, GenerationEvent, GenerationRequest
+from .batching.scheduler import Scheduler
+from .batching.sequence import Sequence
+from .errors import ContextLengthExceededError, InvalidRequestError, OverloadedError, QueueFullError
+
+log = logging.getLogger(__name__)
+
+_RATE_WINDOW_S = 10.0  # tokens/s and completions/s are measured over this much recent time
+
+
+@dataclass
+class EngineStats:
+    running: int
+    waiting: dict[str, int]
+    kv_used: int
+    kv_total: int
+    tokens_per_s: float  # generated tokens per second of recent busy time
+    prompt_tokens_per_s: float
+    prefix_cache_hits: int  # prompt tokens served from the cache
+    prefix_cache_queries: int  # prompt tokens looked up
+    prefix_cache_hit_rate: float
+    steps: int
+    busy: bool
+    preemptions: int = 0
+    parked: int = 0  # finished requests kept as prefix cache
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+class RequestStream:
+    """Async iterator of one request's GenerationEvents; the last one carries finish_reason."""
+
+    def __init__(self, engine: "Engine", seq: Sequence, loop: asyncio.AbstractEventLoop):
+        self._engine = engine
+        self._seq = seq
+        self.loop = loop
+        self._queue: asyncio.Queue[GenerationEvent] = asyncio.Queue()
+        self._done = False
+
+    @property
+    def request_id(self) -> str:
+        return self._seq.request_id
+
+    def cancel(self) -> None:
+        """Safe from any thread or coroutine; the stream ends with finish_reason "cancelled"
+        (unless it already finished) after the engine's next step."""
+        self._seq.cancelled = True
+        self._engine._wake()
+
+    def _put(self, event: GenerationEvent) -> None:
+        self._queue.put_nowait(event)
+
+    def __aiter__(self) -> "RequestStream":
+        return self
+
+    async def __anext__(self) -> GenerationEvent:
+        if self._done:
+            raise StopAsyncIteration
+        event = await self._queue.get()
+        if event.finish_reason is not None:
+            self._done = True
+        return event
+
+
+class _Rates:
+    """Recent per-step figures -> rates, over a sliding time window (engine thread writes,
+    any thread reads a consistent-enough snapshot)."""
+
+    def __init__(self) -> None:
+        self._steps: collections.deque[tuple[float, float, int, int]] = collections.deque()
+        self._finishes: collections.deque[float] = collections.deque()
+
+    def step(self, end: float, busy_s: float, decode_tokens: int, prompt_tokens: int) -> None:
+        self._steps.append((end, busy_s, decode_tokens, prompt_tokens))
+        while self._steps and self._steps[0][0] < end - _RATE_WINDOW_S:
+            self._steps.popleft()
+
+    def finished(self, n: int) -> None:
+        now = time.monotonic()
+        self._finishes.extend([now] * n)
+        while self._finishes and self._finishes[0] < now - _RATE_WINDOW_S:
+            self._finishes.popleft()
+
+    def tokens_per_s(self) -> tuple[float, float]:
+        steps = list(self._steps)
+        busy = sum(s[1] for s in steps)
+        if busy <= 0:
+            return 0.0, 0.0
+        return sum(s[2] for s in steps) / busy, sum(s[3] for s in steps) / busy
+
+    def finishes_per_s(self) -> float:
+        return len(self._finishes) / _RATE_WINDOW_S
+
+
+class Engine:
+    def __init__(self, backend: Backend, limits: EngineLimits, name: str = ""):
+        self._backend = backend
+        self.limits = limits
+        self.name = name or backend.info.name
+        self.scheduler = Scheduler(backend, limits, on_dequeue=self._dequeued)
+        self._cond = threading.Condition()
+        self._inbox: collections.deque[Sequence] = collections.deque()
+        self._jobs: collections.deque[tuple[Callable[[], object], concurrent.futures.Future]] = collections.deque()
+        self._queued = dict.fromkeys(LANES, 0)  # submitted, not yet started (bounded per lane)
+        self._queued_lock = threading.Lock()
+        self._active: dict[str, Sequence] = {}
+        self._token_bytes_cache: dict[int, bytes] = {}
+        self._rates = _Rates()
+        self._thread: threading.Thread | None = None
+        self._stopping = False
+        self._stopped = threading.Event()
+        self._busy = False
+
+    # --- public API ------------------------------------------------------------------------
+    @property
+    def backend(self) -> Backend:
+        return self._backend
+
+    @property
+    def n_ctx_per_seq(self) -> int:
+        return self.scheduler.n_ctx_seq
+
+    def start(self) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name=f"engine-{self.name}", daemon=True)
+            self._thread.start()
+
+    def submit(self, request: GenerationRequest) -> RequestStream:
+        """Queue a request; call from the asyncio loop that will consume the stream."""
+        if self._stopping:
+            raise OverloadedError("the model is unloading; retry shortly", retry_after=1.0)
+        self._validate(request)
+        lane = request.lane
+        with self._queued_lock:
+            if self._queued[lane] >= self.limits.queue_size:
+                raise QueueFullError(
+                    f"the {lane} queue is full ({self.limits.queue_size} requests waiting)",
+                    retry_after=self._retry_after(self._queued[lane]),
+                )
+            self._queued[lane] += 1
+        try:
+            # Built here, not on the engine thread, so a bad grammar or schema is the caller's
+            # 400 at once rather than an "error" finish later.
+            sampler = self._backend.new_sampler(request.sampling, request.prompt_tokens)
+        except BaseException:
+            self._dequeued_lane(lane)
+            raise
+        seq = Sequence(request, sampler, self._token_bytes, self._backend.is_eog, self.n_ctx_per_seq)
+        stream = RequestStream(self, seq, asyncio.get_running_loop())
+        seq.stream = stream
+        self._active[request.request_id] = seq
+        self._inbox.append(seq)
+        self._wake()
+        return stream
+
+    def cancel(self, request_id: str) -> None:
+        seq = self._active.get(request_id)
+        if seq is not None:
+            seq.cancelled = True
+            self._wake()
+
+    async def embed(self, inputs: list[list[int]]) -> list[list[float]]:
+        """backend.embed on the engine thread, between steps, so it never races a decode."""
+        if not inputs or any(not tokens for tokens in inputs):
+            raise InvalidRequestError("every embedding input needs at least one token", param="input")
+        for tokens in inputs:
+            if len(tokens) > self.n_ctx_per_seq:
+                raise ContextLengthExceededError(
+                    f"an input has {len(tokens)} tokens; this model embeds at most {self.n_ctx_per_seq}",
+                    param="input",
+                )
+        return await asyncio.wrap_future(self._run_job(lambda: self._backend.embed(inputs)))
+
+    def tokenize(self, text: str, add_special: bool = True) -> list[int]:
+        return self._backend.tokenize(text, add_special=add_special)
+
+    def stats(self) -> EngineStats:
+        s = self.scheduler
+        decode_rate, prompt_rate = self._rates.tokens_per_s()
+        waiting = s.lanes.counts()
+        for seq in list(self._inbox):
+            waiting[seq.request.lane] += 1
+        return EngineStats(
+            running=len(s.running),
+            waiting=waiting,
+            kv_used=s.pool.used,
+            kv_total=s.pool.n_cells,
+            tokens_per_s=round(decode_rate, 2),
+            prompt_tokens_per_s=round(prompt_rate, 2),
+            prefix_cache_hits=s.cache.hits,
+            prefix_cache_queries=s.cache.queries,
+            prefix_cache_hit_rate=round(s.cache.hits / s.cache.queries, 4) if s.cache.queries else 0.0,
+            steps=s.step,
+            busy=self._busy,
+            preemptions=s.preemptions,
+            parked=len(s.cache.parked),
+        )
+
+    def active_requests(self) -> int:
+        return len(self._active)
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        """Cancel everything in flight (each stream ends "cancelled"), stop and join the thread."""
+        with self._cond:
+            self._stopping = True
+            self._cond.notify_all()
+        if self._thread is not None:
+            if self._thread is not threading.current_thread():
+                self._thread.join(timeout)
+        elif not self._stopped.is_set():
+            self._drain_on_stop()  # never started: finish what was submitted right here
+
+    # --- engine thread ---------------------------------------------------------------------
+    def _run(self) -> None:
+        try:
+            while True:
+                with self._cond:
+                    while not (self._stopping or self._inbox or self._jobs or self.scheduler.has_work()):
+                        self._busy = False
+                        self._cond.wait()
+                    if self._stopping:
+                        break
+                    self._busy = True
+                self._take_inbox()
+                self._run_jobs()
+                if self.scheduler.has_work():
+                    self._step()
+        finally:
+            self._drain_on_stop()
+
+    def _step(self) -> None:
+        t0 = time.monotonic()
+        plan = None
+        try:
+            plan = self.scheduler.run_step()
+        except Exception:  # a scheduler bug must not kill the engine: fail this step's requests
+            log.exception("engine step failed")
+            self.scheduler.fail_running("internal error while scheduling this request")
+        self._deliver()
+        if plan is not None and plan.batch:
+            t1 = time.monotonic()
+            self._rates.step(t1, t1 - t0, plan.decode_tokens, plan.prompt_tokens)
+
+    def _deliver(self) -> None:
+        """Hand this step's events to their loops: one wakeup per loop per step."""
+        updates = self.scheduler.updates
+        if not updates:
+            return
+        self.scheduler.updates = []
+        by_loop: dict[asyncio.AbstractEventLoop, list] = {}
+        n_finished = 0
+        for seq in updates:
+            event = seq.take_event()
+            if event is None:
+                continue
+            if event.finish_reason is not None:
+                n_finished += 1
+                self._active.pop(seq.request_id, None)
+            by_loop.setdefault(seq.stream.loop, []).append((seq.stream, event))
+        if n_finished:
+            self._rates.finished(n_finished)
+        for loop, items in by_loop.items():
+            try:
+                loop.call_soon_threadsafe(_put_all, items)
+            except RuntimeError:  # that loop is closed: its client is gone
+                pass
+
+    def _take_inbox(self) -> None:
+        inbox = self._inbox
+        while inbox:
+            self.scheduler.add(inbox.popleft())
+
+    def _run_jobs(self) -> None:
+        while self._jobs:
+            fn, future = self._jobs.popleft()
+            if future.set_running_or_notify_cancel():
+                try:
+                    future.set_result(fn())
+                except BaseException as e:
+                    future.set_exception(e)
+
+    def _run_job(self, fn: Callable[[], object]) -> concurrent.futures.Future:
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        if self._stopping or self._thread is None:
+            future.set_exception(OverloadedError("the model is not running; retry shortly"))
+            return future
+        self._jobs.append((fn, future))
+        self._wake()
+        return future
+
+    def _drain_on_stop(self) -> None:
+        self._take_inbox()
+        self.scheduler.finish_all("cancelled")
+        self._deliver()
+        while self._jobs:
+            _, future = self._jobs.popleft()
+            if future.set_running_or_notify_cancel():
+                future.set_exception(OverloadedError("the model was unloaded"))
+        self._busy = False
+        self._stopped.set()
+
+    def _wake(self) -> None:
+        with self._cond:
+            self._cond.notify()
+
+    # --- helpers ---------------------------------------------------------------------------
+    def _validate(self, request: GenerationRequest) -> None:
+        n = len(request.prompt_tokens)
+        if n == 0:
+            raise InvalidRequestError("the prompt is empty", param="prompt")
+        if n >= self.n_ctx_per_seq:
+            raise ContextLengthExceededError(
+                f"the prompt has {n} tokens but this model's context holds {self.n_ctx_per_seq} "
+                "tokens of prompt and completion together",
+                param="prompt",
+            )
+        if request.max_tokens < 1:
+            raise InvalidRequestError("max_tokens must be at least 1", param="max_tokens")
+        n_vocab = self._backend.info.n_vocab
+        if n_vocab and any(t < 0 or t >= n_vocab for t in request.prompt_tokens):
+            raise InvalidRequestError("the prompt contains token ids outside the vocabulary", param="prompt")
+        if request.lane not in LANES:
+            raise InvalidRequestError(f"unknown priority lane {request.lane!r}", param="priority")
+
+    def _retry_after(self, queued: int) -> float:
+        """Seconds until the queue has likely moved by this many requests, from recent completions."""
+        rate = self._rates.finishes_per_s()
+        if rate <= 0:
+            return 5.0
+        return float(min(300.0, max(1.0, round(queued / rate, 1))))
+
+    def _dequeued(self, seq: Sequence) -> None:
+        self._dequeued_lane(seq.request.lane)
+
+    def _dequeued_lane(self, lane: str) -> None:
+        with self._queued_lock:
+            self._queued[lane] -= 1
+
+    def _token_bytes(self, token: int) -> bytes:
+        data = self._token_bytes_cache.get(token)
+        if data is None:
+            data = self._token_bytes_cache[token] = self._backend.token_to_bytes(token)
+        return data
+
+
+def _put_all(items: list[tuple[RequestStream, GenerationEvent]]) -> None:
+    for stream, event in items:
+        stream._put(event)
