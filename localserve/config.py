@@ -47,6 +47,7 @@ class Settings:
     queue_size: int = 64  # per lane
     queue_timeout: float = 600.0
     threads: int = 0  # 0 = physical cores
+    prefix_cache: bool = True  # keep finished requests' KV to serve later prompts sharing a prefix
     max_body_bytes: int = 8 * 1024 * 1024
     log_level: str = "info"
     # Where each value came from, for `localserve config`.
