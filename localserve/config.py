@@ -41,6 +41,7 @@ class Settings:
     hf_endpoint: str = "https://huggingface.co"  # tests point this at a local server answering like the Hub
     keep_alive: float = 300.0  # seconds a model stays loaded after its last request
     max_loaded_models: int = 2
+    shutdown_timeout: float = 10.0  # seconds in-flight requests get to finish when the daemon stops
     context_length: int = 0  # 0 = min(model's trained context, 8192)
     max_sequences: int = 0  # 0 = sized from memory and the machine
     batch_tokens: int = 0  # per-step token budget; 0 = sized from the machine

@@ -1,0 +1,304 @@
+"""`serve`, `stop`, `ps`, `run`: the commands around the daemon.
+
+`serve` is the daemon; the others reach it over HTTP only (DESIGN.md), starting it in the
+background when this home has none running.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import sys
+import time
+from contextlib import closing
+from typing import Any
+
+from ..client import DaemonClient
+from ..config import Settings
+from ..daemon import ensure_daemon, find_daemon, run_daemon, stop_daemon
+
+HELP_TEXT = """Commands:
+  /set temperature X   sampling temperature (0 = greedy)
+  /set system TEXT     system message for this chat (clears the history)
+  /clear               forget the conversation so far
+  /bye                 leave (Ctrl-D works too)
+  /help, /?            this help
+
+Multi-line input: start with \"\"\" and end with \"\"\", or end a line with a backslash.
+Ctrl-C stops the current answer."""
+
+
+def register(subparsers: argparse._SubParsersAction, common: argparse.ArgumentParser) -> None:
+    p = subparsers.add_parser("serve", parents=[common], help="run the daemon in the foreground")
+    p.add_argument("--background", action="store_true", help=argparse.SUPPRESS)  # set by the autostart
+    p.set_defaults(func=cmd_serve)
+
+    p = subparsers.add_parser("stop", parents=[common], help="stop the running daemon")
+    p.add_argument("--timeout", type=float, default=60.0, help="seconds to wait for it to exit (default 60)")
+    p.set_defaults(func=cmd_stop)
+
+    p = subparsers.add_parser("ps", parents=[common], help="models loaded in the daemon")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.set_defaults(func=cmd_ps)
+
+    p = subparsers.add_parser("run", parents=[common], help="chat with a model (pulls it and starts the daemon if needed)")
+    p.add_argument("model", nargs="?", help="model name (default: the default_model setting)")
+    p.add_argument("prompt", nargs="*", help="one prompt: print the answer and exit (stdin is read when piped)")
+    p.add_argument("--system", help="system message")
+    p.add_argument("--temperature", type=float, help="sampling temperature (0 = greedy)")
+    p.add_argument("--seed", type=int, help="sampling seed, for reproducible answers")
+    p.add_argument("--max-tokens", type=int, help="longest answer in tokens")
+    p.set_defaults(func=cmd_run)
+
+
+# --- serve / stop / ps -----------------------------------------------------------------------
+
+
+def cmd_serve(args: argparse.Namespace, settings: Settings) -> int:
+    return run_daemon(settings, background=args.background)
+
+
+def cmd_stop(args: argparse.Namespace, settings: Settings) -> int:
+    info = stop_daemon(settings, timeout=args.timeout)
+    if info is None:
+        print("localserve is not running.")
+    else:
+        print(f"Stopped localserve (pid {info.pid}).")
+    return 0
+
+
+def cmd_ps(args: argparse.Namespace, settings: Settings) -> int:
+    info = find_daemon(settings)
+    if info is None:
+        # Starting a daemon just to report that nothing is loaded would be silly.
+        if args.json:
+            print("[]")
+        else:
+            print("localserve is not running.")
+        return 0
+    models = DaemonClient(info.url, api_key=settings.api_key).ps()
+    if args.json:
+        import json
+
+        print(json.dumps(models, indent=2))
+        return 0
+    _print_ps(models)
+    return 0
+
+
+def _print_ps(models: list[dict[str, Any]]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    from ..memory import format_bytes
+
+    if not models:
+        print("No models loaded.")
+        return
+    table = Table(box=None, header_style="bold")
+    for column in ("NAME", "MEMORY", "PROCESSOR", "RUNNING", "QUEUED (interactive/default/batch)", "UNTIL"):
+        table.add_column(column)
+    for m in models:
+        queued = m.get("queued") or m.get("waiting") or {}
+        lanes = "/".join(str(queued.get(lane, 0)) for lane in ("interactive", "default", "batch"))
+        memory = m.get("size") or m.get("memory_bytes") or 0
+        table.add_row(
+            str(m.get("name") or m.get("model")),
+            format_bytes(memory) if memory else "-",
+            _processor(m),
+            str(m.get("running", 0)),
+            lanes,
+            _until(m),
+        )
+    Console().print(table)
+
+
+def _processor(m: dict[str, Any]) -> str:
+    size, vram = m.get("size") or 0, m.get("size_vram") or 0
+    if not size or not vram:
+        return "100% CPU"
+    gpu = round(100 * vram / size)
+    return "100% GPU" if gpu >= 100 else f"{100 - gpu}%/{gpu}% CPU/GPU"
+
+
+def _until(m: dict[str, Any]) -> str:
+    if m.get("state") == "loading":
+        return "loading"
+    if m.get("pinned"):
+        return "in use"
+    expires = m.get("expires_at")
+    if expires in (None, ""):
+        return "forever"
+    if isinstance(expires, str):
+        try:
+            when = datetime.datetime.fromisoformat(expires.replace("Z", "+00:00")).timestamp()
+        except ValueError:
+            return expires
+    else:
+        when = float(expires)
+    left = when - time.time()
+    if left > 10 * 365 * 86400:  # Ollama's way of saying "never" is a date far away
+        return "forever"
+    if left <= 0:
+        return "now"
+    if left < 90:
+        return f"{left:.0f} seconds from now"
+    if left < 90 * 60:
+        return f"{left / 60:.0f} minutes from now"
+    return f"{left / 3600:.1f} hours from now"
+
+
+# --- run -------------------------------------------------------------------------------------
+
+
+def cmd_run(args: argparse.Namespace, settings: Settings) -> int:
+    ref = args.model or settings.default_model
+    model = _ensure_model(ref, settings)
+    prompt = " ".join(args.prompt)
+    if not sys.stdin.isatty():
+        piped = sys.stdin.read()
+        prompt = f"{piped.rstrip()}\n\n{prompt}" if prompt and piped.strip() else (prompt or piped)
+        if not prompt.strip():
+            return 0
+    info = ensure_daemon(settings)
+    chat = Chat(DaemonClient(info.url, api_key=settings.api_key), model, args)
+    if prompt:
+        chat.ask(prompt)
+        return 0
+    return chat.interactive()
+
+
+def _ensure_model(ref: str, settings: Settings) -> str:
+    """The installed model's `name:tag`, pulled first when it is not installed yet."""
+    from ..errors import ModelNotFoundError
+    from ..store import ModelStore
+
+    store = ModelStore(settings)
+    try:
+        return store.find(ref).ref
+    except ModelNotFoundError:
+        pass
+    from rich.console import Console
+
+    from ..pull import pull_model
+    from .models import PullDisplay
+
+    with PullDisplay(Console(stderr=True)) as display:  # stderr: stdout carries only the answer
+        pull_model(ref, settings, progress=display)
+    return store.find(ref).ref
+
+
+class Chat:
+    """One conversation with the daemon: history, options, streaming output, slash commands."""
+
+    def __init__(self, client: DaemonClient, model: str, args: argparse.Namespace):
+        self.client = client
+        self.model = model
+        self.system: str | None = args.system
+        self.options: dict[str, Any] = {}
+        if args.temperature is not None:
+            self.options["temperature"] = args.temperature
+        if args.seed is not None:
+            self.options["seed"] = args.seed
+        if args.max_tokens is not None:
+            self.options["max_tokens"] = args.max_tokens
+        self.history: list[dict[str, str]] = []
+
+    def messages(self, prompt: str) -> list[dict[str, str]]:
+        system = [{"role": "system", "content": self.system}] if self.system else []
+        return [*system, *self.history, {"role": "user", "content": prompt}]
+
+    def ask(self, prompt: str) -> str | None:
+        """Stream one answer to stdout; None when interrupted with Ctrl-C (nothing is remembered)."""
+        parts: list[str] = []
+        stream = self.client.chat_stream(self.model, self.messages(prompt), **self.options)
+        # closing(): leaving the loop early (Ctrl-C) closes the HTTP connection, which is how the
+        # daemon learns to cancel the request and free its slot.
+        with closing(stream):
+            try:
+                for delta in stream:
+                    parts.append(delta)
+                    sys.stdout.write(delta)
+                    sys.stdout.flush()
+            except KeyboardInterrupt:
+                sys.stdout.write("\n")
+                sys.stdout.flush()
+                return None
+        answer = "".join(parts)
+        sys.stdout.write("\n" if not answer.endswith("\n") else "")
+        sys.stdout.flush()
+        self.history += [{"role": "user", "content": prompt}, {"role": "assistant", "content": answer}]
+        return answer
+
+    def interactive(self) -> int:
+        try:
+            import readline  # noqa: F401  (line editing and history for input())
+        except ImportError:  # Windows
+            pass
+        print(f"Chatting with {self.model}. Type /? for help, /bye to leave.")
+        while True:
+            try:
+                text = read_message()
+            except EOFError:
+                print()
+                return 0
+            except KeyboardInterrupt:
+                print("\nUse Ctrl-D or /bye to exit.")
+                continue
+            if text is None or not text.strip():
+                continue
+            if text.lstrip().startswith("/"):
+                if self.command(text.strip()) == "bye":
+                    return 0
+                continue
+            self.ask(text)
+
+    def command(self, line: str) -> str | None:
+        words = line.split(maxsplit=2)
+        name = words[0].lower()
+        if name in ("/bye", "/exit", "/quit"):
+            return "bye"
+        if name in ("/help", "/?"):
+            print(HELP_TEXT)
+        elif name == "/clear":
+            self.history.clear()
+            print("Cleared the conversation.")
+        elif name == "/set" and len(words) >= 2 and words[1].lower() == "system":
+            self.system = words[2] if len(words) > 2 else None
+            self.history.clear()
+            print("Set the system message." if self.system else "Removed the system message.")
+        elif name == "/set" and len(words) == 3 and words[1].lower() == "temperature":
+            try:
+                value = float(words[2])
+            except ValueError:
+                value = -1.0
+            if not 0.0 <= value <= 2.0:
+                print("Temperature must be a number between 0 and 2.")
+            else:
+                self.options["temperature"] = value
+                print(f"Set temperature to {value:g}.")
+        else:
+            print(f"Unknown command {line!r}. Type /? for help.")
+        return None
+
+
+def read_message() -> str | None:
+    """One user message: a line, lines joined by trailing backslashes, or a \"\"\" block."""
+    line = input(">>> ")
+    if line.lstrip().startswith('"""'):
+        body = line.lstrip()[3:]
+        if body.rstrip().endswith('"""') and body.strip() != "":
+            return body.rstrip()[:-3]
+        lines = [body] if body else []
+        while True:
+            more = input("... ")
+            if more.rstrip().endswith('"""'):
+                lines.append(more.rstrip()[:-3])
+                return "\n".join(lines).strip("\n")
+            lines.append(more)
+    lines = []
+    while line.endswith("\\"):
+        lines.append(line[:-1])
+        line = input("... ")
+    lines.append(line)
+    return "\n".join(lines)

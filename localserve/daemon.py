@@ -1,0 +1,383 @@
+"""The daemon's lifecycle seen from outside: one per LOCALSERVE_HOME, found through its run files.
+
+Two files in `settings.run_dir`:
+- `daemon.lock`: locked (fcntl/msvcrt) by the running daemon for its whole life. The OS drops the lock
+  when the process dies, however it dies, so the lock -- not the pid file -- says whether a daemon
+  runs. A daemon killed with SIGKILL or a power cut leaves its pid file behind; that stale file
+  would otherwise make every later `run` talk to a dead port or `stop` signal a recycled pid.
+- `daemon.json`: pid, URL and start time, written once the socket is bound (so it holds the real
+  port even for `--port 0`) and removed on a clean exit.
+
+The CLI reaches the daemon only over HTTP; this module just finds, starts and stops it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import IO, Any
+
+from .config import Settings
+from .errors import DaemonError
+
+LOCK_NAME = "daemon.lock"
+INFO_NAME = "daemon.json"
+STDERR_NAME = "daemon-stderr.log"  # what a background daemon prints before its logging is set up
+LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
+
+
+@dataclass
+class DaemonInfo:
+    pid: int
+    url: str
+    host: str
+    port: int
+    started_at: float
+
+
+def is_loopback(host: str) -> bool:
+    return host in LOOPBACK_HOSTS or host.startswith("127.")
+
+
+# --- the lock -------------------------------------------------------------------------------
+
+
+def _try_lock(f: IO[Any]) -> bool:
+    if sys.platform == "win32":
+        import msvcrt
+
+        try:
+            f.seek(0)
+            msvcrt.locking(f.fileno(), msvcrt.LK_NBLCK, 1)
+            return True
+        except OSError:
+            return False
+    import fcntl
+
+    try:
+        fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return True
+    except OSError:
+        return False
+
+
+def _unlock(f: IO[Any]) -> None:
+    if sys.platform == "win32":
+        import msvcrt
+
+        f.seek(0)
+        msvcrt.locking(f.fileno(), msvcrt.LK_UNLCK, 1)
+    else:
+        import fcntl
+
+        fcntl.flock(f.fileno(), fcntl.LOCK_UN)
+
+
+def _lock_held(run_dir: Path) -> bool:
+    """Whether some live process holds the daemon lock (probing takes it for an instant)."""
+    path = run_dir / LOCK_NAME
+    if not path.exists():
+        return False
+    with open(path, "a+") as f:
+        if _try_lock(f):
+            _unlock(f)
+            return False
+        return True
+
+
+class DaemonLock:
+    """Held by `serve` from before binding the socket until after the last model is unloaded."""
+
+    def __init__(self, settings: Settings):
+        self.run_dir = settings.run_dir
+        self._file: IO[Any] | None = None
+
+    def acquire(self) -> None:
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        f = open(self.run_dir / LOCK_NAME, "a+")
+        # Another CLI process may be probing the lock at this instant (`_lock_held`); a probe holds it
+        # for microseconds, so retry briefly before concluding that a daemon runs.
+        deadline = time.monotonic() + 0.5
+        while not _try_lock(f):
+            if time.monotonic() > deadline:
+                f.close()
+                info = _read_info(self.run_dir)
+                where = f" (pid {info.pid}, {info.url})" if info else ""
+                raise DaemonError(f"a localserve daemon is already running for this home{where}")
+            time.sleep(0.02)
+        self._file = f
+        stale = self.run_dir / INFO_NAME
+        # We hold the lock, so any pid file left here belongs to a daemon that died without cleanup.
+        stale.unlink(missing_ok=True)
+
+    def publish(self, info: DaemonInfo) -> None:
+        """Write the pid file atomically: a reader never sees half a JSON document."""
+        tmp = self.run_dir / f".{INFO_NAME}.{os.getpid()}.tmp"
+        tmp.write_text(json.dumps(asdict(info)), encoding="utf-8")
+        os.replace(tmp, self.run_dir / INFO_NAME)
+
+    def release(self) -> None:
+        if self._file is None:
+            return
+        (self.run_dir / INFO_NAME).unlink(missing_ok=True)
+        # The lock file itself stays: deleting it would let a process that opened the old inode and a
+        # process that creates a new one both "hold" the lock.
+        _unlock(self._file)
+        self._file.close()
+        self._file = None
+
+
+def _read_info(run_dir: Path) -> DaemonInfo | None:
+    try:
+        data = json.loads((run_dir / INFO_NAME).read_text(encoding="utf-8"))
+        return DaemonInfo(**data)
+    except (OSError, ValueError, TypeError):
+        return None
+
+
+def find_daemon(settings: Settings) -> DaemonInfo | None:
+    """The running daemon of this home, or None (no daemon, or only a stale pid file)."""
+    if not _lock_held(settings.run_dir):
+        return None
+    return _read_info(settings.run_dir)
+
+
+# --- health ----------------------------------------------------------------------------------
+
+
+def check_health(url: str, timeout: float = 2.0) -> bool:
+    from .client import DaemonClient
+
+    return DaemonClient(url, timeout=timeout).healthy()
+
+
+def wait_healthy(
+    settings: Settings, timeout: float, proc: subprocess.Popen[bytes] | None = None
+) -> DaemonInfo:
+    """Poll until the daemon of this home has published its pid file and answers /health."""
+    deadline = time.monotonic() + timeout
+    while True:
+        info = find_daemon(settings)
+        if info is not None and check_health(info.url, timeout=2.0):
+            return info
+        if proc is not None and proc.poll() is not None:
+            if info is None and (again := find_daemon(settings)) is not None and check_health(again.url):
+                return again  # lost a start race to another CLI process: its daemon serves us too
+            raise DaemonError(f"the daemon exited while starting: {_last_error_line(settings)}")
+        if time.monotonic() > deadline:
+            raise DaemonError(f"the daemon did not become healthy within {timeout:.0f}s (see {settings.log_dir})")
+        time.sleep(0.1)
+
+
+def _last_error_line(settings: Settings) -> str:
+    try:
+        lines = (settings.log_dir / STDERR_NAME).read_text(encoding="utf-8", errors="replace").splitlines()
+    except OSError:
+        return "no output"
+    for line in reversed(lines):
+        if line.strip():
+            return line.strip()
+    return "no output"
+
+
+# --- start / stop ----------------------------------------------------------------------------
+
+
+def serve_command(settings: Settings) -> list[str]:
+    """argv of a background daemon with the same home/address as this CLI process; every other
+    setting reaches it the same way it reached us (config file, LOCALSERVE_* environment)."""
+    cmd = [sys.executable, "-m", "localserve", "serve", "--background", "--home", str(settings.home)]
+    cmd += ["--host", settings.host, "--port", str(settings.port)]
+    if settings.catalog:
+        cmd += ["--catalog", str(settings.catalog)]
+    return cmd
+
+
+def start_background(settings: Settings, timeout: float = 60.0) -> DaemonInfo:
+    """Start `localserve serve` detached from this terminal and wait until it is healthy."""
+    settings.log_dir.mkdir(parents=True, exist_ok=True)
+    kwargs: dict[str, Any] = {}
+    if sys.platform == "win32":
+        kwargs["creationflags"] = subprocess.DETACHED_PROCESS | subprocess.CREATE_NEW_PROCESS_GROUP  # type: ignore[attr-defined]
+    else:
+        # Own session: Ctrl-C in the terminal that ran `localserve run` must not reach the daemon.
+        kwargs["start_new_session"] = True
+    with open(settings.log_dir / STDERR_NAME, "ab") as err:
+        proc = subprocess.Popen(
+            serve_command(settings), stdin=subprocess.DEVNULL, stdout=err, stderr=err, close_fds=True, **kwargs
+        )
+    return wait_healthy(settings, timeout, proc)
+
+
+def ensure_daemon(settings: Settings, timeout: float = 60.0) -> DaemonInfo:
+    """The running daemon of this home, started in the background when there is none."""
+    info = find_daemon(settings)
+    if info is not None and check_health(info.url):
+        return info
+    if _lock_held(settings.run_dir):  # starting right now (another CLI process), or busy: wait for it
+        return wait_healthy(settings, timeout)
+    return start_background(settings, timeout)
+
+
+def _pid_alive(pid: int) -> bool:
+    if sys.platform == "win32":
+        import psutil
+
+        return psutil.pid_exists(pid)
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def stop_daemon(settings: Settings, timeout: float = 30.0) -> DaemonInfo | None:
+    """Ask the daemon of this home to shut down gracefully and wait until it is gone.
+
+    Returns the stopped daemon's info, or None when none was running (a stale pid file is removed).
+    The lock proves that the pid in the file is the live daemon's, not a recycled pid.
+    """
+    if not _lock_held(settings.run_dir):
+        (settings.run_dir / INFO_NAME).unlink(missing_ok=True)  # stale: its daemon died without cleanup
+        return None
+    info = _read_info(settings.run_dir)
+    if info is None:  # locked but not yet published: a daemon still binding its socket
+        info = wait_healthy(settings, min(timeout, 30.0))
+    if sys.platform == "win32":
+        # Windows has no SIGTERM between processes and a detached daemon has no console to send
+        # CTRL_BREAK to: this ends it without the graceful drain (unverified here, no Windows box).
+        import psutil
+
+        psutil.Process(info.pid).terminate()
+    else:
+        os.kill(info.pid, signal.SIGTERM)
+    deadline = time.monotonic() + timeout
+    while _lock_held(settings.run_dir) and _pid_alive(info.pid):
+        if time.monotonic() > deadline:
+            raise DaemonError(f"the daemon (pid {info.pid}) did not stop within {timeout:.0f}s")
+        time.sleep(0.1)
+    return info
+
+
+# --- the daemon process itself (`localserve serve`) ------------------------------------------
+
+LOG_NAME = "localserve.log"
+
+
+def _setup_logging(settings: Settings, background: bool) -> None:
+    """Log to the log directory always; to stderr too unless detached (its stderr is a file
+    that only has to catch what happens before logging is set up)."""
+    import logging
+    import logging.handlers
+
+    settings.log_dir.mkdir(parents=True, exist_ok=True)
+    root = logging.getLogger()
+    level = getattr(logging, settings.log_level.upper(), logging.INFO)
+    if root.level > logging.DEBUG:  # -v keeps debug
+        root.setLevel(level)
+    if background:
+        for handler in list(root.handlers):
+            root.removeHandler(handler)
+    else:
+        for handler in root.handlers:
+            handler.setLevel(root.level)
+    file_handler = logging.handlers.RotatingFileHandler(
+        settings.log_dir / LOG_NAME, maxBytes=5 * 1024 * 1024, backupCount=3, encoding="utf-8"
+    )
+    file_handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    root.addHandler(file_handler)
+
+
+def run_daemon(settings: Settings, *, background: bool = False) -> int:
+    """`localserve serve`: serve in the foreground until SIGINT/SIGTERM, then shut down gracefully."""
+    import asyncio
+
+    from .errors import ConfigError
+
+    if not is_loopback(settings.host) and not settings.api_key:
+        # A daemon on a LAN address without a key would hand every neighbour a free LLM and the
+        # models' files: refuse rather than warn.
+        raise ConfigError(
+            f"refusing to listen on {settings.host} without an API key: "
+            "set LOCALSERVE_API_KEY (or api_key in the config file), or bind 127.0.0.1"
+        )
+    lock = DaemonLock(settings)
+    lock.acquire()
+    try:
+        _setup_logging(settings, background)
+        asyncio.run(_serve(settings, lock, announce=not background))
+    finally:
+        lock.release()
+    return 0
+
+
+async def _serve(settings: Settings, lock: DaemonLock, *, announce: bool) -> None:
+    import asyncio
+    import logging
+
+    from aiohttp import web
+
+    from .models import ModelManager
+    from .server.app import create_app
+
+    log = logging.getLogger("localserve.daemon")
+    manager = ModelManager(settings)
+    app = create_app(settings, manager)
+    # shutdown_timeout: how long in-flight requests may finish after the listening socket closes;
+    # the rest are cancelled (their handlers close their engine streams).
+    runner = web.AppRunner(app, shutdown_timeout=settings.shutdown_timeout)
+    await runner.setup()
+    try:
+        site = web.TCPSite(runner, settings.host, settings.port)
+        try:
+            await site.start()
+        except OSError as e:
+            raise DaemonError(f"cannot listen on {settings.host}:{settings.port}: {e.strerror or e}") from None
+        port = int(runner.addresses[0][1])
+        host = settings.host
+        shown = "127.0.0.1" if host in ("0.0.0.0", "") else host
+        url = f"http://[{shown}]:{port}" if ":" in shown else f"http://{shown}:{port}"
+        lock.publish(DaemonInfo(pid=os.getpid(), url=url, host=host, port=port, started_at=time.time()))
+        log.info("localserve %s listening on %s (pid %d)", _version(), url, os.getpid())
+        if announce:
+            print(f"localserve listening on {url} (Ctrl-C to stop)", flush=True)
+
+        stop = asyncio.Event()
+        _install_signal_handlers(asyncio.get_running_loop(), stop)
+        await stop.wait()
+        log.info("shutting down: waiting up to %.0fs for in-flight requests", settings.shutdown_timeout)
+    finally:
+        await runner.cleanup()
+        await manager.close()
+        log.info("stopped")
+
+
+def _install_signal_handlers(loop: Any, stop: Any) -> None:
+    def on_signal() -> None:
+        stop.set()
+        # A second Ctrl-C while shutting down kills at once, as users expect.
+        if sys.platform != "win32":
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                loop.remove_signal_handler(sig)
+                signal.signal(sig, signal.SIG_DFL)
+
+    if sys.platform == "win32":
+        for sig in (signal.SIGINT, signal.SIGBREAK):  # type: ignore[attr-defined]
+            signal.signal(sig, lambda *_: loop.call_soon_threadsafe(stop.set))
+        return
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, on_signal)
+
+
+def _version() -> str:
+    from . import __version__
+
+    return __version__

@@ -1,0 +1,364 @@
+"""ModelManager: which models are loaded, for how long, and which one leaves when memory runs out.
+
+- Load on first use, in a worker thread (loading a GGUF takes seconds; the event loop keeps serving
+  /health and the other models meanwhile). Concurrent first requests for one model share one load
+  task: two loads of one model would double its memory and race for the budget.
+- `use()` pins the model for the duration of a request; a pinned model is never unloaded, neither
+  by keep-alive nor by eviction. When the last pin goes, the model expires after its keep-alive
+  (settings.keep_alive, or the request's `keep_alive`: 0 = unload right away, negative = never).
+- At most settings.max_loaded_models loaded at once and their estimated memory within the budget
+  from the hardware report; to make room, the least recently used unpinned model is unloaded first.
+  When every loaded model is busy the request gets OverloadedError (503 + Retry-After), not a wait
+  of unknown length.
+
+Context size per model (decided by EngineLimits.from_settings, documented there): the per-sequence
+context is settings.context_length, or min(trained context, 8192); the shared KV pool is sized for
+the sequences the engine runs at once, and the memory estimate charged to the budget covers that
+whole pool plus the weights and compute buffers.
+
+All state lives on the event loop thread; only loading and unloading run in threads.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, AsyncIterator, Callable
+
+from .config import Settings
+from .errors import BackendError, LocalserveError, OverloadedError
+from .store import InstalledModel, ModelStore
+
+if TYPE_CHECKING:  # the engine pulls in llama.cpp; the manager itself must import without it
+    from .engine import Engine
+
+log = logging.getLogger(__name__)
+
+Loader = Callable[[InstalledModel, Settings], "Engine"]
+UNLOAD_TIMEOUT = 10.0  # seconds an engine gets to stop its step loop and free its memory
+BUSY_RETRY_AFTER = 2.0  # Retry-After when every loaded model has requests in flight
+BUDGET_FRACTION = 0.9  # of available RAM / total VRAM: leave room for the OS and the daemon itself
+
+
+@dataclass
+class ModelPlan:
+    """How a model will be loaded: engine limits (context, sequences, batch) and its memory cost."""
+
+    limits: Any  # batching.limits.EngineLimits
+    memory_bytes: int
+
+
+def plan_model(installed: InstalledModel, settings: Settings) -> ModelPlan:
+    from .batching.limits import EngineLimits
+    from .gguf_facts import GGUFFacts, read_gguf_facts
+    from .memory import estimate_memory, kv_cache_bytes
+
+    try:
+        facts = GGUFFacts.from_dict(installed.facts) if installed.facts else read_gguf_facts(installed.path)
+    except LocalserveError:
+        facts = read_gguf_facts(installed.path)  # an older manifest without every fact: read the file
+    limits = EngineLimits.from_settings(
+        settings,
+        n_ctx_train=facts.context_length,
+        model_bytes=facts.weights_bytes,
+        kv_bytes_per_token=kv_cache_bytes(facts, 1),
+    )
+    estimate = estimate_memory(facts, limits.n_ctx)
+    return ModelPlan(limits=limits, memory_bytes=estimate.total_bytes)
+
+
+def load_engine(installed: InstalledModel, settings: Settings) -> "Engine":
+    """The default loader: llama.cpp backend + continuous-batching engine, started."""
+    from .backends.llamacpp import LlamaCppBackend
+    from .engine import Engine
+
+    if not installed.available:
+        raise BackendError(f"the file of model {installed.ref} is missing; pull it again")
+    plan = plan_model(installed, settings)
+    limits = plan.limits
+    backend = LlamaCppBackend.load(
+        installed.path,
+        n_ctx=limits.n_ctx,
+        n_seq_max=limits.n_seq_max,
+        n_batch=limits.batch_tokens,
+        n_threads=settings.threads or None,
+        n_gpu_layers=0,
+    )
+    engine = Engine(backend, limits, installed.ref)
+    engine.start()
+    return engine
+
+
+def memory_budget(settings: Settings) -> int:
+    """Bytes the loaded models may use together: RAM available when the daemon starts (nothing is
+    loaded yet then), a safety fraction of it. Models larger than the budget still load when they
+    are alone (llama.cpp maps weights from disk), they just never share."""
+    import psutil
+
+    return int(psutil.virtual_memory().available * BUDGET_FRACTION)
+
+
+@dataclass
+class LoadedModel:
+    name: str  # "name:tag"
+    engine: "Engine"
+    info: InstalledModel
+    loaded_at: float  # epoch seconds
+    memory_bytes: int
+    expires_at: float | None = None  # epoch seconds; None while pinned or when kept forever
+    keep_alive: float = 300.0
+    pinned: int = 0
+    last_used: float = field(default_factory=time.monotonic)
+    unload_when_idle: bool = False
+
+
+class ModelManager:
+    def __init__(self, settings: Settings, *, loader: Loader | None = None, budget_bytes: int | None = None):
+        self.settings = settings
+        self._loader = loader or load_engine
+        self._store = ModelStore(settings)
+        self._budget = budget_bytes
+        self._loaded: dict[str, LoadedModel] = {}
+        self._loading: dict[str, asyncio.Task[LoadedModel]] = {}
+        self._reserved: dict[str, int] = {}  # bytes of models being loaded
+        self._unloading: dict[str, tuple[asyncio.Task[None], int]] = {}
+        self._capacity = asyncio.Lock()
+        self._wake = asyncio.Event()
+        self._reaper: asyncio.Task[None] | None = None
+        self._closed = False
+
+    @property
+    def budget_bytes(self) -> int:
+        if self._budget is None:
+            self._budget = memory_budget(self.settings)
+        return self._budget
+
+    # --- public API ------------------------------------------------------------------------
+    @asynccontextmanager
+    async def use(self, model_ref: str, keep_alive: float | None = None) -> AsyncIterator[LoadedModel]:
+        """The loaded model for `model_ref`, loading it if needed; pinned while inside."""
+        installed = await asyncio.to_thread(self._store.find, model_ref)
+        model = await self._acquire(installed)
+        try:
+            yield model
+        finally:
+            self._release(model, keep_alive)
+
+    def status(self) -> list[dict[str, Any]]:
+        now = time.time()
+        rows = []
+        for m in sorted(self._loaded.values(), key=lambda m: m.loaded_at):
+            try:
+                stats = m.engine.stats().to_dict()
+            except Exception:  # a dying engine must not break /api/ps
+                log.exception("stats of %s failed", m.name)
+                stats = {}
+            rows.append(
+                {
+                    "name": m.name,
+                    "state": "loaded",
+                    "size": m.info.size,
+                    "memory_bytes": m.memory_bytes,
+                    "quant": m.info.quant,
+                    "format": m.info.format,
+                    "sha256": m.info.sha256,
+                    "loaded_at": m.loaded_at,
+                    "expires_at": m.expires_at,
+                    "expires_in": None if m.expires_at is None else max(0.0, m.expires_at - now),
+                    "keep_alive": m.keep_alive,
+                    "pinned": m.pinned,
+                    "running": stats.get("running", 0),
+                    "waiting": stats.get("waiting", {}),
+                    "stats": stats,
+                }
+            )
+        for name in sorted(self._loading):
+            rows.append({"name": name, "state": "loading", "memory_bytes": self._reserved.get(name, 0), "pinned": 0})
+        return rows
+
+    async def unload(self, model_ref: str) -> bool:
+        """Unload now, or as soon as its requests finish when it is busy. False if not loaded."""
+        key = self._key_of(model_ref)
+        if key is None:
+            return False
+        model = self._loaded[key]
+        if model.pinned:
+            model.unload_when_idle = True
+            return True
+        await self._unload(model)
+        return True
+
+    async def close(self) -> None:
+        """Stop everything: in-flight requests are cancelled by their engines' shutdown."""
+        self._closed = True
+        if self._reaper is not None:
+            self._reaper.cancel()
+            await asyncio.gather(self._reaper, return_exceptions=True)
+        # A load running in a thread cannot be interrupted; wait for it so its engine is shut down too.
+        await asyncio.gather(*self._loading.values(), return_exceptions=True)
+        await asyncio.gather(*(self._unload(m) for m in list(self._loaded.values())), return_exceptions=True)
+        await asyncio.gather(*(t for t, _ in list(self._unloading.values())), return_exceptions=True)
+
+    # --- acquire / release -----------------------------------------------------------------
+    async def _acquire(self, installed: InstalledModel) -> LoadedModel:
+        key = installed.ref
+        while True:
+            if self._closed:
+                raise OverloadedError("the server is shutting down", retry_after=BUSY_RETRY_AFTER)
+            self._ensure_reaper()
+            model = self._loaded.get(key)
+            if model is not None:
+                model.pinned += 1
+                model.expires_at = None
+                model.last_used = time.monotonic()
+                return model
+            task = self._loading.get(key)
+            if task is None:
+                task = asyncio.create_task(self._load(key, installed), name=f"load {key}")
+                self._loading[key] = task
+                task.add_done_callback(lambda t, key=key: self._loading.pop(key, None))
+            # shield: a client that disconnects while the model loads must not abort the load that
+            # other requests are waiting for.
+            await asyncio.shield(task)
+            # Loop to pin: the model is in _loaded now (or was unloaded in between; then load again).
+
+    def _release(self, model: LoadedModel, keep_alive: float | None) -> None:
+        model.pinned -= 1
+        model.last_used = time.monotonic()
+        model.keep_alive = self.settings.keep_alive if keep_alive is None else keep_alive
+        if model.pinned > 0:
+            return
+        if model.keep_alive == 0 or model.unload_when_idle:
+            model.expires_at = time.time()
+        elif model.keep_alive < 0:
+            model.expires_at = None  # forever
+        else:
+            model.expires_at = time.time() + model.keep_alive
+        self._wake.set()
+
+    # --- load / unload ---------------------------------------------------------------------
+    async def _load(self, key: str, installed: InstalledModel) -> LoadedModel:
+        async with self._capacity:
+            pending = self._unloading.get(key)
+            if pending is not None:  # its previous instance is still freeing memory
+                await asyncio.gather(pending[0], return_exceptions=True)
+            try:
+                plan = await asyncio.to_thread(plan_model, installed, self.settings)
+            except LocalserveError:
+                raise
+            except Exception:
+                log.exception("planning %s failed", key)
+                raise BackendError(f"model {key} cannot be loaded") from None
+            await self._make_room(key, plan.memory_bytes)
+            self._reserved[key] = plan.memory_bytes
+        try:
+            started = time.monotonic()
+            engine = await asyncio.to_thread(self._loader, installed, self.settings)
+        except LocalserveError:
+            log.warning("loading %s failed", key, exc_info=True)
+            raise
+        except Exception:
+            # The details (paths, llama.cpp messages) go to the log only.
+            log.exception("loading %s failed", key)
+            raise BackendError(f"model {key} failed to load") from None
+        finally:
+            self._reserved.pop(key, None)
+        log.info("loaded %s in %.1fs (estimated %d MiB)", key, time.monotonic() - started, plan.memory_bytes >> 20)
+        model = LoadedModel(
+            name=key,
+            engine=engine,
+            info=installed,
+            loaded_at=time.time(),
+            memory_bytes=plan.memory_bytes,
+            keep_alive=self.settings.keep_alive,
+            expires_at=time.time() + self.settings.keep_alive,
+        )
+        if self._closed:
+            await self._shutdown_engine(model)
+            raise OverloadedError("the server is shutting down", retry_after=BUSY_RETRY_AFTER)
+        self._loaded[key] = model
+        self._wake.set()
+        return model
+
+    async def _make_room(self, key: str, needed: int) -> None:
+        """Unload least recently used idle models until one more model of `needed` bytes fits."""
+        limit = max(1, self.settings.max_loaded_models)
+        while True:
+            count = len(self._loaded) + len(self._reserved)
+            used = sum(m.memory_bytes for m in self._loaded.values()) + sum(self._reserved.values())
+            used += sum(b for _, b in self._unloading.values())
+            if count < limit and (used + needed <= self.budget_bytes or count == 0):
+                if used + needed > self.budget_bytes:
+                    log.warning("%s needs ~%d MiB, more than the %d MiB budget; loading it alone",
+                                key, needed >> 20, self.budget_bytes >> 20)
+                return
+            idle = sorted((m for m in self._loaded.values() if m.pinned == 0), key=lambda m: m.last_used)
+            if not idle:
+                if self._unloading:
+                    await asyncio.gather(*(t for t, _ in list(self._unloading.values())), return_exceptions=True)
+                    continue
+                busy = ", ".join(sorted([*self._loaded, *self._reserved]))
+                raise OverloadedError(
+                    f"cannot load {key}: every loaded model is busy ({busy}); try again shortly",
+                    retry_after=BUSY_RETRY_AFTER,
+                )
+            log.info("unloading %s to make room for %s", idle[0].name, key)
+            await self._unload(idle[0])
+
+    async def _unload(self, model: LoadedModel) -> None:
+        if self._loaded.get(model.name) is not model:
+            return
+        del self._loaded[model.name]
+        task = asyncio.create_task(self._shutdown_engine(model), name=f"unload {model.name}")
+        self._unloading[model.name] = (task, model.memory_bytes)
+        try:
+            await asyncio.shield(task)
+        finally:
+            if task.done() and self._unloading.get(model.name, (None,))[0] is task:
+                del self._unloading[model.name]
+
+    async def _shutdown_engine(self, model: LoadedModel) -> None:
+        try:
+            await asyncio.to_thread(model.engine.shutdown, UNLOAD_TIMEOUT)
+            log.info("unloaded %s", model.name)
+        except Exception:
+            log.exception("unloading %s failed", model.name)
+
+    # --- keep-alive ------------------------------------------------------------------------
+    def _ensure_reaper(self) -> None:
+        if self._reaper is None or self._reaper.done():
+            self._reaper = asyncio.create_task(self._reap(), name="keep-alive reaper")
+
+    async def _reap(self) -> None:
+        while not self._closed:
+            self._wake.clear()
+            now = time.time()
+            next_expiry: float | None = None
+            for model in list(self._loaded.values()):
+                if model.pinned or model.expires_at is None:
+                    continue
+                if model.expires_at <= now:
+                    log.info("keep-alive of %s expired", model.name)
+                    asyncio.create_task(self._unload(model))
+                elif next_expiry is None or model.expires_at < next_expiry:
+                    next_expiry = model.expires_at
+            timeout = None if next_expiry is None else max(0.01, next_expiry - now)
+            try:
+                await asyncio.wait_for(self._wake.wait(), timeout)
+            except asyncio.TimeoutError:
+                pass
+
+    # --- helpers ---------------------------------------------------------------------------
+    def _key_of(self, model_ref: str) -> str | None:
+        """The loaded model a reference names: exact `name:tag`, or a name with one loaded tag."""
+        if model_ref in self._loaded:
+            return model_ref
+        try:
+            key = self._store.find(model_ref).ref
+            return key if key in self._loaded else None
+        except LocalserveError:
+            matches = [k for k in self._loaded if k.split(":")[0].lower() == model_ref.lower()]
+            return matches[0] if len(matches) == 1 else None
