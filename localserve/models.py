@@ -11,10 +11,12 @@
   When every loaded model is busy the request gets OverloadedError (503 + Retry-After), not a wait
   of unknown length.
 
-Context size per model (decided by EngineLimits.from_settings, documented there): the per-sequence
-context is settings.context_length, or min(trained context, 8192); the shared KV pool is sized for
-the sequences the engine runs at once, and the memory estimate charged to the budget covers that
-whole pool plus the weights and compute buffers.
+Context size per model (EngineLimits.from_settings decides; see batching/limits.py): one request
+may use settings.context_length tokens, or min(trained context, 8192); the shared (unified) KV pool
+holds max_sequences x min(that, 2048) cells, at least one full-length request, capped by a share of
+the RAM the weights leave over. The memory charged to the budget is the estimate for that whole
+pool plus weights and compute buffers (memory.estimate_memory); the device and GPU layer count come
+from placement.choose_backend over the hardware report.
 
 All state lives on the event loop thread; only loading and unloading run in threads.
 """
@@ -22,6 +24,7 @@ All state lives on the event loop thread; only loading and unloading run in thre
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 from contextlib import asynccontextmanager
@@ -45,16 +48,28 @@ BUDGET_FRACTION = 0.9  # of available RAM / total VRAM: leave room for the OS an
 
 @dataclass
 class ModelPlan:
-    """How a model will be loaded: engine limits (context, sequences, batch) and its memory cost."""
+    """How a model will be loaded: engine limits (context, sequences, batch), device, memory cost."""
 
     limits: Any  # batching.limits.EngineLimits
     memory_bytes: int
+    n_gpu_layers: int = 0
+    device: str = "cpu"
+    vram_bytes: int = 0  # the part of memory_bytes expected on the GPU
+
+
+@functools.lru_cache(maxsize=1)
+def hardware_report() -> Any:
+    """Probed once per process: probes spawn tools like nvidia-smi, too slow to repeat per load."""
+    from .hardware import detect_hardware
+
+    return detect_hardware()
 
 
 def plan_model(installed: InstalledModel, settings: Settings) -> ModelPlan:
     from .batching.limits import EngineLimits
     from .gguf_facts import GGUFFacts, read_gguf_facts
     from .memory import estimate_memory, kv_cache_bytes
+    from .placement import Runtimes, choose_backend
 
     try:
         facts = GGUFFacts.from_dict(installed.facts) if installed.facts else read_gguf_facts(installed.path)
@@ -67,7 +82,21 @@ def plan_model(installed: InstalledModel, settings: Settings) -> ModelPlan:
         kv_bytes_per_token=kv_cache_bytes(facts, 1),
     )
     estimate = estimate_memory(facts, limits.n_ctx)
-    return ModelPlan(limits=limits, memory_bytes=estimate.total_bytes)
+    report = hardware_report()
+    choice = choose_backend(report, ["gguf"], Runtimes.from_report(report), estimate)
+    if choice.n_gpu_layers == 0:
+        vram = 0
+    elif choice.n_gpu_layers < 0 or not estimate.n_layers:
+        vram = estimate.total_bytes
+    else:
+        vram = min(estimate.total_bytes, choice.n_gpu_layers * estimate.layer_bytes)
+    return ModelPlan(
+        limits=limits,
+        memory_bytes=estimate.total_bytes,
+        n_gpu_layers=choice.n_gpu_layers,
+        device=choice.device,
+        vram_bytes=vram,
+    )
 
 
 def load_engine(installed: InstalledModel, settings: Settings) -> "Engine":
@@ -85,7 +114,7 @@ def load_engine(installed: InstalledModel, settings: Settings) -> "Engine":
         n_seq_max=limits.n_seq_max,
         n_batch=limits.batch_tokens,
         n_threads=settings.threads or None,
-        n_gpu_layers=0,
+        n_gpu_layers=plan.n_gpu_layers,
     )
     engine = Engine(backend, limits, installed.ref)
     engine.start()
@@ -93,12 +122,18 @@ def load_engine(installed: InstalledModel, settings: Settings) -> "Engine":
 
 
 def memory_budget(settings: Settings) -> int:
-    """Bytes the loaded models may use together: RAM available when the daemon starts (nothing is
-    loaded yet then), a safety fraction of it. Models larger than the budget still load when they
-    are alone (llama.cpp maps weights from disk), they just never share."""
+    """Bytes the loaded models may use together, from the hardware report: RAM available when the
+    daemon starts (nothing is loaded yet then) plus the free VRAM of the GPU llama.cpp offloads to,
+    less a safety share. Models larger than the budget still load when they are alone (llama.cpp
+    maps weights from disk), they just never share."""
     import psutil
 
-    return int(psutil.virtual_memory().available * BUDGET_FRACTION)
+    report = hardware_report()
+    ram = report.ram_available_bytes or psutil.virtual_memory().available
+    vram = 0
+    if report.llama_gpu_offload:
+        vram = max((g.vram_free_bytes or g.vram_bytes or 0 for g in report.gpus), default=0)
+    return int((ram + vram) * BUDGET_FRACTION)
 
 
 @dataclass
@@ -108,6 +143,8 @@ class LoadedModel:
     info: InstalledModel
     loaded_at: float  # epoch seconds
     memory_bytes: int
+    device: str = "cpu"
+    vram_bytes: int = 0
     expires_at: float | None = None  # epoch seconds; None while pinned or when kept forever
     keep_alive: float = 300.0
     pinned: int = 0
@@ -162,6 +199,8 @@ class ModelManager:
                     "state": "loaded",
                     "size": m.info.size,
                     "memory_bytes": m.memory_bytes,
+                    "vram_bytes": m.vram_bytes,
+                    "device": m.device,
                     "quant": m.info.quant,
                     "format": m.info.format,
                     "sha256": m.info.sha256,
@@ -252,6 +291,8 @@ class ModelManager:
             except Exception:
                 log.exception("planning %s failed", key)
                 raise BackendError(f"model {key} cannot be loaded") from None
+            if self._budget is None:
+                self._budget = await asyncio.to_thread(memory_budget, self.settings)
             await self._make_room(key, plan.memory_bytes)
             self._reserved[key] = plan.memory_bytes
         try:
@@ -273,6 +314,8 @@ class ModelManager:
             info=installed,
             loaded_at=time.time(),
             memory_bytes=plan.memory_bytes,
+            device=plan.device,
+            vram_bytes=plan.vram_bytes,
             keep_alive=self.settings.keep_alive,
             expires_at=time.time() + self.settings.keep_alive,
         )
