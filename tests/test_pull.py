@@ -225,12 +225,15 @@ def test_wrong_bytes_are_rejected_removed_and_never_trusted_later(tmp_path, serv
     assert model.sha256 == PAYLOAD_SHA
 
 
-def test_404_is_a_clear_final_error(tmp_path, server):
-    settings = make_settings(tmp_path, models={"m": entry(f"{server.url}/files/missing.gguf")})
+@pytest.mark.parametrize("status", [401, 403, 404])
+def test_client_errors_are_clear_and_final(tmp_path, server, status):
+    server.files["m.gguf"] = Served(PAYLOAD, fail_statuses=[status])
+    name = "m.gguf" if status != 404 else "missing.gguf"
+    settings = make_settings(tmp_path, models={"m": entry(f"{server.url}/files/{name}")})
     with pytest.raises(HTTPStatusError) as info:
         pull_model("m", settings, retry=FAST_RETRY)
-    assert info.value.status == 404 and "404" in str(info.value) and "\n" not in str(info.value)
-    assert len(server.requests_for("missing.gguf")) == 1  # not retried
+    assert info.value.status == status and f"HTTP {status}" in str(info.value) and "\n" not in str(info.value)
+    assert len(server.requests_for(name)) == 1  # not retried: asking again will not change the answer
     assert_nothing_installed(settings)
 
 
@@ -245,7 +248,7 @@ def test_5xx_is_retried_with_backoff(tmp_path, server):
 def test_persistent_5xx_and_no_network_fail_cleanly(tmp_path, server):
     server.files["m.gguf"] = Served(PAYLOAD, fail_statuses=[500] * 10)
     settings = make_settings(tmp_path, models={"m": entry(f"{server.url}/files/m.gguf")})
-    with pytest.raises(NetworkError, match="HTTP 500"):
+    with pytest.raises(HTTPStatusError, match="HTTP 500 server error .*after 4 tries"):
         pull_model("m", settings, retry=FAST_RETRY)
 
     with socket.socket() as probe:  # a port nothing listens on
@@ -289,37 +292,6 @@ def test_two_concurrent_pulls_download_once(tmp_path, server):
     assert results[0].path == results[1].path and results[0].path.read_bytes() == PAYLOAD
     assert len(server.requests_for("m.gguf")) == 1
     assert any(e.status.startswith("waiting for another pull") for e in events[1])
-
-
-def test_killed_pull_is_resumed(tmp_path, server):
-    server.files["m.gguf"] = Served(PAYLOAD, delay=0.02)
-    settings = make_settings(tmp_path, models={"m": entry(f"{server.url}/files/m.gguf")})
-    partial = ModelStore(settings).model_dir("m", "Q4_0") / "m.gguf.partial"
-    code = (
-        "import sys; from localserve.config import load_settings, replace; from localserve.pull import pull_model;"
-        f"s = replace(load_settings(flags={{'home': {str(settings.home)!r}}}, environ={{}}), catalog={str(settings.catalog)!r});"
-        "pull_model('m', s)"
-    )
-    child = subprocess.Popen([sys.executable, "-c", code], cwd=REPO)
-    try:
-        deadline = time.monotonic() + 30
-        while not (partial.exists() and partial.stat().st_size > 500_000):
-            assert time.monotonic() < deadline and child.poll() is None
-            time.sleep(0.02)
-        child.send_signal(signal.SIGKILL)
-        child.wait(10)
-    finally:
-        if child.poll() is None:
-            child.kill()
-    kept = partial.stat().st_size
-    assert 0 < kept < len(PAYLOAD)
-    assert ModelStore(settings).list() == []  # nothing visible from a killed pull
-
-    server.files["m.gguf"].delay = 0
-    model = pull_model("m", settings, retry=FAST_RETRY)  # the dead child's lock was released by the OS
-    last = server.requests_for("m.gguf")[-1]
-    assert last["range"] == f"bytes={kept}-" and last["sent"] == len(PAYLOAD) - kept
-    assert model.sha256 == PAYLOAD_SHA
 
 
 def hub_listing(file_name: str, data: bytes, extra: list[dict[str, Any]] | None = None) -> list[dict[str, Any]]:
@@ -410,18 +382,60 @@ def test_wheel_source_through_the_shared_fixture(smollm2_gguf):
     assert manifest["facts"]["architecture"] == "llama" and manifest["quant"] == "Q4_1"
 
 
+def cli_env(home: Path, **extra: str) -> dict[str, str]:
+    return {**os.environ, "LOCALSERVE_HOME": str(home), "LOCALSERVE_CONFIG": str(home / "none.toml"), **extra}
+
+
 def run_cli(*args: str, home: Path) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "LOCALSERVE_HOME": str(home), "LOCALSERVE_CONFIG": str(home / "none.toml")}
     return subprocess.run([sys.executable, "-m", "localserve", *args], capture_output=True, text=True,
-                          env=env, cwd=REPO, timeout=120)
+                          env=cli_env(home), cwd=REPO, timeout=120)
 
 
-def test_cli_errors_are_one_line(tmp_path, server):
-    unknown = run_cli("pull", "smollm2-13m", home=tmp_path)
-    assert unknown.returncode == 1 and "Traceback" not in unknown.stderr
-    assert unknown.stderr.strip().splitlines()[-1] == (
-        "Error: model 'smollm2-13m' not found (did you mean: smollm2-135m, smollm2-360m, smollm2-1.7b?)"
-    )
-    missing = run_cli("pull", f"{server.url}/files/missing.gguf", home=tmp_path)
-    assert missing.returncode == 1 and "Traceback" not in missing.stderr
-    assert missing.stderr.strip().splitlines()[-1].startswith("Error: HTTP 404 not found from 127.0.0.1")
+def interrupted_cli_pull(server: LocalServer, settings: Any, sig: int) -> tuple[int, str]:
+    """Run `localserve pull m` against a slow server and send `sig` once part of the file is in."""
+    partial = ModelStore(settings).model_dir("m", "Q4_0") / "m.gguf.partial"
+    child = subprocess.Popen([sys.executable, "-m", "localserve", "pull", "m"], cwd=REPO, text=True,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                             env=cli_env(settings.home, LOCALSERVE_CATALOG=str(settings.catalog)))
+    try:
+        deadline = time.monotonic() + 30
+        while not (partial.exists() and partial.stat().st_size > 300_000):
+            assert time.monotonic() < deadline and child.poll() is None
+            time.sleep(0.02)
+        child.send_signal(sig)
+        _, stderr = child.communicate(timeout=30)
+    finally:
+        if child.poll() is None:
+            child.kill()
+    return child.returncode, stderr
+
+
+def assert_resumes_the_partial(server: LocalServer, settings: Any) -> None:
+    partial = ModelStore(settings).model_dir("m", "Q4_0") / "m.gguf.partial"
+    kept = partial.stat().st_size
+    assert 0 < kept < len(PAYLOAD)
+    assert ModelStore(settings).list() == []  # nothing visible from an interrupted pull
+    server.files["m.gguf"].delay = 0
+    model = pull_model("m", settings, retry=FAST_RETRY)  # a killed holder's lock was released by the OS
+    last = server.requests_for("m.gguf")[-1]
+    assert last["range"] == f"bytes={kept}-" and last["sent"] == len(PAYLOAD) - kept
+    assert model.sha256 == PAYLOAD_SHA
+
+
+@pytest.fixture
+def slow_model(tmp_path, server):
+    server.files["m.gguf"] = Served(PAYLOAD, delay=0.02)
+    return make_settings(tmp_path, models={"m": entry(f"{server.url}/files/m.gguf")})
+
+
+def test_killed_pull_is_resumed(server, slow_model):
+    returncode, _ = interrupted_cli_pull(server, slow_model, signal.SIGKILL)
+    assert returncode == -signal.SIGKILL
+    assert_resumes_the_partial(server, slow_model)
+
+
+def test_ctrl_c_keeps_a_resumable_partial_and_exits_cleanly(server, slow_model):
+    returncode, stderr = interrupted_cli_pull(server, slow_model, signal.SIGINT)
+    assert returncode == 130 and "Traceback" not in stderr
+    assert "Interrupted. The partial download is kept" in stderr
+    assert_resumes_the_partial(server, slow_model)

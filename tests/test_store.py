@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -13,8 +11,7 @@ import pytest
 from localserve.config import load_settings
 from localserve.errors import GGUFError, InvalidNameError, ModelNotFoundError
 from localserve.store import FileLock, ModelStore, name_to_dir, safe_component
-
-REPO = Path(__file__).resolve().parent.parent
+from test_pull import run_cli  # one CLI runner for the model-command tests
 
 TRAVERSAL_AND_BAD_NAMES = [
     "", ".", "..", "../x", "../../etc/passwd", "a/b", "a\\b", "..\\..\\windows", "/etc/passwd", "/",
@@ -118,12 +115,6 @@ def test_file_lock_is_exclusive_between_holders(tmp_path):
     first.release()
     assert second.acquire(blocking=False)
     second.release()
-
-
-def run_cli(*args: str, home: Path) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "LOCALSERVE_HOME": str(home), "LOCALSERVE_CONFIG": str(home / "none.toml")}
-    return subprocess.run([sys.executable, "-m", "localserve", *args], capture_output=True, text=True,
-                          env=env, cwd=REPO, timeout=120)
 
 
 def test_cli_add_list_rm(tmp_path, smollm2_gguf):

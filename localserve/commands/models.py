@@ -240,22 +240,21 @@ def run_add(args: argparse.Namespace, settings: Settings) -> int:
 
 # -- formatting -------------------------------------------------------------------------------
 
-def _size(n: int | None) -> str:
+def _scaled(n: int | None, units: tuple[tuple[str, float], ...], plain: str) -> str:
     if not n:
         return "?"
-    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
+    for unit, scale in units:
         if n >= scale:
-            return f"{n / scale:.1f} {unit}"
-    return f"{n} B"
+            return f"{n / scale:.1f}{unit}" + (f" ({n:,})" if plain == "count" else "")
+    return f"{n} B" if plain == "bytes" else str(n)
+
+
+def _size(n: int | None) -> str:
+    return _scaled(n, ((" GB", 1e9), (" MB", 1e6), (" KB", 1e3)), "bytes")
 
 
 def _count(n: int | None) -> str:
-    if not n:
-        return "?"
-    for unit, scale in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
-        if n >= scale:
-            return f"{n / scale:.1f}{unit} ({n:,})"
-    return str(n)
+    return _scaled(n, (("B", 1e9), ("M", 1e6), ("K", 1e3)), "count")
 
 
 def _ago(epoch: float) -> str:

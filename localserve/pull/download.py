@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import errno
 import http.client
+import json
 import re
 import socket
 import time
@@ -88,9 +89,10 @@ def host_of(url: str) -> str:
     return urlparse(url).hostname or url
 
 
-def status_error(url: str, status: int) -> HTTPStatusError:
+def status_error(url: str, status: int, tries: int = 0) -> HTTPStatusError:
     reason = FINAL_STATUSES.get(status) or ("server error" if status >= 500 else "unexpected response")
-    return HTTPStatusError(f"HTTP {status} {reason} from {host_of(url)} ({Path(urlparse(url).path).name})", status)
+    after = f" after {tries} tries" if tries > 1 else ""
+    return HTTPStatusError(f"HTTP {status} {reason} from {host_of(url)} ({Path(urlparse(url).path).name}){after}", status)
 
 
 def describe_network_error(e: BaseException) -> str:
@@ -129,15 +131,8 @@ def download_file(
     transport = transport or UrllibTransport()
     retry = retry or RetryPolicy()
     part = part or partial.name
-    failures = 0
-
-    def fail(message: str, retry_after: str | None = None) -> None:
-        nonlocal failures
-        failures += 1
-        if failures >= retry.attempts:
-            raise NetworkError(f"download of {part} from {host_of(url)} failed after {failures} tries: {message}")
-        emit(progress, f"retrying ({message})", part)
-        retry.wait(failures, retry_after)
+    attempts = _Attempts(retry, url, f"download of {part} from {host_of(url)}", progress, part)
+    fail = attempts.fail
 
     while True:
         have = partial.stat().st_size if partial.exists() else 0
@@ -155,7 +150,7 @@ def download_file(
             continue
 
         try:
-            status = int(getattr(response, "status", None) or getattr(response, "code", 0))
+            status = _status(response)
             if status in FINAL_STATUSES:
                 raise status_error(url, status)
             if status == 416 and have:
@@ -167,7 +162,7 @@ def download_file(
                 fail("server rejected the resume range")
                 continue
             if status == 429 or status >= 500:
-                fail(f"HTTP {status} from {host_of(url)}", response.headers.get("Retry-After"))
+                fail(f"HTTP {status} from {host_of(url)}", response.headers.get("Retry-After"), status)
                 continue
             if status not in (200, 206):
                 raise status_error(url, status)
@@ -201,7 +196,7 @@ def download_file(
                         chunk = response.read(CHUNK)
                     except NETWORK_ERRORS as e:
                         if received_any:
-                            failures = 0  # progress was made: only consecutive dead tries count
+                            attempts.progressed()
                         raise _Dropped(describe_network_error(e)) from None
                     if not chunk:
                         break
@@ -218,7 +213,7 @@ def download_file(
                     emit(progress, "downloading", part, have, total)
             if total is not None and have < total:
                 if received_any:
-                    failures = 0
+                    attempts.progressed()
                 fail(f"connection closed after {have} of {total} bytes")
                 continue
             if total is not None and have > total:
@@ -237,41 +232,58 @@ class _Dropped(Exception):
     """The body stopped mid-transfer (reset, timeout, short read)."""
 
 
+class _Attempts:
+    """Consecutive failures of one transfer; progress resets the count, so only a dead link gives up."""
+
+    def __init__(self, retry: RetryPolicy, url: str, what: str, progress: Progress = None, part: str | None = None):
+        self.retry, self.url, self.what, self.progress, self.part = retry, url, what, progress, part
+        self.failures = 0
+
+    def fail(self, message: str, retry_after: str | None = None, status: int | None = None) -> None:
+        """Count a failure and wait, or raise once `attempts` failures came in a row: the HTTP
+        status error when the server kept answering `status`, else a NetworkError."""
+        self.failures += 1
+        if self.failures >= self.retry.attempts:
+            if status is not None:
+                raise status_error(self.url, status, self.failures)
+            raise NetworkError(f"{self.what} failed after {self.failures} tries: {message}")
+        emit(self.progress, f"retrying ({message})", self.part)
+        self.retry.wait(self.failures, retry_after)
+
+    def progressed(self) -> None:
+        self.failures = 0
+
+
+def _status(response: Response) -> int:
+    return int(getattr(response, "status", None) or getattr(response, "code", 0))
+
+
+MAX_JSON_BYTES = 16 * 1024 * 1024
+
+
 def fetch_json(url: str, transport: Transport | None = None, retry: RetryPolicy | None = None) -> Any:
     """GET a small JSON document (the Hub's file listing), with the same retry and error rules."""
-    import json
-
     transport = transport or UrllibTransport()
-    retry = retry or RetryPolicy()
-    failures = 0
+    attempts = _Attempts(retry or RetryPolicy(), url, f"request to {host_of(url)}")
     while True:
         try:
             response = transport.open(url, {"Accept": "application/json"})
         except NETWORK_ERRORS as e:
-            failures += 1
-            if failures >= retry.attempts:
-                raise NetworkError(f"cannot reach {host_of(url)}: {describe_network_error(e)}") from None
-            retry.wait(failures)
+            attempts.fail(f"cannot reach {host_of(url)}: {describe_network_error(e)}")
             continue
         try:
-            status = int(getattr(response, "status", None) or getattr(response, "code", 0))
+            status = _status(response)
             if status == 429 or status >= 500:
-                failures += 1
-                if failures >= retry.attempts:
-                    raise status_error(url, status)
-                retry.wait(failures, response.headers.get("Retry-After"))
+                attempts.fail(f"HTTP {status}", response.headers.get("Retry-After"), status)
                 continue
             if status != 200:
                 raise status_error(url, status)
             try:
-                body = response.read(16 * 1024 * 1024 + 1)  # a listing is small; bound what we parse
+                body = response.read(MAX_JSON_BYTES + 1)  # a listing is small; bound what we parse
             except NETWORK_ERRORS as e:
-                failures += 1
-                if failures >= retry.attempts:
-                    raise NetworkError(f"connection to {host_of(url)} dropped: {describe_network_error(e)}") from None
-                retry.wait(failures)
+                attempts.fail(f"connection dropped: {describe_network_error(e)}")
                 continue
-            if len(body) > 16 * 1024 * 1024:
+            if len(body) > MAX_JSON_BYTES:
                 raise DownloadError(f"response from {host_of(url)} is too large")
             try:
                 return json.loads(body)
