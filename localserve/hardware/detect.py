@@ -72,10 +72,11 @@ def _run_all(probes: dict[str, Probe], env: ProbeEnv, deadline_s: float) -> dict
 
 def _merge_gpus(found: list[GPUInfo]) -> list[GPUInfo]:
     """nvidia-smi knows NVIDIA cards best (free VRAM, compute capability): its entries replace the
-    sysfs/registry view of the same cards, matched by PCI bus id where both give one."""
+    sysfs/registry view of the same cards, matched by PCI bus id where both give one. Discrete and
+    unified-memory GPUs come first, biggest first, so "gpu:0" is the one worth offloading to."""
     smi = [g for g in found if g.source == "nvidia-smi"]
     if not smi:
-        return found
+        return sorted(found, key=_gpu_rank)
     smi_bus = {g.bus_id for g in smi}
     merged = []
     for g in found:
@@ -87,7 +88,11 @@ def _merge_gpus(found: list[GPUInfo]) -> list[GPUInfo]:
     for g in smi:
         if g.bus_id in by_bus and g.pci_id is None:
             g.pci_id = by_bus[g.bus_id].pci_id
-    return merged
+    return sorted(merged, key=_gpu_rank)
+
+
+def _gpu_rank(gpu: GPUInfo) -> tuple[bool, int]:
+    return gpu.kind == "integrated", -(gpu.vram_bytes or 0)
 
 
 def detect_hardware(env: ProbeEnv | None = None, *, deadline_s: float | None = None) -> HardwareReport:
