@@ -83,6 +83,8 @@ class CatalogEntry:
     builtin: bool = True
 
     def variant(self, tag: str | None) -> Variant:
+        if tag is not None and tag.lower() == "latest" and not any(k.lower() == "latest" for k in self.variants):
+            tag = None  # Ollama clients send `name:latest` for "the default"
         wanted = tag or self.default_tag or next(iter(self.variants), None)
         for key, variant in self.variants.items():
             if wanted is not None and key.lower() == wanted.lower():

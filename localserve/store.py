@@ -266,7 +266,8 @@ class ModelStore:
             for m in same_name:
                 if m.tag.lower() == parsed.tag.lower():
                     return m
-            raise ModelNotFoundError(ref, [m.ref for m in same_name], message=f"model {ref!r} is not installed")
+            if parsed.tag.lower() != "latest":  # `name:latest` from Ollama clients means "the default"
+                raise ModelNotFoundError(ref, [m.ref for m in same_name], message=f"model {ref!r} is not installed")
         if len(same_name) == 1:
             return same_name[0]
         preferred = ["latest"]

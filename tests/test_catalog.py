@@ -83,6 +83,7 @@ def test_resolve_suggests_close_names_and_tags(settings):
         catalog.resolve("smollm2-135m:Q9")
     assert "smollm2-135m:Q4_1" in info.value.suggestions
     assert catalog.resolve("SmolLM2-135M:q8_0").variant.tag == "Q8_0"  # names and tags are case-insensitive
+    assert catalog.resolve("smollm2-135m:latest").variant.tag == "Q4_1"  # Ollama's spelling of "the default"
 
 
 def test_hf_and_url_references_resolve_without_a_catalog_entry(settings):

@@ -47,6 +47,7 @@ class Served:
     ignore_range: bool = False
     fail_statuses: list[int] = field(default_factory=list)  # answered first, one per request
     delay: float = 0.0  # seconds between 64 KiB chunks
+    claimed_length: int | None = None  # a Content-Length to announce instead of the real one
 
 
 class LocalServer:
@@ -120,7 +121,7 @@ class LocalServer:
             status = 206
             headers["Content-Range"] = f"bytes {start}-{len(data) - 1}/{len(data)}"
         record["status"] = status
-        headers["Content-Length"] = str(len(data) - start)
+        headers["Content-Length"] = str(spec.claimed_length or len(data) - start)
         response = web.StreamResponse(status=status, headers=headers)
         await response.prepare(request)
         drop = spec.drop_after is not None and spec.drops > 0
@@ -346,6 +347,14 @@ def test_free_disk_is_checked_before_downloading(tmp_path, server):
     with pytest.raises(DiskFullError, match="not enough disk space"):
         pull_model("hf.co/TestOrg/Huge", settings, retry=FAST_RETRY)
     assert server.requests_for("huge-Q4_K_M.gguf") == []
+
+
+def test_free_disk_is_checked_when_the_server_announces_the_length(tmp_path, server):
+    server.files["huge.gguf"] = Served(PAYLOAD, claimed_length=10**15)
+    settings = make_settings(tmp_path)
+    with pytest.raises(DiskFullError, match="not enough disk space for huge.gguf"):
+        pull_model(f"{server.url}/files/huge.gguf", settings, retry=FAST_RETRY)
+    assert_nothing_installed(settings, "huge", "latest")
 
 
 def test_url_without_digest_must_parse_as_gguf(tmp_path, server, smollm2_gguf):

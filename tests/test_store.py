@@ -60,6 +60,7 @@ def test_add_registers_in_place_without_copying(tmp_path, smollm2_gguf):
     assert list(store.root.rglob("*.gguf")) == []  # nothing copied into the cache
     assert [m.ref for m in store.list()] == ["mine:v1"]
     assert store.find("mine").path == model.path and store.find("MINE:V1").path == model.path
+    assert store.find("mine:latest").path == model.path  # Ollama clients add `:latest`
 
     store.remove("mine:v1")
     assert store.list() == [] and smollm2_gguf.exists()  # the user's file is never deleted

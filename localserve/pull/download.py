@@ -22,6 +22,7 @@ import errno
 import http.client
 import json
 import re
+import shutil
 import socket
 import time
 import urllib.error
@@ -112,6 +113,20 @@ def parse_content_range(value: str | None) -> tuple[int, int | None] | None:
     return int(match.group(1)), total
 
 
+DISK_MARGIN = 64 * 1024 * 1024  # leave room for manifests, logs and the OS
+
+
+def ensure_free_space(directory: Path, need: int, what: str) -> None:
+    """Refuse to start writing `need` bytes that cannot fit (a full disk breaks more than our pull)."""
+    free = shutil.disk_usage(directory).free
+    if free < need + DISK_MARGIN:
+        raise DiskFullError(f"not enough disk space for {what}: needs {_human(need + DISK_MARGIN)}, {_human(free)} free")
+
+
+def _human(n: int) -> str:
+    return f"{n / 1e9:.2f} GB" if n >= 1e8 else f"{n / 1e6:.1f} MB"
+
+
 def _truncate(path: Path) -> None:
     with open(path, "wb"):
         pass
@@ -187,6 +202,8 @@ def download_file(
                     f"{part}: the server reports {total} bytes but {expected_size} were expected"
                 )
             total = total if total is not None else expected_size
+            if total is not None:
+                ensure_free_space(partial.parent, total - have, part)
 
             received_any = False
             with open(partial, "r+b" if have else "wb") as f:

