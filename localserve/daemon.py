@@ -29,7 +29,6 @@ from .errors import DaemonError
 LOCK_NAME = "daemon.lock"
 INFO_NAME = "daemon.json"
 STDERR_NAME = "daemon-stderr.log"  # what a background daemon prints before its logging is set up
-LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
 
 
 @dataclass
@@ -39,10 +38,6 @@ class DaemonInfo:
     host: str
     port: int
     started_at: float
-
-
-def is_loopback(host: str) -> bool:
-    return host in LOOPBACK_HOSTS or host.startswith("127.")
 
 
 # --- the lock -------------------------------------------------------------------------------
@@ -300,15 +295,7 @@ def run_daemon(settings: Settings, *, background: bool = False) -> int:
     """`localserve serve`: serve in the foreground until SIGINT/SIGTERM, then shut down gracefully."""
     import asyncio
 
-    from .errors import ConfigError
-
-    if not is_loopback(settings.host) and not settings.api_key:
-        # A daemon on a LAN address without a key would hand every neighbour a free LLM and the
-        # models' files: refuse rather than warn.
-        raise ConfigError(
-            f"refusing to listen on {settings.host} without an API key: "
-            "set LOCALSERVE_API_KEY (or api_key in the config file), or bind 127.0.0.1"
-        )
+    # create_app refuses a non-loopback bind without an API key before anything listens.
     lock = DaemonLock(settings)
     lock.acquire()
     try:

@@ -1,0 +1,103 @@
+"""Helpers for tests that run the real CLI and daemon as subprocesses on a temporary home."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def cli_env(home: Path, port: int, **extra: str) -> dict[str, str]:
+    """Environment of a CLI/daemon subprocess: only this home and port, small engine, no user config."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("LOCALSERVE_")}
+    env.update(
+        PYTHONPATH=str(REPO),
+        LOCALSERVE_HOME=str(home),
+        LOCALSERVE_PORT=str(port),
+        LOCALSERVE_CONFIG=str(home / "no-config.toml"),
+        LOCALSERVE_THREADS="2",
+        LOCALSERVE_CONTEXT_LENGTH="1024",
+        LOCALSERVE_MAX_SEQUENCES="4",
+        LOCALSERVE_SHUTDOWN_TIMEOUT="3",
+        PYTHONUNBUFFERED="1",
+    )
+    env.update(extra)
+    return env
+
+
+def cli(env: dict[str, str], *args: str, input: str | None = None, timeout: float = 180) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "localserve", *args],
+        env=env, cwd=REPO, input=input, capture_output=True, text=True, timeout=timeout,
+    )
+
+
+def start_serve(env: dict[str, str], *args: str) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        [sys.executable, "-m", "localserve", "serve", *args],
+        env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
+
+
+def pid_file(home: Path) -> Path:
+    return home / "run" / "daemon.json"
+
+
+def wait_published(home: Path, proc: subprocess.Popen[str] | None = None, timeout: float = 60) -> dict:
+    """The daemon's pid file once it answers /health."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            raise AssertionError(f"serve exited {proc.returncode}: {proc.stderr.read() if proc.stderr else ''}")
+        try:
+            info = json.loads(pid_file(home).read_text())
+            if http_get(info["url"] + "/health")[0] == 200:
+                return info
+        except (OSError, ValueError, KeyError):
+            pass
+        time.sleep(0.1)
+    raise AssertionError("daemon did not become healthy")
+
+
+def http_get(url: str, timeout: float = 10) -> tuple[int, bytes]:
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as resp:
+            return resp.status, resp.read()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read()
+
+
+def http_post(url: str, body: dict, timeout: float = 120) -> tuple[int, dict]:
+    req = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as resp:
+            return resp.status, json.loads(resp.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read() or b"{}")
+
+
+def register_model(env: dict[str, str], gguf: Path, name: str = "smollm2-135m") -> None:
+    """`localserve add` the cached test model into this home (no download)."""
+    result = cli(env, "add", str(gguf), "--name", name)
+    assert result.returncode == 0, result.stderr
+
+
+def stop_quietly(env: dict[str, str], proc: subprocess.Popen[str] | None = None) -> None:
+    """Teardown: stop whatever daemon this home runs, never leaving a process behind."""
+    cli(env, "stop", "--timeout", "30", timeout=60)
+    if proc is not None and proc.poll() is None:
+        proc.kill()
+        proc.wait(10)
