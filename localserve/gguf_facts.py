@@ -384,18 +384,57 @@ def _facts(version: int, meta: dict[str, Any], tensors: list[_Tensor], file_size
 
 def read_gguf_metadata(path: str | os.PathLike[str]) -> dict[str, Any]:
     """All metadata key/values of a GGUF file (long arrays as `ArrayInfo`), bounded like the facts."""
-    return _open(path, lambda version, meta, tensors, size, label: meta)
+    return _parse(Path(path))[1]
 
 
 def read_gguf_facts(path: str | os.PathLike[str]) -> GGUFFacts:
     """Parse and validate the header of `path`; raise GGUFError (never anything else) if it is not
-    a complete, well-formed GGUF model file."""
-    return _open(path, _facts)
-
-
-def _open(path: str | os.PathLike[str], build: Any) -> Any:
+    a complete, well-formed GGUF model file. A split model (llama.cpp's gguf-split shards,
+    "NAME-00001-of-00003.gguf") is read through its first shard: every shard's header is checked
+    and the facts cover the whole model, as llama.cpp loads it."""
     p = Path(path)
-    label = p.name or "model file"  # messages name the file, never the host path around it
+    version, meta, tensors, size = _parse(p)
+    count = _int(meta, "split.count")
+    if count > 1:
+        tensors, size = _read_shards(p, meta, count, tensors, size)
+    return _facts(version, meta, tensors, size, _label(p))
+
+
+_SPLIT_NAME = re.compile(r"^(?P<prefix>.+)-(?P<no>\d{5})-of-(?P<count>\d{5})\.gguf$")
+MAX_SHARDS = 1000
+
+
+def _read_shards(first: Path, meta: dict[str, Any], count: int, tensors: list[_Tensor], size: int) -> tuple[list[_Tensor], int]:
+    label = _label(first)
+    no = _int(meta, "split.no")
+    m = _SPLIT_NAME.match(first.name)
+    if no != 0:
+        raise GGUFError(f"{label} is part {no + 1} of {count} of a split model; use the first part")
+    if count > MAX_SHARDS or not m or int(m.group("count")) != count:
+        raise GGUFError(f"{label}: split model of {count} parts, but the name does not follow NAME-00001-of-{count:05d}.gguf")
+    seen = {t.name for t in tensors}
+    for i in range(2, count + 1):
+        shard = first.with_name(f"{m.group('prefix')}-{i:05d}-of-{count:05d}.gguf")
+        if not shard.exists():
+            raise GGUFError(f"{label}: part {i} of {count} ({shard.name}) is missing")
+        _, shard_meta, shard_tensors, shard_size = _parse(shard)
+        if _int(shard_meta, "split.no") != i - 1 or _int(shard_meta, "split.count") != count:
+            raise GGUFError(f"{shard.name} is not part {i} of {count} of the same split model")
+        for t in shard_tensors:
+            if t.name in seen:
+                raise GGUFError(f"{shard.name}: tensor {t.name!r} appears in two parts")
+            seen.add(t.name)
+        tensors = tensors + shard_tensors
+        size += shard_size
+    return tensors, size
+
+
+def _label(p: Path) -> str:
+    return p.name or "model file"  # messages name the file, never the host path around it
+
+
+def _parse(p: Path) -> tuple[int, dict[str, Any], list[_Tensor], int]:
+    label = _label(p)
     try:
         with open(p, "rb") as f:
             size = os.fstat(f.fileno()).st_size
@@ -408,4 +447,4 @@ def _open(path: str | os.PathLike[str], build: Any) -> Any:
         raise GGUFError(f"{label}: permission denied") from None
     except OSError as e:
         raise GGUFError(f"{label}: cannot read file ({e.strerror or e})") from None
-    return build(version, meta, tensors, size, label)
+    return version, meta, tensors, size

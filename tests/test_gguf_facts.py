@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import struct
 from pathlib import Path
@@ -19,9 +20,9 @@ N_VOCAB = 5000  # > KEEP_ARRAY_LEN, so the token list takes the skip path
 
 
 def write_tiny_llama(path: Path, *, endian: GGUFEndian = GGUFEndian.LITTLE, file_type: int | None = 1,
-                     kv_heads: int | list[int] = 2, dtype: type = np.float16) -> Path:
+                     kv_heads: int | list[int] = 2, dtype: type = np.float16, split_max_tensors: int = 0) -> Path:
     """A structurally complete 2-layer llama GGUF written by the gguf package's own writer."""
-    w = GGUFWriter(str(path), "llama", endianess=endian)
+    w = GGUFWriter(str(path), "llama", endianess=endian, split_max_tensors=split_max_tensors)
     w.add_name("tiny-llama")
     w.add_block_count(2)
     w.add_context_length(256)
@@ -139,6 +140,24 @@ def test_per_layer_kv_heads_of_hybrid_models(tmp_path: Path) -> None:
     assert (f.n_kv_heads, f.kv_heads_all_layers) == (2, 2)
 
 
+def test_split_model_is_read_through_its_first_part(tmp_path: Path, tiny: Path) -> None:
+    (tmp_path / "split").mkdir()
+    write_tiny_llama(tmp_path / "split" / "tiny.gguf", split_max_tensors=3)
+    parts = sorted((tmp_path / "split").iterdir())
+    assert [p.name for p in parts] == [f"tiny-0000{i}-of-00003.gguf" for i in (1, 2, 3)]
+    whole, split = read_gguf_facts(tiny), read_gguf_facts(parts[0])
+    assert split.file_size == sum(p.stat().st_size for p in parts)
+    assert dataclasses.replace(split, file_size=whole.file_size) == whole
+    with pytest.raises(GGUFError, match="part 2 of 3 of a split model; use the first part"):
+        read_gguf_facts(parts[1])
+    parts[2].unlink()
+    with pytest.raises(GGUFError, match=r"part 3 of 3 \(tiny-00003-of-00003.gguf\) is missing"):
+        read_gguf_facts(parts[0])
+    renamed = parts[0].rename(tmp_path / "split" / "renamed.gguf")
+    with pytest.raises(GGUFError, match="does not follow NAME-00001-of-00003.gguf"):
+        read_gguf_facts(renamed)
+
+
 # --- hostile and broken files ---------------------------------------------------------------
 
 def test_garbage_and_empty_files(tmp_path: Path) -> None:
@@ -149,7 +168,7 @@ def test_garbage_and_empty_files(tmp_path: Path) -> None:
 
 def test_every_truncation_is_a_clean_error(tiny: Path, tmp_path: Path) -> None:
     blob = tiny.read_bytes()
-    cuts = sorted(set(range(0, 300)) | set(range(0, len(blob), max(1, len(blob) // 150))) | {len(blob) - 1})
+    cuts = sorted(set(range(0, 300)) | set(range(0, len(blob), max(1, len(blob) // 60))) | {len(blob) - 1})
     for cut in cuts:
         expect_error(tmp_path, blob[:cut], "truncated|not a GGUF")
 
