@@ -25,7 +25,8 @@ GiB = 1 << 30
 
 
 def _class_devices(env: ProbeEnv, class_guid: str) -> list[dict[str, object]]:
-    assert env.registry is not None
+    if env.registry is None:
+        raise RuntimeError("no registry access")
     path = f"{CLASS_ROOT}\\{class_guid}"
     try:
         keys = env.registry.subkeys(path)
@@ -57,9 +58,11 @@ def _memory(values: dict[str, object]) -> int | None:
     return legacy if isinstance(legacy, int) else None
 
 
+def _driver_version(values: dict[str, object]) -> str | None:
+    return str(values["DriverVersion"]) if values.get("DriverVersion") else None
+
+
 def probe_gpus_windows(env: ProbeEnv) -> list[GPUInfo]:
-    if env.registry is None:
-        raise RuntimeError("no registry access")
     gpus = []
     for values in _class_devices(env, DISPLAY_CLASS):
         ids = _ids(values)
@@ -75,7 +78,8 @@ def probe_gpus_windows(env: ProbeEnv) -> list[GPUInfo]:
         elif vendor == "Intel":
             kind = "discrete" if is_intel_discrete(device_id) else "integrated"
         elif vendor == "AMD":
-            # Windows shows an APU's BIOS carve-out as dedicated memory; dGPUs have at least 4 GiB.
+            # Windows shows an APU's BIOS carve-out as dedicated memory; dGPUs have at least 4 GiB. A
+            # big-carve-out APU (Strix Halo) lands in "discrete", which is what placement needs anyway.
             kind = "discrete" if vram is not None and vram >= 4 * GiB else "integrated"
         else:
             kind = "integrated"
@@ -84,10 +88,10 @@ def probe_gpus_windows(env: ProbeEnv) -> list[GPUInfo]:
             vendor=vendor,
             name=str(values.get("DriverDesc") or f"{vendor} GPU"),
             kind=kind,
-            vram_bytes=vram if kind == "discrete" or vram and vram >= 4 * GiB else None,
+            vram_bytes=vram if kind == "discrete" else None,  # an iGPU's few MiB of "dedicated" memory mislead
             vram_free_bytes=None,
             apis=apis,
-            driver=str(values["DriverVersion"]) if values.get("DriverVersion") else None,
+            driver=_driver_version(values),
             pci_id=f"{vendor_id}:{device_id}",
             source="registry",
         ))
@@ -95,8 +99,6 @@ def probe_gpus_windows(env: ProbeEnv) -> list[GPUInfo]:
 
 
 def probe_npus_windows(env: ProbeEnv) -> list[NPUInfo]:
-    if env.registry is None:
-        raise RuntimeError("no registry access")
     npus = []
     for values in _class_devices(env, COMPUTE_ACCELERATOR_CLASS):
         ids = _ids(values)
@@ -105,6 +107,5 @@ def probe_npus_windows(env: ProbeEnv) -> list[NPUInfo]:
         if not vendor:  # fall back on the provider ("Qualcomm Technologies, Inc.")
             provider = str(values.get("ProviderName") or "")
             vendor = next((v for v in ("Qualcomm", "Intel", "AMD") if v.lower() in provider.lower()), provider or "unknown")
-        driver = str(values["DriverVersion"]) if values.get("DriverVersion") else None
-        npus.append(make_npu(vendor, name, driver, ids, "registry"))
+        npus.append(make_npu(vendor, name, _driver_version(values), ids, "registry"))
     return npus
