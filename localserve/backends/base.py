@@ -54,14 +54,20 @@ class Sampler(ABC):
 
     @abstractmethod
     def sample(self, batch_index: int) -> SampledToken:
-        """Sample from the logits of row `batch_index` of the last decode, and accept the token."""
+        """Sample from the logits of row `batch_index` of the last decode, and accept the token.
+
+        ValueError if that row asked for no logits; InvalidRequestError if the request's
+        constraints (grammar plus logit_bias) leave no token to choose."""
 
     def close(self) -> None:
         """Release native resources; idempotent."""
 
 
 class Backend(ABC):
-    n_ctx: int  # KV cells in the shared cache
+    # KV cells in the shared cache. llama.cpp reports no count of used cells, so the scheduler keeps
+    # the books: one cell per token decoded for a sequence, cells shared through kv_copy count once,
+    # a cell is free when no sequence holds it (batching/kvpool.py).
+    n_ctx: int
     n_batch: int  # hard cap of tokens per decode call: never exceed it (llama.cpp aborts the process)
     n_seq_max: int  # sequence ids are 0 .. n_seq_max-1
     info: ModelInfo
@@ -69,7 +75,12 @@ class Backend(ABC):
     # --- compute -------------------------------------------------------------------------
     @abstractmethod
     def decode(self, batch: Sequence[BatchToken]) -> None:
-        """Run one packed batch. Raises KVFullError (no room, nothing kept) or BackendError."""
+        """Run one packed batch.
+
+        Raises ValueError before running anything for a batch that breaks the rules (empty, more
+        than n_batch tokens, sequence or token ids out of range); KVFullError when there is no room
+        (nothing kept); BackendError when the compute failed (the batch's positions are rolled back,
+        so every sequence is as it was before the call)."""
 
     @abstractmethod
     def new_sampler(self, params: SamplingParams, prompt_tokens: Sequence[int]) -> Sampler:
@@ -86,7 +97,8 @@ class Backend(ABC):
 
     @abstractmethod
     def kv_copy(self, src: int, dst: int, p0: int, p1: int) -> None:
-        """Make positions [p0, p1) of `src` part of `dst` too (cells shared, not duplicated)."""
+        """Make positions [p0, p1) of `src` part of `dst` too (cells shared, not duplicated).
+        `dst` should hold nothing in that range (kv_remove it first)."""
 
     @abstractmethod
     def kv_pos_max(self, seq_id: int) -> int:
@@ -97,8 +109,9 @@ class Backend(ABC):
     def tokenize(self, text: str, add_special: bool = True, parse_special: bool = True) -> list[int]: ...
 
     @abstractmethod
-    def token_to_bytes(self, token: int) -> bytes:
-        """The raw bytes of one token (may be part of a UTF-8 character); special tokens render empty."""
+    def token_to_bytes(self, token: int, special: bool = False) -> bytes:
+        """The raw bytes of one token (may be part of a UTF-8 character); special tokens render
+        empty unless `special` is set."""
 
     @abstractmethod
     def is_eog(self, token: int) -> bool:

@@ -1,0 +1,375 @@
+"""The llama.cpp backend: one model, one context whose unified KV cache is shared by many sequences.
+
+Built on llama-cpp-python's low-level ctypes API (pinned: its signatures move between releases).
+Everything that could make llama.cpp abort the process (more than n_batch tokens in one decode,
+sequence ids out of range in KV calls, sampling rows that produced no logits) is checked here first
+and raised as a Python error, so one bad request never takes the daemon down.
+
+Threading: `decode`, `Sampler.sample` and the KV calls belong to one thread (the engine's step
+loop); the logits of a decode are valid only until the next one. `tokenize`, `token_to_bytes`,
+`is_eog` read the immutable vocabulary and are safe from any thread. `embed` runs on its own
+context behind its own lock.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import re
+import threading
+import weakref
+from pathlib import Path
+from typing import Any, Sequence
+
+import llama_cpp
+import numpy as np
+
+from ..batching.params import SamplingParams
+from ..errors import BackendError, GGUFError, InvalidRequestError, ModelNotFoundError
+from .base import Backend, BatchToken, KVFullError, ModelInfo
+from .llamacpp_batch import PackedBatch
+from .llamacpp_embed import EmbeddingContext
+from .llamacpp_runtime import ensure_runtime, error_count, last_error_since
+from .llamacpp_sampling import LlamaCppSampler
+
+log = logging.getLogger(__name__)
+
+_INT32_MIN = -(2**31)
+_META_VALUE_MAX = 4096  # longer metadata values (token lists, merges) are not worth carrying around
+
+
+def default_threads() -> int:
+    """Physical cores: llama.cpp's matmuls gain nothing from SMT siblings and lose to contention."""
+    try:
+        import psutil
+
+        n = psutil.cpu_count(logical=False)
+    except Exception:  # noqa: BLE001 - psutil can fail on odd platforms/containers; fall back
+        n = None
+    return max(1, n or os.cpu_count() or 1)
+
+
+def _free_native(model, ctx, embedder_box: list) -> None:
+    # Order matters: contexts reference the model.
+    if embedder_box and embedder_box[0] is not None:
+        embedder_box[0].close()
+    if ctx:
+        llama_cpp.llama_free(ctx)
+    if model:
+        llama_cpp.llama_model_free(model)
+
+
+class LlamaCppBackend(Backend):
+    exact_attention = False  # see load()
+
+    def __init__(self, model, ctx, path: Path, *, n_threads: int) -> None:
+        self.model = model
+        self.ctx = ctx
+        self.vocab = llama_cpp.llama_model_get_vocab(model)
+        self.memory = llama_cpp.llama_get_memory(ctx)
+        self.n_ctx = llama_cpp.llama_n_ctx(ctx)
+        self.n_batch = llama_cpp.llama_n_batch(ctx)
+        self.n_ubatch = llama_cpp.llama_n_ubatch(ctx)
+        self.n_seq_max = llama_cpp.llama_n_seq_max(ctx)
+        self.n_threads = n_threads
+        self.n_vocab = llama_cpp.llama_vocab_n_tokens(self.vocab)
+        self.n_embd = llama_cpp.llama_model_n_embd(model)
+        self.token_ids = np.arange(self.n_vocab, dtype=np.int32)  # read-only helper for samplers
+        self.token_ids.flags.writeable = False
+        self._packed = PackedBatch(self.n_batch)
+        self._outputs = np.zeros(self.n_batch, dtype=np.int8)  # which rows of the last decode have logits
+        self._n_out = 0  # rows of the last successful decode (0: no logits valid)
+        self._pieces: dict[tuple[int, bool], bytes] = {}
+        self._embedder_box: list[EmbeddingContext | None] = [None]
+        self._embedder_lock = threading.Lock()
+        self._closed = False
+        self._finalizer = weakref.finalize(self, _free_native, model, ctx, self._embedder_box)
+        self.info = self._read_info(path)
+
+    # --- lifecycle ------------------------------------------------------------------------
+    @classmethod
+    def load(
+        cls,
+        path: str | os.PathLike[str],
+        *,
+        n_ctx: int,
+        n_seq_max: int,
+        n_batch: int,
+        n_threads: int | None = None,
+        n_gpu_layers: int = 0,
+        embeddings: bool = False,
+        exact_attention: bool = False,
+    ) -> LlamaCppBackend:
+        """Load a GGUF model and create its batching context.
+
+        n_ctx: KV cells shared by all sequences (unified cache, so kv_copy can share prefixes).
+        n_seq_max: sequence ids 0..n_seq_max-1 (llama.cpp allows at most 256).
+        n_batch: the most tokens one decode may carry (the scheduler's step budget must not exceed it).
+        embeddings: create the embeddings context now instead of at the first embed() call.
+        exact_attention: F32 KV cache and no flash attention. With the default F16 cache (and the
+            CPU flash-attention kernel, which rounds through F16 anyway) attention sums depend on
+            where a sequence's cells sit in the cache: measured on SmolLM2, a prompt continued in
+            cells freed by another sequence differs by up to ~0.6 in its logits (enough to flip a
+            greedy token) from the same prompt in fresh cells. With F32 and no flash attention the
+            logits are bit-identical whatever the cell order, so a request gives the same output
+            alone, batched, or from the prefix cache. Costs 2x KV memory and ~10% decode speed.
+        """
+        path = Path(path)
+        max_seq = llama_cpp.llama_max_parallel_sequences()
+        if not 1 <= n_seq_max <= max_seq:
+            raise ValueError(f"n_seq_max must be in 1..{max_seq}")
+        if n_ctx < 1 or n_batch < 1:
+            raise ValueError("n_ctx and n_batch must be positive")
+        if not path.is_file():
+            raise ModelNotFoundError(path.name, message=f"model file {path.name!r} does not exist")
+        ensure_runtime()
+        n_threads = n_threads or default_threads()
+
+        errors_before = error_count()
+        mparams = llama_cpp.llama_model_default_params()
+        mparams.n_gpu_layers = n_gpu_layers
+        model = llama_cpp.llama_model_load_from_file(os.fsencode(path), mparams)
+        if not model:
+            reason = _without_paths(last_error_since(errors_before), path)
+            raise GGUFError(f"could not load model file {path.name!r}" + (f": {reason}" if reason else ""))
+
+        cparams = llama_cpp.llama_context_default_params()
+        cparams.n_ctx = n_ctx
+        cparams.n_batch = n_batch
+        cparams.n_ubatch = min(n_batch, 512)  # llama.cpp's default micro-batch: bigger only costs memory
+        cparams.n_seq_max = n_seq_max
+        cparams.kv_unified = True  # one cell pool: seq_cp shares cells, any sequence may grow to n_ctx
+        cparams.n_threads = n_threads
+        cparams.n_threads_batch = n_threads
+        cparams.embeddings = False
+        if exact_attention:
+            cparams.type_k = cparams.type_v = llama_cpp.GGML_TYPE_F32
+            cparams.flash_attn_type = llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED
+        ctx = llama_cpp.llama_init_from_model(model, cparams)
+        if not ctx:
+            llama_cpp.llama_model_free(model)
+            raise BackendError(f"could not create a context for {path.name!r} (n_ctx={n_ctx}; out of memory?)")
+        backend = cls(model, ctx, path, n_threads=n_threads)
+        backend.exact_attention = exact_attention
+        if embeddings:
+            backend._embedder()
+        return backend
+
+    def close(self) -> None:
+        self._closed = True
+        self._n_out = 0
+        self._finalizer()  # idempotent
+
+    def __enter__(self) -> LlamaCppBackend:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise BackendError("the model has been unloaded")
+
+    # --- compute --------------------------------------------------------------------------
+    def decode(self, batch: Sequence[BatchToken]) -> None:
+        self._check_open()
+        self._packed.fill_tokens(batch)
+        self._run(self._packed)
+
+    def decode_arrays(self, tokens, seq_ids, positions, logits) -> None:
+        """decode() for callers that already hold columns (numpy arrays or lists): no BatchToken objects."""
+        self._check_open()
+        self._packed.fill(tokens, seq_ids, positions, logits)
+        self._run(self._packed)
+
+    def _run(self, packed: PackedBatch) -> None:
+        packed.check_ids(self.n_vocab, self.n_seq_max)
+        n = packed.n_tokens
+        self._n_out = 0  # the previous step's rows are gone whatever happens next
+        errors_before = error_count()
+        rc = llama_cpp.llama_decode(self.ctx, packed.struct)
+        if rc == 0:
+            self._outputs[:n] = packed.logits[:n]
+            self._n_out = n
+            return
+        if rc == 1:
+            raise KVFullError(f"no room in the KV cache for a batch of {n} tokens")
+        if rc != -1:
+            # 2 (aborted) and < -1 (compute error) keep the micro-batches already processed; drop them
+            # so every sequence is back where it was (-1 means nothing was processed).
+            self._rollback(packed)
+        reason = last_error_since(errors_before)
+        raise BackendError(f"decode failed (llama.cpp code {rc})" + (f": {reason}" if reason else ""))
+
+    def _rollback(self, packed: PackedBatch) -> None:
+        n = packed.n_tokens
+        seqs, pos = packed.seq[:n], packed.pos[:n]
+        for s in np.unique(seqs):
+            llama_cpp.llama_memory_seq_rm(self.memory, int(s), int(pos[seqs == s].min()), -1)
+
+    def logits_row(self, batch_index: int) -> np.ndarray:
+        """A read-only view of the logits of `batch_index` in the last decode; valid until the next one."""
+        if not 0 <= batch_index < self._n_out or not self._outputs[batch_index]:
+            # llama.cpp returns NULL here in release builds but GGML_ASSERTs inside llama_sampler_sample.
+            raise ValueError(f"batch row {batch_index} produced no logits in the last decode")
+        ptr = llama_cpp.llama_get_logits_ith(self.ctx, batch_index)
+        if not ptr:
+            raise BackendError(f"no logits for batch row {batch_index}")
+        row = np.ctypeslib.as_array(ptr, shape=(self.n_vocab,))
+        row.flags.writeable = False
+        return row
+
+    def logits(self, batch_index: int) -> np.ndarray:
+        """A copy of the logits of `batch_index` in the last decode."""
+        return self.logits_row(batch_index).copy()
+
+    def new_sampler(self, params: SamplingParams, prompt_tokens: Sequence[int]) -> LlamaCppSampler:
+        self._check_open()
+        return LlamaCppSampler(self, params, prompt_tokens)
+
+    def embed(self, inputs: Sequence[Sequence[int]]) -> list[list[float]]:
+        self._check_open()
+        if not inputs:
+            return []
+        return self._embedder().embed(inputs)
+
+    def _embedder(self) -> EmbeddingContext:
+        with self._embedder_lock:
+            if self._embedder_box[0] is None:
+                self._embedder_box[0] = EmbeddingContext(
+                    self.model,
+                    n_ctx=self.n_ctx,
+                    n_batch=self.n_batch,
+                    n_seq_max=min(self.n_seq_max, 64),
+                    n_threads=self.n_threads,
+                    n_embd=self.n_embd,
+                    n_vocab=self.n_vocab,
+                )
+            return self._embedder_box[0]
+
+    # --- KV cache -------------------------------------------------------------------------
+    def _check_seq(self, seq_id: int) -> None:
+        # Out-of-range ids are GGML_ASSERTs (process abort) inside llama_memory_seq_*.
+        if not 0 <= seq_id < self.n_seq_max:
+            raise ValueError(f"sequence id {seq_id} out of range 0..{self.n_seq_max - 1}")
+
+    def kv_remove(self, seq_id: int, p0: int = 0, p1: int = -1) -> None:
+        self._check_open()
+        self._check_seq(seq_id)
+        if not llama_cpp.llama_memory_seq_rm(self.memory, seq_id, p0, p1):
+            raise BackendError("this model's cache cannot drop part of a sequence")
+
+    def kv_copy(self, src: int, dst: int, p0: int, p1: int) -> None:
+        self._check_open()
+        self._check_seq(src)
+        self._check_seq(dst)
+        llama_cpp.llama_memory_seq_cp(self.memory, src, dst, p0, p1)
+
+    def kv_pos_max(self, seq_id: int) -> int:
+        self._check_open()
+        self._check_seq(seq_id)
+        return llama_cpp.llama_memory_seq_pos_max(self.memory, seq_id)
+
+    def kv_pos_min(self, seq_id: int) -> int:
+        self._check_open()
+        self._check_seq(seq_id)
+        return llama_cpp.llama_memory_seq_pos_min(self.memory, seq_id)
+
+    def kv_clear(self) -> None:
+        self._check_open()
+        llama_cpp.llama_memory_clear(self.memory, True)
+        self._n_out = 0
+
+    # --- tokenizer ------------------------------------------------------------------------
+    def tokenize(self, text: str, add_special: bool = True, parse_special: bool = True) -> list[int]:
+        # errors="replace": a lone surrogate from a JSON "\ud800" must not raise UnicodeEncodeError.
+        data = text.encode("utf-8", errors="replace")
+        # Most text runs 3-4 bytes per token; CJK and emoji need more tokens than this guess and
+        # take the retry with the exact size llama.cpp reports back.
+        cap = len(data) // 2 + 8
+        for _ in range(2):
+            buf = (llama_cpp.llama_token * cap)()
+            n = llama_cpp.llama_tokenize(self.vocab, data, len(data), buf, cap, add_special, parse_special)
+            if n >= 0:
+                return buf[:n]
+            if n == _INT32_MIN:
+                raise InvalidRequestError("text is too long to tokenize")
+            cap = -n  # the negative result is the size needed
+        raise BackendError("tokenizer did not converge on a buffer size")
+
+    def token_to_bytes(self, token: int, special: bool = False) -> bytes:
+        key = (token, special)
+        piece = self._pieces.get(key)
+        if piece is None:
+            if not 0 <= token < self.n_vocab:
+                raise ValueError(f"token id {token} out of range 0..{self.n_vocab - 1}")
+            piece = self._piece(token, special)
+            self._pieces[key] = piece
+        return piece
+
+    def _piece(self, token: int, special: bool) -> bytes:
+        size = 32
+        for _ in range(2):
+            buf = ctypes.create_string_buffer(size)
+            n = llama_cpp.llama_token_to_piece(self.vocab, token, buf, size, 0, special)
+            if n >= 0:
+                return buf.raw[:n]
+            size = -n
+        raise BackendError(f"could not render token {token}")
+
+    def token_text(self, token: int) -> str:
+        """Display text of a token, special tokens included (for logprobs listings)."""
+        return self.token_to_bytes(token, special=True).decode("utf-8", errors="replace")
+
+    def is_eog(self, token: int) -> bool:
+        return bool(llama_cpp.llama_vocab_is_eog(self.vocab, token))
+
+    # --- model facts ----------------------------------------------------------------------
+    def _read_info(self, path: Path) -> ModelInfo:
+        meta = self._metadata()
+        template = llama_cpp.llama_model_chat_template(self.model, None)
+        return ModelInfo(
+            name=meta.get("general.name") or path.stem,
+            architecture=meta.get("general.architecture", ""),
+            n_ctx_train=llama_cpp.llama_model_n_ctx_train(self.model),
+            n_vocab=self.n_vocab,
+            n_embd=self.n_embd,
+            n_params=llama_cpp.llama_model_n_params(self.model),
+            chat_template=template.decode("utf-8", errors="replace") if template else None,
+            bos_token=self._special_text(llama_cpp.llama_vocab_bos(self.vocab)),
+            eos_token=self._special_text(llama_cpp.llama_vocab_eos(self.vocab)),
+            metadata=meta,
+        )
+
+    def _special_text(self, token: int) -> str | None:
+        if token < 0:
+            return None
+        text = llama_cpp.llama_vocab_get_text(self.vocab, token)
+        return text.decode("utf-8", errors="replace") if text else None
+
+    def _metadata(self) -> dict[str, Any]:
+        meta: dict[str, Any] = {}
+        buf = ctypes.create_string_buffer(_META_VALUE_MAX)
+        for i in range(llama_cpp.llama_model_meta_count(self.model)):
+            if llama_cpp.llama_model_meta_key_by_index(self.model, i, buf, _META_VALUE_MAX) < 0:
+                continue
+            key = buf.value.decode("utf-8", errors="replace")
+            n = llama_cpp.llama_model_meta_val_str_by_index(self.model, i, buf, _META_VALUE_MAX)
+            if 0 <= n < _META_VALUE_MAX:
+                meta[key] = buf.value.decode("utf-8", errors="replace")
+        return meta
+
+
+_ABS_PATH = re.compile(r"(?<![\w.])(?:[A-Za-z]:\\|/)[^\s:'\"]+")
+
+
+def _without_paths(message: str, path: Path) -> str:
+    """llama.cpp's errors name files by their full path; clients may only see the file name."""
+    message = message.replace(str(path.resolve()), path.name).replace(str(path), path.name)
+    return _ABS_PATH.sub("<path>", message)
+
+
+def load_llamacpp(path: str | os.PathLike[str], **kwargs: Any) -> LlamaCppBackend:
+    """Function form of LlamaCppBackend.load (what a model manager registers as a loader)."""
+    return LlamaCppBackend.load(path, **kwargs)

@@ -1,0 +1,89 @@
+"""Process-wide llama.cpp setup: backend init once, and its log output routed to Python logging.
+
+llama.cpp prints model-loading chatter and errors straight to stderr unless a log callback is
+installed. A desktop daemon must keep the terminal (and a `localserve run` session) clean, so every
+line goes to the "localserve.llama" logger instead.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import threading
+
+import llama_cpp
+
+logger = logging.getLogger("localserve.llama")
+# Without any handler configured, logging's last-resort handler would print warnings to stderr:
+# exactly the terminal noise this module exists to prevent. Configured root handlers still get them.
+logger.addHandler(logging.NullHandler())
+
+# ggml.h of the pinned llama.cpp: NONE=0, DEBUG=1, INFO=2, WARN=3, ERROR=4, CONT=5 (continues the
+# previous line). llama-cpp-python's own _logger.py still has the older numbering; don't copy it.
+_LEVELS = {0: logging.INFO, 1: logging.DEBUG, 2: logging.INFO, 3: logging.WARNING, 4: logging.ERROR}
+_CONT = 5
+
+
+class _LogRouter:
+    """Joins llama.cpp's partial log fragments into lines and hands each to `logger`.
+
+    Also remembers the last error line, so that an API that only returns NULL (grammar parsing,
+    model loading) can tell the user *why*.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._level = logging.INFO
+        self._partial: list[str] = []
+        self.last_error = ""
+        self.error_count = 0
+
+    def __call__(self, level: int, text: bytes | None, _user_data: ctypes.c_void_p) -> None:
+        # Runs on whatever thread llama.cpp logs from; an exception here would be printed by ctypes
+        # to stderr (the thing we route away from), so never raise.
+        try:
+            chunk = (text or b"").decode("utf-8", errors="replace")
+            with self._lock:
+                if level != _CONT:
+                    self._level = _LEVELS.get(level, logging.DEBUG)
+                self._partial.append(chunk)
+                if not chunk.endswith("\n"):
+                    return
+                line = "".join(self._partial).rstrip()
+                self._partial.clear()
+                log_level = self._level
+                if log_level >= logging.ERROR and line:
+                    self.last_error = line
+                    self.error_count += 1
+            if line:
+                logger.log(log_level, "%s", line)
+        except Exception:  # noqa: BLE001 - see comment above
+            pass
+
+
+_router = _LogRouter()
+# The C side keeps only a raw function pointer: if this object were garbage collected the process
+# would segfault at the next log line (seen in the research smoke tests). Module scope keeps it alive.
+_c_callback = llama_cpp.llama_log_callback(_router)
+_init_lock = threading.Lock()
+_initialised = False
+
+
+def ensure_runtime() -> None:
+    """llama_backend_init once per process, with logging routed first (loading logs a lot)."""
+    global _initialised
+    with _init_lock:
+        if _initialised:
+            return
+        llama_cpp.llama_log_set(_c_callback, ctypes.c_void_p(0))
+        llama_cpp.llama_backend_init()
+        _initialised = True
+
+
+def last_error_since(count: int) -> str:
+    """The last llama.cpp error line logged after `error_count` was `count`, or ''."""
+    return _router.last_error if _router.error_count > count else ""
+
+
+def error_count() -> int:
+    return _router.error_count

@@ -1,0 +1,205 @@
+"""Per-sequence sampling on llama.cpp sampler chains.
+
+Each sequence owns one chain (logit_bias -> penalties -> grammar -> top_k -> top_p -> min_p ->
+temperature -> dist(seed), or greedy), so its RNG, penalty history and grammar state are its own:
+a seeded request samples the same tokens whether it runs alone or inside a shared batch.
+
+We apply the chain to our own candidate buffer (`llama_sampler_apply`) instead of calling
+`llama_sampler_sample`, because the latter GGML_ASSERTs (aborts the process) when no candidate is
+left, and accepting an end-of-generation token that the grammar forbids is a GGML_ABORT: both can
+be reached from user input (a grammar plus a logit_bias banning what it needs). Here we check the
+choice before `llama_sampler_accept` and raise an error for that one request instead.
+
+Plain greedy requests (no bias, penalties or grammar) skip llama.cpp entirely: numpy argmax over
+the logits row picks the same token (first maximum) and is the engine's hot path.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import math
+import weakref
+from typing import TYPE_CHECKING, Sequence
+
+import llama_cpp
+import numpy as np
+
+from ..batching.params import SamplingParams, TokenLogprob
+from ..errors import BackendError, InvalidRequestError
+from .base import SampledToken, Sampler
+from .grammar import grammar_text
+from .llamacpp_runtime import error_count, last_error_since
+
+if TYPE_CHECKING:
+    from .llamacpp import LlamaCppBackend
+
+# Must match `struct llama_token_data { llama_token id; float logit; float p; }`.
+TOKEN_DATA = np.dtype([("id", np.int32), ("logit", np.float32), ("p", np.float32)])
+assert TOKEN_DATA.itemsize == ctypes.sizeof(llama_cpp.llama_token_data)
+
+_MAX_SEED = 0xFFFFFFFF  # LLAMA_DEFAULT_SEED: llama.cpp reads it as "pick a random seed"
+
+
+def _penalties_active(p: SamplingParams) -> bool:
+    return p.penalty_last_n != 0 and (
+        p.repeat_penalty != 1.0 or p.frequency_penalty != 0.0 or p.presence_penalty != 0.0
+    )
+
+
+def _check_params(p: SamplingParams, n_vocab: int) -> None:
+    for name in ("temperature", "top_p", "min_p", "repeat_penalty", "frequency_penalty", "presence_penalty"):
+        if not math.isfinite(getattr(p, name)):
+            raise InvalidRequestError(f"{name} must be a finite number", param=name)
+    if not 0.0 < p.top_p <= 1.0:
+        raise InvalidRequestError("top_p must be in (0, 1]", param="top_p")
+    if not 0.0 <= p.min_p <= 1.0:
+        raise InvalidRequestError("min_p must be in [0, 1]", param="min_p")
+    if p.top_k < 0:
+        raise InvalidRequestError("top_k must not be negative", param="top_k")
+    if p.repeat_penalty <= 0.0:
+        raise InvalidRequestError("repeat_penalty must be positive", param="repeat_penalty")
+    for token, bias in p.logit_bias.items():
+        if not isinstance(token, int) or not 0 <= token < n_vocab:
+            raise InvalidRequestError(f"logit_bias token {token!r} is not in the vocabulary", param="logit_bias")
+        if math.isnan(bias) or bias == math.inf:
+            # +inf turns the softmax into NaN; -inf is the documented way to ban a token.
+            raise InvalidRequestError("logit_bias values must be finite or -inf", param="logit_bias")
+    if p.logprobs is not None and p.logprobs < 0:
+        raise InvalidRequestError("logprobs must not be negative", param="logprobs")
+
+
+def _seed(seed: int | None) -> int:
+    return _MAX_SEED if seed is None else seed % _MAX_SEED
+
+
+class _Chain:
+    """Builds a sampler chain; frees everything it made if a step fails."""
+
+    def __init__(self) -> None:
+        self.ptr = llama_cpp.llama_sampler_chain_init(llama_cpp.llama_sampler_chain_default_params())
+        if not self.ptr:
+            raise BackendError("could not create a sampler chain")
+
+    def add(self, smpl) -> object:
+        if not smpl:
+            raise BackendError("could not create a sampler")
+        llama_cpp.llama_sampler_chain_add(self.ptr, smpl)  # the chain now owns it
+        return smpl
+
+    def free(self) -> None:
+        llama_cpp.llama_sampler_free(self.ptr)
+
+
+def _build_chain(backend: LlamaCppBackend, p: SamplingParams, grammar: str | None) -> tuple[object, object | None]:
+    """Returns (chain, penalties sampler inside it or None)."""
+    chain = _Chain()
+    try:
+        if p.logit_bias:
+            biases = (llama_cpp.llama_logit_bias * len(p.logit_bias))(
+                *[llama_cpp.llama_logit_bias(token=t, bias=b) for t, b in p.logit_bias.items()]
+            )
+            chain.add(llama_cpp.llama_sampler_init_logit_bias(backend.n_vocab, len(p.logit_bias), biases))
+        penalties = None
+        if _penalties_active(p):
+            last_n = backend.n_ctx if p.penalty_last_n < 0 else p.penalty_last_n
+            penalties = chain.add(
+                llama_cpp.llama_sampler_init_penalties(
+                    backend.n_vocab, last_n, p.repeat_penalty, p.frequency_penalty, p.presence_penalty
+                )
+            )
+        if grammar is not None:
+            errors_before = error_count()
+            g = llama_cpp.llama_sampler_init_grammar(backend.vocab, grammar.encode("utf-8"), b"root")
+            if not g:
+                reason = last_error_since(errors_before)
+                raise InvalidRequestError(
+                    "invalid grammar" + (f": {reason}" if reason else ""), param="grammar"
+                )
+            chain.add(g)
+        if p.greedy:
+            chain.add(llama_cpp.llama_sampler_init_greedy())
+        else:
+            if p.top_k > 0:
+                chain.add(llama_cpp.llama_sampler_init_top_k(p.top_k))
+            if p.top_p < 1.0:
+                chain.add(llama_cpp.llama_sampler_init_top_p(p.top_p, 1))
+            if p.min_p > 0.0:
+                chain.add(llama_cpp.llama_sampler_init_min_p(p.min_p, 1))
+            chain.add(llama_cpp.llama_sampler_init_temp(p.temperature))
+            chain.add(llama_cpp.llama_sampler_init_dist(_seed(p.seed)))
+    except BaseException:
+        chain.free()
+        raise
+    return chain.ptr, penalties
+
+
+class LlamaCppSampler(Sampler):
+    def __init__(self, backend: LlamaCppBackend, params: SamplingParams, prompt_tokens: Sequence[int]) -> None:
+        _check_params(params, backend.n_vocab)
+        self._backend = backend
+        self._n_logprobs = params.logprobs
+        self._chain = None
+        self._finalizer: weakref.finalize | None = None
+        grammar = grammar_text(params)
+        if params.greedy and not params.logit_bias and not _penalties_active(params) and grammar is None:
+            return  # numpy argmax fast path
+        chain, penalties = _build_chain(backend, params, grammar)
+        self._chain = chain
+        self._finalizer = weakref.finalize(self, llama_cpp.llama_sampler_free, chain)
+        if penalties is not None:
+            # Prime only the penalty history with the prompt (as llama-server does): accepting prompt
+            # tokens on the whole chain would feed them to the grammar, which aborts on a mismatch.
+            last_n = len(prompt_tokens) if params.penalty_last_n < 0 else params.penalty_last_n
+            for t in prompt_tokens[-last_n:]:
+                llama_cpp.llama_sampler_accept(penalties, int(t))
+        self._cand = np.empty(backend.n_vocab, dtype=TOKEN_DATA)
+        self._cand_array = llama_cpp.llama_token_data_array()
+        self._cand_ptr = self._cand.ctypes.data_as(llama_cpp.llama_token_data_p)
+        self._cand_ref = ctypes.byref(self._cand_array)
+
+    def sample(self, batch_index: int) -> SampledToken:
+        row = self._backend.logits_row(batch_index)
+        if self._chain is None:
+            token = int(row.argmax())
+        else:
+            token = self._sample_chain(row)
+        logprob = self._logprob(row, token) if self._n_logprobs is not None else None
+        return SampledToken(token=token, logprob=logprob)
+
+    def _sample_chain(self, row: np.ndarray) -> int:
+        if self._finalizer is None or not self._finalizer.alive:
+            raise ValueError("sampler is closed")
+        cand = self._cand
+        cand["id"] = self._backend.token_ids  # samplers sort candidates in place: reset every step
+        cand["logit"] = row
+        arr = self._cand_array
+        arr.data = self._cand_ptr
+        arr.size = cand.size
+        arr.selected = -1
+        arr.sorted = False
+        llama_cpp.llama_sampler_apply(self._chain, self._cand_ref)
+        if not 0 <= arr.selected < arr.size:
+            raise InvalidRequestError("no token can be sampled under these constraints")
+        chosen = arr.data[arr.selected]
+        if not math.isfinite(chosen.logit):
+            # Every candidate was banned (grammar + logit_bias): accepting would abort the process.
+            raise InvalidRequestError("no token is allowed by the grammar and logit_bias together")
+        token = int(chosen.id)
+        llama_cpp.llama_sampler_accept(self._chain, token)
+        return token
+
+    def _logprob(self, row: np.ndarray, token: int) -> TokenLogprob:
+        # log-softmax of the raw logits (before bias, penalties and temperature), like OpenAI reports.
+        top_max = float(row.max())
+        log_z = top_max + math.log(float(np.exp(row - top_max).sum(dtype=np.float64)))
+        top: list[tuple[int, str, float]] = []
+        k = min(self._n_logprobs or 0, row.size)
+        if k > 0:
+            idx = np.argpartition(row, row.size - k)[row.size - k:]
+            idx = idx[np.argsort(-row[idx], kind="stable")]
+            top = [(int(i), self._backend.token_text(int(i)), float(row[i]) - log_z) for i in idx]
+        return TokenLogprob(token=token, text=self._backend.token_text(token), logprob=float(row[token]) - log_z, top=top)
+
+    def close(self) -> None:
+        if self._finalizer is not None:
+            self._finalizer()  # frees the chain once; later calls are no-ops

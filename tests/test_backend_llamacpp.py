@@ -1,0 +1,372 @@
+"""The llama.cpp backend on the real SmolLM2-135M: packed batches, KV ops, tokenizer, embeddings."""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import pytest
+
+from localserve.backends.base import BatchToken, KVFullError
+from localserve.backends.llamacpp import LlamaCppBackend
+from localserve.backends.llamacpp_baseline import greedy_bare_loop
+from localserve.batching.params import SamplingParams
+from localserve.errors import (
+    BackendError,
+    ContextLengthExceededError,
+    GGUFError,
+    InvalidRequestError,
+    ModelNotFoundError,
+)
+from llamacpp_helpers import THREADS, generate, load, prompt_batch, text_of
+
+pytestmark = pytest.mark.model
+
+PROMPTS = [
+    "The capital of France is",
+    "Here is a short list of fruits, written one per line, in alphabetical order, starting with apple:",
+    "1, 2, 3,",
+]
+GREEDY = SamplingParams(temperature=0.0)
+
+
+@pytest.fixture(scope="module")
+def backend(smollm2_gguf):
+    b = load(smollm2_gguf)
+    yield b
+    b.close()
+
+
+@pytest.fixture(autouse=True)
+def _clean_kv(backend):
+    backend.kv_clear()
+
+
+# --- model facts -------------------------------------------------------------------------------
+def test_model_info(backend):
+    info = backend.info
+    assert info.architecture == "llama"
+    assert "Smollm2" in info.name
+    assert (info.n_vocab, info.n_embd, info.n_ctx_train) == (49152, 576, 8192)
+    assert 130_000_000 < info.n_params < 140_000_000
+    assert info.chat_template and "<|im_start|>" in info.chat_template
+    assert info.bos_token == "<|im_start|>" and info.eos_token == "<|im_end|>"
+    assert info.metadata["general.architecture"] == "llama"
+    assert "tokenizer.ggml.tokens" not in info.metadata  # huge arrays are left out
+    assert (backend.n_ctx, backend.n_batch, backend.n_seq_max) == (2048, 512, 8)
+    assert backend.n_ubatch == 512
+
+
+# --- packed batches ------------------------------------------------------------------------------
+def _alone(backend, tokens, steps):
+    """Greedy tokens and the first logits row for one prompt decoded by itself in seq 0."""
+    backend.kv_clear()
+    backend.decode(prompt_batch(tokens, 0))
+    first = backend.logits(len(tokens) - 1)
+    backend.kv_clear()
+    sampler = backend.new_sampler(GREEDY, tokens)
+    return generate(backend, sampler, tokens, steps, stop_at_eog=False), first
+
+
+def test_packed_batch_matches_each_prompt_alone(backend):
+    prompts = [backend.tokenize(p) for p in PROMPTS]
+    assert len({len(p) for p in prompts}) == 3
+    steps = 6
+    expected = [_alone(backend, p, steps) for p in prompts]
+
+    backend.kv_clear()
+    # Prompts 0 and 1 share the first batch; prompt 2 joins while the others already decode,
+    # so decode tokens and a whole prompt sit side by side in one batch (no padding).
+    batch = prompt_batch(prompts[0], 0) + prompt_batch(prompts[1], 1)
+    rows = {0: len(prompts[0]) - 1, 1: len(batch) - 1}
+    backend.decode(batch)
+    for s in (0, 1):
+        np.testing.assert_allclose(backend.logits(rows[s]), expected[s][1], atol=1e-4, rtol=0)
+    samplers = {s: backend.new_sampler(GREEDY, prompts[s]) for s in range(3)}
+    out: dict[int, list[int]] = {0: [], 1: [], 2: []}
+    pos = {s: len(prompts[s]) for s in range(3)}
+    joined = False
+    while any(len(out[s]) < steps for s in range(3)):
+        for s, row in rows.items():
+            out[s].append(samplers[s].sample(row).token)
+        batch, rows = [], {}
+        for s in range(3):
+            if s == 2 and not joined:
+                continue
+            if len(out[s]) < steps:
+                rows[s] = len(batch)
+                batch.append(BatchToken(out[s][-1], s, pos[s], True))
+                pos[s] += 1
+        if not joined:
+            rows[2] = len(batch) + len(prompts[2]) - 1
+            batch += prompt_batch(prompts[2], 2)
+            joined = True
+            backend.decode(batch)
+            np.testing.assert_allclose(backend.logits(rows[2]), expected[2][1], atol=1e-4, rtol=0)
+            continue
+        if batch:
+            backend.decode(batch)
+    for s in range(3):
+        assert out[s] == expected[s][0], f"sequence {s} diverged"
+
+
+def test_bare_loop_matches_backend_greedy(backend):
+    prompts = [backend.tokenize(p) for p in PROMPTS]
+    expected = [_alone(backend, p, 5)[0] for p in prompts]
+    result = greedy_bare_loop(backend, prompts, 5)
+    assert result.tokens == expected
+    assert result.decode_tokens == 4 * 3 and result.decode_tokens_per_s > 0
+
+
+def test_decode_arrays_equals_decode(backend):
+    tokens = backend.tokenize(PROMPTS[0])
+    backend.decode(prompt_batch(tokens, 0))
+    a = backend.logits(len(tokens) - 1)
+    backend.kv_clear()
+    n = len(tokens)
+    backend.decode_arrays(tokens, [3] * n, list(range(n)), [0] * (n - 1) + [1])
+    np.testing.assert_array_equal(backend.logits(n - 1), a)
+
+
+def test_decode_over_n_batch_raises_before_llama_cpp(backend):
+    too_many = [BatchToken(100, 0, i) for i in range(backend.n_batch + 1)]
+    with pytest.raises(ValueError, match="n_batch"):
+        backend.decode(too_many)
+    assert backend.kv_pos_max(0) == -1
+    # Exactly n_batch is fine, and the backend keeps working.
+    backend.decode([BatchToken(100, 0, i, i == backend.n_batch - 1) for i in range(backend.n_batch)])
+    assert backend.kv_pos_max(0) == backend.n_batch - 1
+
+
+@pytest.mark.parametrize(
+    "batch, match",
+    [
+        ([], "empty"),
+        ([BatchToken(1, 8, 0)], "sequence id"),
+        ([BatchToken(1, -1, 0)], "sequence id"),
+        ([BatchToken(49152, 0, 0)], "token id"),
+        ([BatchToken(-5, 0, 0)], "token id"),
+        ([BatchToken(1, 0, -1)], "position"),
+    ],
+)
+def test_invalid_batches_raise_value_error(backend, batch, match):
+    with pytest.raises(ValueError, match=match):
+        backend.decode(batch)
+
+
+def test_position_gap_is_a_backend_error_not_a_crash(backend):
+    backend.decode(prompt_batch([504, 3575], 0))
+    with pytest.raises(BackendError):
+        backend.decode([BatchToken(282, 0, 5, True)])  # positions must continue at 2
+    assert backend.kv_pos_max(0) == 1
+    backend.decode([BatchToken(282, 0, 2, True)])
+    assert backend.kv_pos_max(0) == 2
+
+
+def test_logits_only_for_rows_that_asked(backend):
+    tokens = backend.tokenize(PROMPTS[0])
+    backend.decode(prompt_batch(tokens, 0))
+    sampler = backend.new_sampler(GREEDY, tokens)
+    with pytest.raises(ValueError, match="no logits"):
+        sampler.sample(0)
+    with pytest.raises(ValueError, match="no logits"):
+        sampler.sample(len(tokens))
+    token = sampler.sample(len(tokens) - 1).token
+    backend.decode([BatchToken(token, 0, len(tokens), False)])
+    with pytest.raises(ValueError, match="no logits"):  # the previous decode's rows are gone
+        sampler.sample(len(tokens) - 1)
+
+
+def test_kv_full_raises_and_keeps_nothing(smollm2_gguf):
+    with load(smollm2_gguf, n_ctx=256, n_seq_max=2, n_batch=256) as small:
+        assert small.n_ctx == 256
+        small.decode([BatchToken(100 + i % 50, 0, i, i == 199) for i in range(200)])
+        with pytest.raises(KVFullError):
+            small.decode([BatchToken(100, 1, i) for i in range(100)])
+        assert small.kv_pos_max(1) == -1
+        assert small.kv_pos_max(0) == 199
+        # Room for 56 more cells: the scheduler's retry with a smaller batch succeeds.
+        small.decode([BatchToken(100, 1, i, i == 49) for i in range(50)])
+        assert small.kv_pos_max(1) == 49
+        small.logits(49)
+
+
+@pytest.fixture(scope="module")
+def exact(smollm2_gguf):
+    b = load(smollm2_gguf, exact=True)
+    yield b
+    b.close()
+
+
+def test_exact_attention_is_independent_of_cell_order(exact):
+    tokens = exact.tokenize(PROMPTS[1])
+    n, k = len(tokens), len(tokens) // 2
+    exact.kv_clear()
+    exact.decode(prompt_batch(tokens, 2))
+    reference = exact.logits(n - 1)
+    # Seq 5's prefix lands after seq 2's cells; freeing seq 2 leaves a hole before it, and the rest of
+    # seq 5 is written into that hole: later positions in lower cells. (With the F16 cache this
+    # differs by ~0.6 in the logits; see LlamaCppBackend.load.)
+    exact.decode(prompt_batch(tokens[:k], 5))
+    exact.kv_remove(2)
+    exact.decode(prompt_batch(tokens[k:], 5, start=k))
+    np.testing.assert_array_equal(exact.logits(n - k - 1), reference)
+
+
+def test_kv_copy_prefix_then_continue_equals_recompute(exact):
+    backend = exact
+    backend.kv_clear()
+    tokens = backend.tokenize(PROMPTS[1])
+    n, k = len(tokens), len(tokens) // 2
+    backend.decode(prompt_batch(tokens, 2))
+    reference = backend.logits(n - 1)
+    backend.decode(prompt_batch(tokens[:k] + [504, 3575], 0))  # shares only the first k tokens
+    backend.kv_remove(2)
+    backend.kv_copy(0, 5, 0, k)
+    assert (backend.kv_pos_min(5), backend.kv_pos_max(5)) == (0, k - 1)
+    backend.decode(prompt_batch(tokens[k:], 5, start=k))
+    np.testing.assert_array_equal(backend.logits(n - k - 1), reference)
+    assert backend.kv_pos_max(0) == k + 1  # the source is untouched
+
+
+def test_kv_remove_tail_then_redecode(backend):
+    tokens = backend.tokenize(PROMPTS[1])
+    backend.decode(prompt_batch(tokens, 0))
+    reference = backend.logits(len(tokens) - 1)
+    backend.kv_remove(0, 4, -1)
+    assert backend.kv_pos_max(0) == 3
+    backend.decode(prompt_batch(tokens[4:], 0, start=4))
+    np.testing.assert_allclose(backend.logits(len(tokens) - 5), reference, atol=1e-4, rtol=0)
+
+
+def test_kv_ops_reject_bad_sequence_ids(backend):
+    for call in (
+        lambda: backend.kv_remove(8),
+        lambda: backend.kv_remove(-1),
+        lambda: backend.kv_copy(0, 99, 0, 1),
+        lambda: backend.kv_pos_max(1000),
+    ):
+        with pytest.raises(ValueError, match="sequence id"):
+            call()
+
+
+# --- tokenizer ----------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "text",
+    ["Hello, world!", "emoji 🦙🚀 and flags 🇫🇷", "中文分词测试，日本語のテキスト", "naïve café", "  spaces\n\ttabs  "],
+)
+def test_tokenize_round_trip(backend, text):
+    tokens = backend.tokenize(text, add_special=False)
+    assert b"".join(backend.token_to_bytes(t) for t in tokens) == text.encode("utf-8")
+
+
+def test_multibyte_characters_split_across_tokens(backend):
+    tokens = backend.tokenize("🦙", add_special=False)
+    pieces = [backend.token_to_bytes(t) for t in tokens]
+    assert len(pieces) > 1  # one character over several tokens: callers must decode incrementally
+    with pytest.raises(UnicodeDecodeError):
+        pieces[0].decode("utf-8")
+
+
+def test_tokenize_retries_when_text_needs_more_tokens_than_guessed(backend):
+    text = "1234567890" * 100 + "🦙中文" * 50  # digits are one byte, one token each
+    tokens = backend.tokenize(text, add_special=False)
+    assert len(tokens) > len(text.encode()) // 2
+    assert text_of(backend, tokens) == text
+
+
+def test_special_tokens(backend):
+    tokens = backend.tokenize("<|im_start|>user\nhi<|im_end|>", add_special=False, parse_special=True)
+    assert tokens[0] == 1 and tokens[-1] == 2
+    assert backend.token_to_bytes(1) == b""
+    assert backend.token_to_bytes(1, special=True) == b"<|im_start|>"
+    assert backend.tokenize("<|im_start|>", add_special=False, parse_special=False) != [1]
+    assert backend.is_eog(2) and backend.is_eog(0)
+    assert not backend.is_eog(tokens[1])
+    with pytest.raises(ValueError):
+        backend.token_to_bytes(49152)
+
+
+def test_lone_surrogate_does_not_crash_tokenizer(backend):
+    assert backend.tokenize("a\ud800b", add_special=False)
+
+
+# --- loading, logging, lifecycle ------------------------------------------------------------------
+def test_missing_model_file(tmp_path):
+    with pytest.raises(ModelNotFoundError) as e:
+        LlamaCppBackend.load(tmp_path / "nope.gguf", n_ctx=256, n_seq_max=1, n_batch=64)
+    assert str(tmp_path) not in str(e.value)
+
+
+def test_not_a_gguf_file(tmp_path):
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(b"GGUF" + b"\x00" * 64)
+    with pytest.raises(GGUFError) as e:
+        LlamaCppBackend.load(bad, n_ctx=256, n_seq_max=1, n_batch=64, n_threads=THREADS)
+    assert str(tmp_path) not in str(e.value)
+    assert "bad.gguf" in str(e.value)
+
+
+def test_bad_context_arguments(smollm2_gguf):
+    with pytest.raises(ValueError):
+        LlamaCppBackend.load(smollm2_gguf, n_ctx=256, n_seq_max=0, n_batch=64)
+    with pytest.raises(ValueError):
+        LlamaCppBackend.load(smollm2_gguf, n_ctx=256, n_seq_max=1000, n_batch=64)
+
+
+def test_llama_cpp_logs_go_to_logging_not_the_terminal(smollm2_gguf, capfd, caplog):
+    with caplog.at_level(logging.DEBUG, logger="localserve.llama"):
+        b = load(smollm2_gguf, n_ctx=256, n_seq_max=1, n_batch=64)
+        b.close()
+    out, err = capfd.readouterr()
+    assert "llama_model_loader" not in err and "llama_context" not in err and not out
+    records = [r for r in caplog.records if r.name == "localserve.llama"]
+    assert any("llama_context" in r.getMessage() for r in records)
+    assert all(not r.getMessage().endswith("\n") for r in records)
+
+
+def test_close_is_idempotent_and_final(smollm2_gguf):
+    b = load(smollm2_gguf, n_ctx=256, n_seq_max=1, n_batch=64)
+    b.close()
+    b.close()
+    with pytest.raises(BackendError):
+        b.decode([BatchToken(1, 0, 0, True)])
+    with pytest.raises(BackendError):
+        b.kv_pos_max(0)
+
+
+# --- embeddings ----------------------------------------------------------------------------------
+def _cos(a, b):
+    return float(np.dot(a, b))
+
+
+def test_embeddings_normalised_deterministic_batched(backend):
+    texts = ["The cat sits on the mat.", "A cat is sitting on a mat.", "Quarterly revenue grew by ten percent."]
+    inputs = [backend.tokenize(t) for t in texts]
+    together = np.array(backend.embed(inputs))
+    assert together.shape == (3, backend.info.n_embd)
+    np.testing.assert_allclose(np.linalg.norm(together, axis=1), 1.0, atol=1e-6)
+    np.testing.assert_array_equal(np.array(backend.embed(inputs)), together)
+    for i, tokens in enumerate(inputs):
+        np.testing.assert_allclose(backend.embed([tokens])[0], together[i], atol=1e-5)
+    assert _cos(together[0], together[1]) > _cos(together[0], together[2])
+    assert _cos(together[0], together[1]) > _cos(together[1], together[2])
+    assert backend.kv_pos_max(0) == -1  # the generation cache was not touched
+
+
+def test_embedding_longer_than_a_batch_equals_single_decode(backend, smollm2_gguf):
+    tokens = backend.tokenize("word " * 700)[:700]
+    chunked = backend.embed([tokens, tokens[:10]])  # n_batch 512: the long input spans two decodes
+    with load(smollm2_gguf, n_ctx=1024, n_seq_max=2, n_batch=1024) as wide:
+        whole = wide.embed([tokens, tokens[:10]])
+    np.testing.assert_allclose(chunked, whole, atol=1e-4)
+
+
+def test_embedding_input_errors(backend):
+    with pytest.raises(InvalidRequestError):
+        backend.embed([[1, 2], []])
+    with pytest.raises(ContextLengthExceededError):
+        backend.embed([[100] * (backend.n_ctx + 1)])
+    with pytest.raises(InvalidRequestError):
+        backend.embed([[49152]])
+    assert backend.embed([]) == []
