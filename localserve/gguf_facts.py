@@ -42,6 +42,9 @@ MAX_KEY_BYTES = 1 << 16
 MAX_STRING_BYTES = 1 << 24
 MAX_ARRAY_LEN = 1 << 26
 MAX_ARRAY_DEPTH = 2
+# Metadata values parsed one by one (strings, nested arrays) over the whole header: bounds the
+# time a forged header can keep us busy. Gemma 3's 262k-token vocabulary needs ~0.8M.
+MAX_ITEMS = 1 << 24
 # Arrays we actually keep in memory; longer ones (token lists, merges, scores) are skipped and only
 # their length is remembered.
 KEEP_ARRAY_LEN = 4096
@@ -133,6 +136,12 @@ class _Reader:
         self.label = label
         self.pos = 0
         self.endian = "<"
+        self.items = 0
+
+    def count(self, n: int) -> None:
+        self.items += n
+        if self.items > MAX_ITEMS:
+            raise self.fail(f"metadata has more than {MAX_ITEMS} values; the header is corrupt")
 
     def fail(self, what: str) -> GGUFError:
         return GGUFError(f"{self.label}: {what}")
@@ -193,6 +202,8 @@ def _read_value(r: _Reader, vtype: GGUFValueType, what: str, depth: int = 0) -> 
     # A forged length cannot be larger than what the remaining bytes could possibly encode.
     if length > MAX_ARRAY_LEN or length * _MIN_VALUE_BYTES[item_type] > r.size - r.pos:
         raise r.fail(f"{what} claims {length} items, more than the file can hold (truncated or corrupt)")
+    if item_type not in _SCALAR_FORMATS:
+        r.count(length)
     if length <= KEEP_ARRAY_LEN:
         return [_read_value(r, item_type, what, depth + 1) for _ in range(length)]
     if item_type in _SCALAR_FORMATS:

@@ -3,6 +3,8 @@
 Used by `show`, by the model manager's memory budget, and by placement (how many layers fit on a
 GPU). The figures are estimates for llama.cpp with a plain f16 KV cache and no flash attention,
 which is the larger of the two compute-buffer cases, so we err towards "does not fit".
+Sliding-window layers (Gemma 2/3) are counted at the full context: llama.cpp's default context
+parameters have swa_full=true, which allocates them that way.
 """
 
 from __future__ import annotations

@@ -185,6 +185,14 @@ def test_forged_lengths_do_not_allocate(tmp_path: Path) -> None:
     expect_error(tmp_path, b"GGUF" + struct.pack("<IQQ", 3, 0, huge), "metadata entries")
 
 
+def test_value_budget(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Millions of empty strings are cheap to forge but slow to walk: the header's value budget stops
+    # them (at 16M values; lowered here so the test file stays small).
+    monkeypatch.setattr("localserve.gguf_facts.MAX_ITEMS", 1000)
+    many = _s("a") + struct.pack("<IIQ", 9, 8, 1001) + b"\0" * 8 * 1001
+    expect_error(tmp_path, raw_gguf(many, 1), "more than 1000 values")
+
+
 def test_tensor_extents_are_checked(tmp_path: Path) -> None:
     f32 = 0
     expect_error(tmp_path, raw_gguf(tensors=tensor_info("w", [64], f32), n_tensors=1, data=b"\0" * 100),
