@@ -96,8 +96,9 @@ def _print_ps(models: list[dict[str, Any]]) -> None:
         print("No models loaded.")
         return
     table = Table(box=None, header_style="bold")
-    for column in ("NAME", "MEMORY", "PROCESSOR", "RUNNING", "QUEUED (interactive/default/batch)", "UNTIL"):
-        table.add_column(column)
+    # no_wrap: `ps` is often piped or read by scripts, where rich assumes 80 columns.
+    for column in ("NAME", "MEMORY", "PROCESSOR", "RUNNING", "QUEUED i/d/b", "UNTIL"):
+        table.add_column(column, no_wrap=True)
     for m in models:
         queued = m.get("queued") or m.get("waiting") or {}
         lanes = "/".join(str(queued.get(lane, 0)) for lane in ("interactive", "default", "batch"))
