@@ -160,6 +160,23 @@ def test_missing_proc_files(tmp_path: Path) -> None:
     assert report.cpu.model == "x86_64 CPU" and report.gpus == [] and report.ram_total_bytes is None
 
 
+@pytest.mark.parametrize(("limit_file", "usage_file"), [
+    ("sys/fs/cgroup/memory.max", "sys/fs/cgroup/memory.current"),
+    ("sys/fs/cgroup/memory/memory.limit_in_bytes", "sys/fs/cgroup/memory/memory.usage_in_bytes"),
+])
+def test_container_memory_limit(tmp_path: Path, limit_file: str, usage_file: str) -> None:
+    src = Path(__file__).parent / "fixtures/hw/linux_intel/root/proc/meminfo"
+    (tmp_path / "proc").mkdir()
+    (tmp_path / "proc/meminfo").write_bytes(src.read_bytes())
+    (tmp_path / limit_file).parent.mkdir(parents=True)
+    (tmp_path / limit_file).write_text("8589934592\n")
+    (tmp_path / usage_file).write_text("2147483648\n")
+    report = detect_hardware(fixture_env("linux_intel", root=tmp_path))
+    assert (report.ram_total_bytes, report.ram_available_bytes) == (8 * GiB, 6 * GiB)
+    (tmp_path / limit_file).write_text("max\n" if limit_file.endswith(".max") else "9223372036854771712\n")
+    assert detect_hardware(fixture_env("linux_intel", root=tmp_path)).ram_total_bytes == 31_574_112 * 1024
+
+
 def test_a_hung_probe_is_abandoned_at_the_deadline() -> None:
     release = threading.Event()
 

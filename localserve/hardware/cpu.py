@@ -110,9 +110,26 @@ def probe_cpu_windows(env: ProbeEnv) -> CPUInfo:
     )
 
 
+# cgroup memory limit and usage files as a container sees them: v2, then v1.
+CGROUP_MEMORY = (("sys/fs/cgroup/memory.max", "sys/fs/cgroup/memory.current"),
+                 ("sys/fs/cgroup/memory/memory.limit_in_bytes", "sys/fs/cgroup/memory/memory.usage_in_bytes"))
+
+
+def _cgroup_limit(env: ProbeEnv) -> tuple[int, int] | None:
+    """(limit, usage) of this container's memory cgroup, if it has a limit. /proc/meminfo shows the
+    host's RAM inside Docker, so a model sized by it gets the container OOM-killed instead."""
+    for limit_file, usage_file in CGROUP_MEMORY:
+        limit = (env.read_text(limit_file) or "").strip()
+        if limit.isdigit() and int(limit) < 1 << 60:  # "max" / 0x7FFF...F000: no limit
+            usage = (env.read_text(usage_file) or "0").strip()
+            return int(limit), int(usage) if usage.isdigit() else 0
+    return None
+
+
 def probe_memory(env: ProbeEnv) -> tuple[int | None, int | None]:
     """(total, available) bytes. Linux reads /proc/meminfo under the probe root (what psutil reads
-    too), so fixture trees carry their own RAM; macOS takes the total from hw.memsize."""
+    too), so fixture trees carry their own RAM, capped by a container's cgroup limit; macOS takes
+    the total from hw.memsize."""
     if env.system == "Linux":
         text = env.read_text("proc/meminfo")
         if text is None:
@@ -123,7 +140,12 @@ def probe_memory(env: ProbeEnv) -> tuple[int | None, int | None]:
             parts = rest.split()
             if parts and parts[0].isdigit():
                 kib[key] = int(parts[0]) * 1024
-        return kib.get("MemTotal"), kib.get("MemAvailable", kib.get("MemFree"))
+        total, available = kib.get("MemTotal"), kib.get("MemAvailable", kib.get("MemFree"))
+        cgroup = _cgroup_limit(env)
+        if cgroup and total and cgroup[0] < total:
+            limit, usage = cgroup
+            total, available = limit, min(available or limit, max(0, limit - usage))
+        return total, available
     total, available = env.memory()
     if env.system == "Darwin" and env.sysctl is not None:
         memsize = env.sysctl("hw.memsize")
