@@ -31,7 +31,8 @@ CENTRAL_PROCESSOR = r"HARDWARE\DESCRIPTION\System\CentralProcessor\0"
 
 
 def _cpuinfo_blocks(text: str) -> list[dict[str, str]]:
-    blocks, cur = [], {}
+    blocks: list[dict[str, str]] = []
+    cur: dict[str, str] = {}
     for line in text.splitlines():
         if not line.strip():
             if cur:

@@ -64,7 +64,7 @@ def _run_all(probes: dict[str, Probe], env: ProbeEnv, deadline_s: float) -> dict
     end = time.monotonic() + deadline_s
     for t in threads:
         t.join(max(0.0, end - time.monotonic()))
-    for name, out in outcomes.items():
+    for out in outcomes.values():
         if not out.done:
             out.error = f"timed out after {deadline_s:g}s"
     return outcomes

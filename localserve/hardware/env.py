@@ -75,7 +75,7 @@ class WinRegistry:
             i = 0
             while True:
                 try:
-                    names.append(self._winreg.EnumKey(key, i))
+                    names.append(self._winreg.EnumKey(key, i))  # type: ignore[attr-defined,unused-ignore]
                 except OSError:  # ERROR_NO_MORE_ITEMS
                     return names
                 i += 1
@@ -86,7 +86,7 @@ class WinRegistry:
             i = 0
             while True:
                 try:
-                    name, value, _ = self._winreg.EnumValue(key, i)
+                    name, value, _ = self._winreg.EnumValue(key, i)  # type: ignore[attr-defined,unused-ignore]
                 except OSError:
                     return out
                 out[name] = value

@@ -7,7 +7,7 @@ from pathlib import Path
 
 from .env import ProbeEnv
 from .ids import VENDORS, gpu_display_name, is_intel_discrete, make_npu, pci_name
-from .report import GPUInfo, NPUInfo
+from .report import GPUInfo, GPUKind, NPUInfo
 
 NPU_DRIVERS = {"amdxdna": "AMD", "intel_vpu": "Intel", "qaic": "Qualcomm"}
 
@@ -30,9 +30,9 @@ def _ids(env: ProbeEnv, device: Path, ue: dict[str, str]) -> tuple[str, str] | N
         vendor, _, dev = ue["PCI_ID"].lower().partition(":")
         return vendor, dev
     rel = str(device.relative_to(env.root))
-    vendor, dev = env.read_text(rel, "vendor"), env.read_text(rel, "device")
-    if vendor and dev:
-        return vendor.strip().lower().removeprefix("0x"), dev.strip().lower().removeprefix("0x")
+    vendor_file, device_file = env.read_text(rel, "vendor"), env.read_text(rel, "device")
+    if vendor_file and device_file:
+        return vendor_file.strip().lower().removeprefix("0x"), device_file.strip().lower().removeprefix("0x")
     return None
 
 
@@ -85,7 +85,10 @@ def probe_gpus_linux(env: ProbeEnv) -> list[GPUInfo]:
         pci_class = ue.get("PCI_CLASS") or (env.read_text(str(device.relative_to(env.root)), "class") or "").strip()
         if ids is None or not pci_class:
             continue  # simpledrm / efifb framebuffers: not a GPU we can compute on
-        if int(pci_class, 16) >> 16 != 0x03:
+        try:
+            if int(pci_class, 16) >> 16 != 0x03:
+                continue  # not a display controller
+        except ValueError:
             continue
         vendor_id, device_id = ids
         vendor = VENDORS.get(vendor_id, vendor_id)
@@ -95,6 +98,7 @@ def probe_gpus_linux(env: ProbeEnv) -> list[GPUInfo]:
         used = _int_file(env, device, "mem_info_vram_used")
         apis = ["Vulkan"]
         arch = None
+        kind: GPUKind
         if vendor == "AMD":
             # amdgpu exposes board_info only on dGPUs; APUs have a small carve-out as "VRAM".
             kind = "discrete" if (device / "board_info").exists() else "integrated"

@@ -15,7 +15,7 @@ import re
 
 from .env import ProbeEnv
 from .ids import VENDORS, is_intel_discrete, make_npu
-from .report import GPUInfo, NPUInfo
+from .report import GPUInfo, GPUKind, NPUInfo
 
 CLASS_ROOT = r"SYSTEM\CurrentControlSet\Control\Class"
 DISPLAY_CLASS = "{4d36e968-e325-11ce-bfc1-08002be10318}"
@@ -73,7 +73,8 @@ def probe_gpus_windows(env: ProbeEnv) -> list[GPUInfo]:
         if vendor in ("Microsoft", "Virtio"):
             continue
         vram = _memory(values)
-        if vendor in ("NVIDIA",):
+        kind: GPUKind
+        if vendor == "NVIDIA":
             kind = "discrete"
         elif vendor == "Intel":
             kind = "discrete" if is_intel_discrete(device_id) else "integrated"
