@@ -56,7 +56,8 @@ class LocalServer:
 
     def __init__(self) -> None:
         self.files: dict[str, Served] = {}
-        self.hub: dict[str, list[dict[str, Any]]] = {}  # "org/repo" -> tree listing
+        self.hub: dict[str, Any] = {}  # "org/repo" -> tree listing (or raw text to send)
+        self.hub_failures: list[int] = []  # statuses the listing answers first, one per request
         self.log: list[dict[str, Any]] = []
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
@@ -92,8 +93,12 @@ class LocalServer:
     async def tree(self, request: web.Request) -> web.Response:
         key = f"{request.match_info['org']}/{request.match_info['repo']}"
         self.log.append({"path": request.path, "query": request.query_string})
+        if self.hub_failures:
+            return web.Response(status=self.hub_failures.pop(0))
         if key not in self.hub:
             return web.json_response({"error": "Repository not found"}, status=404)
+        if isinstance(self.hub[key], str):
+            return web.Response(text=self.hub[key])
         return web.json_response(self.hub[key])
 
     async def resolve(self, request: web.Request) -> web.Response:
@@ -378,6 +383,22 @@ def test_hf_reference_resolves_through_the_hub_api(tmp_path, server, smollm2_ggu
         pull_model("hf.co/TestOrg/Nope", settings, retry=FAST_RETRY)
 
 
+def test_hub_listing_errors_are_retried_or_reported(tmp_path, server, smollm2_gguf):
+    data = smollm2_gguf.read_bytes()
+    server.hub["TestOrg/SmolLM2-GGUF"] = hub_listing("SmolLM2-135M-Instruct.Q4_1.gguf", data)
+    server.files["SmolLM2-135M-Instruct.Q4_1.gguf"] = Served(data)
+    server.hub_failures = [503, 500]
+    settings = make_settings(tmp_path, server)
+    assert pull_model("hf.co/TestOrg/SmolLM2-GGUF:Q4_1", settings, retry=FAST_RETRY).quant == "Q4_1"
+
+    server.hub["TestOrg/Broken"] = "<html>maintenance</html>"
+    with pytest.raises(DownloadError, match="did not answer with JSON"):
+        pull_model("hf.co/TestOrg/Broken:Q4_1", settings, retry=FAST_RETRY)
+    server.hub_failures = [502] * 10
+    with pytest.raises(HTTPStatusError, match="HTTP 502 .*after 4 tries"):
+        pull_model("hf.co/TestOrg/Other:Q4_1", settings, retry=FAST_RETRY)
+
+
 def test_free_disk_is_checked_before_downloading(tmp_path, server):
     server.hub["TestOrg/Huge"] = hub_listing("huge-Q4_K_M.gguf", b"")
     server.hub["TestOrg/Huge"][-1]["lfs"]["size"] = 10**15  # a petabyte: no disk here has that
@@ -474,6 +495,22 @@ def assert_resumes_the_partial(server: LocalServer, settings: Any) -> None:
 def slow_model(tmp_path, server):
     server.files["m.gguf"] = Served(PAYLOAD, delay=0.02)
     return make_settings(tmp_path, models={"m": entry(f"{server.url}/files/m.gguf")})
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="file-size rlimit is POSIX")
+def test_a_full_disk_is_a_clear_error_and_the_partial_resumes_later(server, slow_model):
+    import resource
+
+    def small_disk() -> None:  # writes past 1 MB fail like a full disk (CPython ignores SIGXFSZ)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (1_000_000, 1_000_000))
+
+    server.files["m.gguf"].delay = 0
+    result = subprocess.run([sys.executable, "-m", "localserve", "pull", "m"], cwd=REPO, text=True,
+                            capture_output=True, preexec_fn=small_disk, timeout=60,
+                            env=cli_env(slow_model.home, LOCALSERVE_CATALOG=str(slow_model.catalog)))
+    assert result.returncode == 1 and "Traceback" not in result.stderr
+    assert result.stderr.strip().splitlines()[-1] == "Error: the file system cannot hold m.gguf (file too large for it)"
+    assert_resumes_the_partial(server, slow_model)
 
 
 def test_killed_pull_is_resumed(server, slow_model):

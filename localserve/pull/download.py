@@ -9,7 +9,8 @@ Rules this module keeps, each guarding a real failure:
   with exponential backoff; a retry that made progress resets the failure count, so a slow, flaky
   link still finishes while a dead one fails after `attempts` tries in a row.
 - 401/403/404/410 are final (retrying will not change them); 429 and 5xx are retried.
-- ENOSPC while writing raises DiskFullError and keeps the partial, resumable once space is freed.
+- ENOSPC (or EFBIG) while writing raises DiskFullError and keeps the partial, resumable once
+  space is freed.
 - Ctrl-C (KeyboardInterrupt) propagates untouched; the file is closed by `with`, so the partial
   holds exactly the bytes received and the next pull resumes from there.
 
@@ -123,6 +124,16 @@ def ensure_free_space(directory: Path, need: int, what: str) -> None:
         raise DiskFullError(f"not enough disk space for {what}: needs {_human(need + DISK_MARGIN)}, {_human(free)} free")
 
 
+def raise_if_disk_full(e: OSError, what: str, resumable: bool) -> None:
+    """Turn "no space" write errors into DiskFullError. EFBIG is the same story on file systems
+    with a file size limit (a 4.7 GB model onto a FAT32 drive) or under a file-size rlimit."""
+    hint = "; free some space and pull again to resume" if resumable else ""
+    if e.errno in (errno.ENOSPC, getattr(errno, "EDQUOT", errno.ENOSPC)):
+        raise DiskFullError(f"disk full while writing {what}{hint}") from None
+    if e.errno == errno.EFBIG:
+        raise DiskFullError(f"the file system cannot hold {what} (file too large for it)") from None
+
+
 def _human(n: int) -> str:
     return f"{n / 1e9:.2f} GB" if n >= 1e8 else f"{n / 1e6:.1f} MB"
 
@@ -220,10 +231,7 @@ def download_file(
                     try:
                         f.write(chunk)
                     except OSError as e:
-                        if e.errno in (errno.ENOSPC, getattr(errno, "EDQUOT", errno.ENOSPC)):
-                            raise DiskFullError(
-                                f"disk full while downloading {part}; free some space and pull again to resume"
-                            ) from None
+                        raise_if_disk_full(e, part, resumable=True)
                         raise
                     have += len(chunk)
                     received_any = True

