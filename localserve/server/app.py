@@ -1,0 +1,84 @@
+"""The aiohttp application: routes, middlewares and state, built by `create_app(settings, manager)`.
+
+Middleware order (outermost first): security (Host check, CORS preflight, API key) answers before
+anything is parsed; metrics counts every answer with its final status; errors turns exceptions
+into JSON bodies in the caller's dialect. CORS headers are added in on_response_prepare so that
+streaming responses, whose headers leave before the handler returns, get them too.
+
+The app owns the manager it is given: on cleanup (server shutdown) the manager is closed, which
+cancels in-flight requests and unloads every model.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import time
+from typing import Any, AsyncIterator
+
+from aiohttp import web
+
+from .. import __version__
+from ..config import Settings
+from ..errors import ConfigError
+from ..store import ModelStore
+from . import ollama_routes, openai_routes
+from .errors import error_middleware
+from .metrics import Metrics, handle_metrics, metrics_middleware
+from .security import WILDCARD_HOSTS, add_cors_headers, security_middleware
+from .state import MANAGER_KEY, METRICS_KEY, SETTINGS_KEY, STARTED_KEY, STORE_KEY
+
+
+def is_loopback_bind(host: str) -> bool:
+    if host == "localhost":
+        return True
+    if host in WILDCARD_HOSTS:
+        return False
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+async def health(request: web.Request) -> web.Response:
+    # Answers from memory only: no engine or manager call that could wait behind a busy model,
+    # so a service manager's probe stays fast while every lane is full.
+    return web.json_response({
+        "status": "ok",
+        "version": __version__,
+        "uptime_s": round(time.time() - request.app[STARTED_KEY], 3),
+    })
+
+
+async def root(request: web.Request) -> web.Response:
+    # Ollama clients probe "/" to see whether a server is up.
+    return web.Response(text="localserve is running")
+
+
+def create_app(settings: Settings, manager: Any) -> web.Application:
+    """The HTTP API over `manager` (a ModelManager); the app closes the manager on cleanup."""
+    if not is_loopback_bind(settings.host) and not settings.api_key:
+        # Anyone on the network could use the models (and pull or delete them) otherwise.
+        raise ConfigError(f"binding {settings.host} (not loopback) requires an API key (set api_key)")
+    metrics = Metrics(manager.status)
+    app = web.Application(
+        client_max_size=settings.max_body_bytes,
+        middlewares=[security_middleware(settings), metrics_middleware(metrics), error_middleware],
+    )
+    app[SETTINGS_KEY] = settings
+    app[MANAGER_KEY] = manager
+    app[STORE_KEY] = ModelStore(settings)
+    app[METRICS_KEY] = metrics
+    app[STARTED_KEY] = time.time()
+    app.on_response_prepare.append(add_cors_headers)
+    app.router.add_get("/", root)
+    app.router.add_get("/health", health)
+    app.router.add_get("/metrics", handle_metrics)
+    app.add_routes(openai_routes.routes)
+    app.add_routes(ollama_routes.routes)
+    app.cleanup_ctx.append(_manager_lifecycle)
+    return app
+
+
+async def _manager_lifecycle(app: web.Application) -> AsyncIterator[None]:
+    yield
+    await app[MANAGER_KEY].close()

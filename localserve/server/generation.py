@@ -1,0 +1,238 @@
+"""What both API dialects do the same way: prompt building, submitting, watching the client, collecting.
+
+Disconnects: aiohttp (3.9+) does not cancel a handler when its client goes away unless the runner
+was built with handler_cancellation=True; a write to the gone client raises ConnectionResetError,
+but during a long prefill nothing is written. So every generation runs under `guard_disconnect`,
+which polls the transport and cancels the work within DISCONNECT_POLL_S, and every stream is
+cancelled in a `finally`: the engine drops the sequence at its next step and frees its KV cells.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import time
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator, Awaitable, Sequence, TypeVar
+
+from aiohttp import web
+
+from ..batching.params import GenerationEvent, GenerationRequest, TokenLogprob, Usage
+from ..errors import BackendError, ContextLengthExceededError, InvalidRequestError
+from .errors import ClientGone
+from .templates import ChatTemplate
+
+DISCONNECT_POLL_S = 0.1
+LONG_PROMPT_CHARS = 20_000  # tokenize longer texts in a thread so the event loop keeps serving
+T = TypeVar("T")
+
+
+def chat_template(engine: Any) -> ChatTemplate:
+    info = engine.backend.info
+    return ChatTemplate.for_model(info.chat_template, info.bos_token, info.eos_token)
+
+
+def tokenize_prompt(engine: Any, text: str, template: ChatTemplate | None = None) -> list[int]:
+    """Tokens of a prompt. A rendered template that already starts with BOS must not get a second
+    one from the tokenizer (a doubled BOS measurably degrades Llama-family answers)."""
+    has_bos = bool(template and template.bos_token and text.startswith(template.bos_token))
+    return list(engine.tokenize(text, add_special=not has_bos))
+
+
+async def tokenize_async(engine: Any, text: str, template: ChatTemplate | None = None) -> list[int]:
+    if len(text) > LONG_PROMPT_CHARS:
+        return await asyncio.to_thread(tokenize_prompt, engine, text, template)
+    return tokenize_prompt(engine, text, template)
+
+
+def is_token_list(items: Any) -> bool:
+    return isinstance(items, list) and bool(items) and all(isinstance(t, int) and not isinstance(t, bool) for t in items)
+
+
+def check_tokens(tokens: list[int], n_vocab: int, param: str) -> list[int]:
+    if any(not 0 <= t < n_vocab for t in tokens):
+        raise InvalidRequestError(f"'{param}' holds token ids outside the vocabulary (0..{n_vocab - 1})", param=param)
+    return tokens
+
+
+async def embed_inputs(engine: Any, inputs: Sequence[str | list[int]], *, truncate: bool, param: str) -> list[list[int]]:
+    """Token lists for `inputs`, each within the model's context (cut when `truncate`)."""
+    n_ctx = engine.n_ctx_per_seq
+    n_vocab = engine.backend.info.n_vocab
+    out = []
+    for item in inputs:
+        tokens = await tokenize_async(engine, item) if isinstance(item, str) else check_tokens(item, n_vocab, param)
+        if not tokens:
+            raise InvalidRequestError(f"'{param}' produced no tokens", param=param)
+        if len(tokens) > n_ctx:
+            if not truncate:
+                raise ContextLengthExceededError(
+                    f"an input has {len(tokens)} tokens; this model embeds at most {n_ctx}", param=param)
+            tokens = tokens[:n_ctx]
+        out.append(tokens)
+    return out
+
+
+def submit_all(engine: Any, requests: Sequence[GenerationRequest]) -> list[Any]:
+    """Submit every choice, or none: if the lane fills up halfway, the ones already queued are
+    cancelled so a refused request leaves nothing behind."""
+    streams: list[Any] = []
+    try:
+        for request in requests:
+            streams.append(engine.submit(request))
+    except BaseException:
+        cancel_all(streams)
+        raise
+    return streams
+
+
+def cancel_all(streams: Sequence[Any]) -> None:
+    for stream in streams:
+        stream.cancel()
+
+
+def with_seed_offset(request: GenerationRequest, offset: int) -> GenerationRequest:
+    """Choice i of an n>1 request: same prompt, its own seed, so seeded choices differ but repeat."""
+    clone = copy.deepcopy(request)
+    if clone.sampling.seed is not None:
+        clone.sampling.seed = (clone.sampling.seed + offset) & 0xFFFFFFFF
+    if offset:
+        clone.request_id = f"{request.request_id}-{offset}"
+    return clone
+
+
+async def merge(streams: Sequence[Any]) -> AsyncIterator[tuple[int, GenerationEvent]]:
+    """Events of several streams as they come, tagged with the stream's index."""
+    if len(streams) == 1:
+        async for event in streams[0]:
+            yield 0, event
+        return
+    queue: asyncio.Queue[tuple[int, GenerationEvent | BaseException | None]] = asyncio.Queue()
+
+    async def pump(index: int, stream: Any) -> None:
+        try:
+            async for event in stream:
+                queue.put_nowait((index, event))
+            queue.put_nowait((index, None))
+        except BaseException as e:  # noqa: BLE001 - handed to the consumer
+            queue.put_nowait((index, e))
+
+    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            index, item = await queue.get()
+            if item is None:
+                remaining -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield index, item
+    finally:
+        for task in tasks:
+            task.cancel()
+
+
+def _client_gone(request: web.Request) -> bool:
+    transport = request.transport
+    return transport is None or transport.is_closing()
+
+
+async def guard_disconnect(request: web.Request, work: Awaitable[T]) -> T:
+    """Run `work`; cancel it if the client disconnects first (then raise ClientGone)."""
+    task = asyncio.ensure_future(work)
+    try:
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
+            if done:
+                return task.result()
+            if _client_gone(request):
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
+                raise ClientGone()
+    finally:
+        if not task.done():
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+
+
+@dataclass
+class Choice:
+    """One choice collected to its end (non-streaming answers)."""
+
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    finish_reason: str | None = None
+    usage: Usage | None = None
+
+
+def raise_if_failed(event: GenerationEvent) -> None:
+    if event.finish_reason == "error":
+        # The engine's message is written to be safe to show (params.GenerationEvent.error).
+        raise BackendError(event.error or "generation failed")
+
+
+async def collect(streams: Sequence[Any]) -> list[Choice]:
+    choices = [Choice() for _ in streams]
+    parts: list[list[str]] = [[] for _ in streams]
+    async for index, event in merge(streams):
+        raise_if_failed(event)
+        choice = choices[index]
+        if event.text:
+            parts[index].append(event.text)
+        choice.token_ids.extend(event.token_ids)
+        if event.logprobs:
+            choice.logprobs.extend(event.logprobs)
+        if event.finish_reason is not None:
+            choice.finish_reason = event.finish_reason
+            choice.usage = event.usage
+    for choice, texts in zip(choices, parts):
+        choice.text = "".join(texts)
+    return choices
+
+
+@dataclass
+class UsageTotals:
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+
+    @classmethod
+    def of(cls, usages: Sequence[Usage | None], n: int) -> "UsageTotals":
+        """Prompt tokens count once per prompt (choices i*n .. i*n+n-1 share prompt i), as OpenAI
+        bills them; completion tokens count for every choice."""
+        totals = cls()
+        for i, usage in enumerate(usages):
+            if usage is None:
+                continue
+            if i % n == 0:
+                totals.prompt_tokens += usage.prompt_tokens
+                totals.cached_tokens += usage.cached_tokens
+            totals.completion_tokens += usage.completion_tokens
+        return totals
+
+    def openai(self) -> dict[str, Any]:
+        return {
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": self.completion_tokens,
+            "total_tokens": self.prompt_tokens + self.completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": self.cached_tokens},
+        }
+
+
+class Clock:
+    """Wall-clock marks of one request, for Ollama's durations and the latency histograms."""
+
+    def __init__(self) -> None:
+        self.start = time.perf_counter()
+        self.loaded = self.start
+
+    def mark_loaded(self) -> None:
+        self.loaded = time.perf_counter()
+
+    def since_start_ns(self) -> int:
+        return int((time.perf_counter() - self.start) * 1e9)
+
+    def load_ns(self) -> int:
+        return int((self.loaded - self.start) * 1e9)

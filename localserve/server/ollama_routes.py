@@ -1,0 +1,490 @@
+"""Ollama-compatible routes (/api/...), for editor plugins and tools that speak Ollama's API.
+
+Field names follow Ollama's API docs: `options` (temperature, top_k, top_p, min_p, seed, stop,
+num_predict, repeat_penalty, repeat_last_n, presence/frequency_penalty, num_ctx), `keep_alive`,
+`format` ("json" or a JSON schema), NDJSON streaming by default, and the final object's
+done_reason and nanosecond durations (total/load/prompt_eval/eval). Errors are `{"error": "..."}`
+(errors.py picks that shape for /api/ paths).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime as dt
+import time
+from typing import Any, Callable
+
+from aiohttp import web
+
+from .. import __version__
+from ..batching.params import GenerationRequest
+from ..errors import LocalserveError
+from .errors import ClientGone, json_dumps
+from .generation import (
+    Clock,
+    cancel_all,
+    chat_template,
+    check_tokens,
+    collect,
+    embed_inputs,
+    guard_disconnect,
+    merge,
+    raise_if_failed,
+    submit_all,
+    tokenize_async,
+)
+from .state import MANAGER_KEY, METRICS_KEY, SETTINGS_KEY, STORE_KEY
+from .tools import ToolCallStream, parse_tool_calls
+from .validation import (
+    MAX_EMBED_INPUTS,
+    Body,
+    clamp_max_tokens,
+    invalid,
+    parse_json_format,
+    parse_keep_alive,
+    parse_lane,
+    parse_messages,
+    parse_seed,
+    parse_stop,
+    parse_tools,
+    read_json,
+    sampling_from,
+)
+
+routes = web.RouteTableDef()
+
+NDJSON = "application/x-ndjson"
+FOREVER = "9999-12-31T23:59:59Z"
+_OLLAMA_NAMES = {"penalty_last_n": "repeat_last_n"}
+
+
+def now_iso(epoch: float | None = None) -> str:
+    t = dt.datetime.fromtimestamp(time.time() if epoch is None else epoch, dt.timezone.utc)
+    return t.isoformat(timespec="microseconds").replace("+00:00", "Z")
+
+
+def model_name(body: Body) -> str:
+    # "name" is the field of older Ollama clients.
+    name = body.get_str("model", None, max_len=512) or body.get_str("name", None, max_len=512)
+    if not name:
+        raise invalid("'model' is required", "model")
+    return name
+
+
+def build_request(body: Body, request: web.Request, engine: Any, tokens: list[int], *, interactive: bool) -> GenerationRequest:
+    options = body.get_object("options") or Body({}, "options.")
+    options.get_int("num_ctx", None, lo=1, hi=1 << 24)  # validated; the context is fixed when the model loads
+    sampling = sampling_from(options, n_vocab=engine.backend.info.n_vocab, seed=parse_seed(options), names=_OLLAMA_NAMES)
+    sampling.json_schema = parse_json_format(body.raw("format"), "format")
+    num_predict = options.get_int("num_predict", None, lo=-2, hi=(1 << 63) - 1)
+    requested = None if num_predict is None or num_predict <= 0 else num_predict  # -1 / -2: to the context's end
+    return GenerationRequest(
+        prompt_tokens=tokens,
+        sampling=sampling,
+        max_tokens=clamp_max_tokens(requested, len(tokens), engine.n_ctx_per_seq, "prompt"),
+        stop=parse_stop(options.raw("stop"), "options.stop"),
+        lane=parse_lane(body, request, "interactive" if interactive else "default"),
+    )
+
+
+def final_fields(clock: Clock, usage: Any, reason: str | None) -> dict[str, Any]:
+    prompt_ns = int(max(0.0, usage.ttft_s - usage.queue_s) * 1e9) if usage else 0
+    eval_ns = int(max(0.0, usage.total_s - usage.ttft_s) * 1e9) if usage else 0
+    return {
+        "done": True,
+        "done_reason": "length" if reason == "length" else "stop",
+        "total_duration": clock.since_start_ns(),
+        "load_duration": clock.load_ns(),
+        "prompt_eval_count": usage.prompt_tokens if usage else 0,
+        "prompt_eval_duration": prompt_ns,
+        "eval_count": usage.completion_tokens if usage else 0,
+        "eval_duration": eval_ns,
+    }
+
+
+async def open_ndjson(request: web.Request) -> web.StreamResponse:
+    response = web.StreamResponse(headers={"Content-Type": NDJSON, "Cache-Control": "no-cache"})
+    await response.prepare(request)
+    return response
+
+
+async def send_line(response: web.StreamResponse, data: Any) -> None:
+    await response.write((json_dumps(data) + "\n").encode("utf-8"))
+
+
+async def stream_lines(request: web.Request, streams: list[Any], make_line: Callable[[Any], dict | None],
+                       make_final: Callable[[Any], list[dict]]) -> web.StreamResponse:
+    """NDJSON: one line per event with text, then the final line(s); a failure is an error line."""
+    response = await open_ndjson(request)
+
+    async def body() -> None:
+        try:
+            async for _, event in merge(streams):
+                raise_if_failed(event)
+                if event.finish_reason == "cancelled":
+                    raise LocalserveError("the request was cancelled by the server")
+                line = make_line(event)
+                if line is not None:
+                    await send_line(response, line)
+                if event.finish_reason is not None:
+                    for final in make_final(event):
+                        await send_line(response, final)
+        except LocalserveError as e:
+            await send_line(response, {"error": "internal server error" if e.http_status == 500 else e.message})
+
+    try:
+        await guard_disconnect(request, body())
+    except (ClientGone, ConnectionResetError):
+        pass
+    return response
+
+
+async def load_only(request: web.Request, model: str, keep_alive: float | None, extra: dict[str, Any]) -> web.Response:
+    """An empty prompt loads the model (or, with keep_alive 0, unloads it), as Ollama does."""
+    manager = request.app[MANAGER_KEY]
+    async with manager.use(model, keep_alive=keep_alive) as loaded:
+        name = loaded.name
+    unload = keep_alive == 0
+    if unload:
+        await manager.unload(name)
+    return web.json_response({"model": name, "created_at": now_iso(), **extra, "done": True,
+                              "done_reason": "unload" if unload else "load"}, dumps=json_dumps)
+
+
+def _observe(request: web.Request, model: str, usage: Any) -> None:
+    request.app[METRICS_KEY].observe_usage(model, usage)
+
+
+@routes.post("/api/generate")
+async def generate(request: web.Request) -> web.StreamResponse:
+    body = await read_json(request)
+    model = model_name(body)
+    prompt = body.get_str("prompt", "") or ""
+    system = body.get_str("system", None)
+    raw = body.get_bool("raw", False)
+    stream = body.get_bool("stream", True)
+    keep_alive = parse_keep_alive(body.raw("keep_alive"))
+    context = body.get_list("context", max_items=1 << 22) or []
+    if body.get_list("images", max_items=64):
+        raise invalid("this server does not support image input", "images")
+    if body.get_str("suffix", None):
+        raise invalid("'suffix' (fill-in-the-middle) is not supported", "suffix")
+    if body.get_str("template", None):
+        raise invalid("a custom 'template' is not supported; the model's own chat template is used", "template")
+    if not prompt and not context:
+        return await load_only(request, model, keep_alive, {"response": ""})
+
+    clock = Clock()
+    async with request.app[MANAGER_KEY].use(model, keep_alive=keep_alive) as loaded:
+        clock.mark_loaded()
+        engine = loaded.engine
+        name = loaded.name
+        if raw:
+            text, template = prompt, None
+        else:
+            template = chat_template(engine)
+            messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
+            text = template.render(messages)
+        if context:
+            if any(isinstance(t, bool) or not isinstance(t, int) for t in context):
+                raise invalid("'context' must be an array of token ids", "context")
+            # A continuation: the earlier turn already began with BOS.
+            tokens = check_tokens(list(context), engine.backend.info.n_vocab, "context") + list(
+                engine.tokenize(text, add_special=False))
+        else:
+            tokens = await tokenize_async(engine, text, template)
+        req = build_request(body, request, engine, tokens, interactive=False)
+        streams = submit_all(engine, [req])
+        try:
+            if stream:
+                generated: list[int] = []
+
+                def line(event: Any) -> dict | None:
+                    generated.extend(event.token_ids)
+                    if not event.text:
+                        return None
+                    return {"model": name, "created_at": now_iso(), "response": event.text, "done": False}
+
+                def final(event: Any) -> list[dict]:
+                    _observe(request, name, event.usage)
+                    return [{"model": name, "created_at": now_iso(), "response": "",
+                             **final_fields(clock, event.usage, event.finish_reason), "context": tokens + generated}]
+
+                return await stream_lines(request, streams, line, final)
+            (choice,) = await guard_disconnect(request, collect(streams))
+        finally:
+            cancel_all(streams)
+    _observe(request, name, choice.usage)
+    return web.json_response({
+        "model": name, "created_at": now_iso(), "response": choice.text,
+        **final_fields(clock, choice.usage, choice.finish_reason), "context": tokens + choice.token_ids,
+    }, dumps=json_dumps)
+
+
+@routes.post("/api/chat")
+async def chat(request: web.Request) -> web.StreamResponse:
+    body = await read_json(request)
+    model = model_name(body)
+    stream = body.get_bool("stream", True)
+    keep_alive = parse_keep_alive(body.raw("keep_alive"))
+    raw_messages = body.get_list("messages", max_items=1 << 16)
+    if not raw_messages:
+        return await load_only(request, model, keep_alive, {"message": {"role": "assistant", "content": ""}})
+    messages = parse_messages(raw_messages)
+    tools = parse_tools(body.raw("tools"))
+
+    clock = Clock()
+    async with request.app[MANAGER_KEY].use(model, keep_alive=keep_alive) as loaded:
+        clock.mark_loaded()
+        engine = loaded.engine
+        name = loaded.name
+        template = chat_template(engine)
+        tokens = await tokenize_async(engine, template.render(messages, tools=tools or None), template)
+        req = build_request(body, request, engine, tokens, interactive=stream)
+        streams = submit_all(engine, [req])
+        try:
+            if stream:
+                calls_filter = ToolCallStream(tools) if tools else None
+
+                def line(event: Any) -> dict | None:
+                    text = calls_filter.feed(event.text) if calls_filter else event.text
+                    if not text:
+                        return None
+                    return {"model": name, "created_at": now_iso(),
+                            "message": {"role": "assistant", "content": text}, "done": False}
+
+                def final(event: Any) -> list[dict]:
+                    _observe(request, name, event.usage)
+                    lines = []
+                    if calls_filter:
+                        rest, calls = calls_filter.finish()
+                        if rest or calls:
+                            message: dict[str, Any] = {"role": "assistant", "content": rest}
+                            if calls:
+                                message["tool_calls"] = [c.ollama() for c in calls]
+                            lines.append({"model": name, "created_at": now_iso(), "message": message, "done": False})
+                    lines.append({"model": name, "created_at": now_iso(), "message": {"role": "assistant", "content": ""},
+                                  **final_fields(clock, event.usage, event.finish_reason)})
+                    return lines
+
+                return await stream_lines(request, streams, line, final)
+            (choice,) = await guard_disconnect(request, collect(streams))
+        finally:
+            cancel_all(streams)
+    _observe(request, name, choice.usage)
+    content, calls = parse_tool_calls(choice.text, tools) if tools else (choice.text, [])
+    message = {"role": "assistant", "content": content}
+    if calls:
+        message["tool_calls"] = [c.ollama() for c in calls]
+    return web.json_response({"model": name, "created_at": now_iso(), "message": message,
+                              **final_fields(clock, choice.usage, choice.finish_reason)}, dumps=json_dumps)
+
+
+# --- embeddings ----------------------------------------------------------------------------------
+def _embed_inputs(value: Any, param: str) -> list[str]:
+    items = [value] if isinstance(value, str) else value
+    if not isinstance(items, list) or not items or not all(isinstance(s, str) and s for s in items):
+        raise invalid(f"'{param}' must be a non-empty string or an array of non-empty strings", param)
+    if len(items) > MAX_EMBED_INPUTS:
+        raise invalid(f"'{param}' may hold at most {MAX_EMBED_INPUTS} items", param)
+    return items
+
+
+@routes.post("/api/embed")
+async def embed(request: web.Request) -> web.Response:
+    body = await read_json(request)
+    model = model_name(body)
+    inputs = _embed_inputs(body.raw("input"), "input")
+    truncate = body.get_bool("truncate", True)
+    keep_alive = parse_keep_alive(body.raw("keep_alive"))
+    clock = Clock()
+    async with request.app[MANAGER_KEY].use(model, keep_alive=keep_alive) as loaded:
+        clock.mark_loaded()
+        token_lists = await embed_inputs(loaded.engine, inputs, truncate=truncate, param="input")
+        vectors = await guard_disconnect(request, loaded.engine.embed(token_lists))
+    return web.json_response({
+        "model": loaded.name, "embeddings": vectors, "total_duration": clock.since_start_ns(),
+        "load_duration": clock.load_ns(), "prompt_eval_count": sum(len(t) for t in token_lists),
+    }, dumps=json_dumps)
+
+
+@routes.post("/api/embeddings")
+async def embeddings_legacy(request: web.Request) -> web.Response:
+    body = await read_json(request)
+    model = model_name(body)
+    prompt = _embed_inputs(body.raw("prompt"), "prompt")[0]
+    async with request.app[MANAGER_KEY].use(model, keep_alive=parse_keep_alive(body.raw("keep_alive"))) as loaded:
+        token_lists = await embed_inputs(loaded.engine, [prompt], truncate=True, param="prompt")
+        (vector,) = await guard_disconnect(request, loaded.engine.embed(token_lists))
+    return web.json_response({"embedding": vector}, dumps=json_dumps)
+
+
+# --- models --------------------------------------------------------------------------------------
+def parameter_size(n_params: Any) -> str:
+    if not isinstance(n_params, (int, float)) or n_params <= 0:
+        return ""
+    return f"{n_params / 1e9:.1f}B" if n_params >= 1e9 else f"{n_params / 1e6:.0f}M"
+
+
+def details(model: Any) -> dict[str, Any]:
+    facts = model.facts
+    arch = facts.get("architecture") or ""
+    return {
+        "parent_model": "",
+        "format": model.format,
+        "family": arch,
+        "families": [arch] if arch else [],
+        "parameter_size": parameter_size(facts.get("n_params")),
+        "quantization_level": model.quant or facts.get("quant") or "",
+    }
+
+
+def tag_entry(model: Any) -> dict[str, Any]:
+    return {"name": model.ref, "model": model.ref, "modified_at": now_iso(model.modified), "size": model.size,
+            "digest": model.sha256 or "", "details": details(model)}
+
+
+@routes.get("/api/tags")
+async def tags(request: web.Request) -> web.Response:
+    models = await asyncio.to_thread(request.app[STORE_KEY].list)
+    return web.json_response({"models": [tag_entry(m) for m in models]})
+
+
+@routes.post("/api/show")
+async def show(request: web.Request) -> web.Response:
+    from .templates import ChatTemplate
+
+    body = await read_json(request)
+    model = await asyncio.to_thread(request.app[STORE_KEY].find, model_name(body))
+    facts = model.facts
+    arch = facts.get("architecture") or "unknown"
+    template = facts.get("chat_template") or ""
+    capabilities = ["completion"]
+    if template and ChatTemplate(template).supports_tools:
+        capabilities.append("tools")
+    info = {
+        "general.architecture": arch,
+        "general.parameter_count": facts.get("n_params"),
+        "general.file_type": facts.get("file_type_id"),
+        f"{arch}.context_length": facts.get("context_length"),
+        f"{arch}.embedding_length": facts.get("n_embd"),
+        f"{arch}.block_count": facts.get("n_layers"),
+        f"{arch}.attention.head_count": facts.get("n_heads"),
+        f"{arch}.attention.head_count_kv": facts.get("n_kv_heads"),
+        "tokenizer.ggml.model": facts.get("tokenizer_model"),
+        "tokenizer.ggml.vocab_size": facts.get("vocab_size"),
+    }
+    return web.json_response({
+        # A Modelfile naming the model, never its path on this machine.
+        "modelfile": f"# Modelfile generated by localserve\nFROM {model.ref}\n",
+        "parameters": "",
+        "template": template,
+        "license": facts.get("license") or "",
+        "details": details(model),
+        "model_info": {k: v for k, v in info.items() if v is not None},
+        "capabilities": capabilities,
+        "modified_at": now_iso(model.modified),
+    }, dumps=json_dumps)
+
+
+@routes.get("/api/ps")
+async def ps(request: web.Request) -> web.Response:
+    store = request.app[STORE_KEY]
+    rows = request.app[MANAGER_KEY].status()
+    out = []
+    for row in rows:
+        if row.get("state", "loaded") != "loaded":
+            continue
+        try:
+            model_details = details(await asyncio.to_thread(store.find, row["name"]))
+        except LocalserveError:
+            model_details = {}
+        expires = row.get("expires_at")
+        if expires is None:
+            expires = time.time() + row["keep_alive"] if row.get("pinned") and row.get("keep_alive", -1) >= 0 else None
+        out.append({
+            "name": row["name"], "model": row["name"], "size": row.get("memory_bytes", 0), "digest": row.get("sha256") or "",
+            "details": model_details, "expires_at": now_iso(expires) if expires is not None else FOREVER,
+            "size_vram": 0, "running": row.get("running", 0), "waiting": row.get("waiting", {}),
+        })
+    return web.json_response({"models": out}, dumps=json_dumps)
+
+
+@routes.delete("/api/delete")
+async def delete(request: web.Request) -> web.Response:
+    body = await read_json(request)
+    store = request.app[STORE_KEY]
+    model = await asyncio.to_thread(store.find, model_name(body))
+    await request.app[MANAGER_KEY].unload(model.ref)
+    await asyncio.to_thread(store.remove, model.ref)
+    return web.Response(status=200)
+
+
+class _PullAborted(Exception):
+    """Raised inside the pull thread's progress callback when the client went away."""
+
+
+@routes.post("/api/pull")
+async def pull(request: web.Request) -> web.StreamResponse:
+    from ..pull import pull_model
+
+    body = await read_json(request)
+    ref = model_name(body)
+    stream = body.get_bool("stream", True)
+    settings = request.app[SETTINGS_KEY]
+    loop = asyncio.get_running_loop()
+    events: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
+    aborted = False
+
+    def progress(event: Any) -> None:
+        if aborted:
+            raise _PullAborted()  # stops the download; the .partial file stays for a later resume
+        loop.call_soon_threadsafe(events.put_nowait, event.to_dict())
+
+    task = asyncio.ensure_future(asyncio.to_thread(pull_model, ref, settings, progress))
+    try:
+        if not stream:
+            await guard_disconnect(request, asyncio.shield(task))
+            return web.json_response({"status": "success"})
+        response: web.StreamResponse | None = None
+        last = None
+        while True:
+            getter = asyncio.ensure_future(events.get())
+            done, _ = await asyncio.wait({getter, task}, return_when=asyncio.FIRST_COMPLETED)
+            if getter not in done:
+                getter.cancel()
+                if events.empty():
+                    break
+                continue
+            item = getter.result()
+            if response is None:  # first event: the name resolved, so errors from here on go in-stream
+                response = await open_ndjson(request)
+            line = {"status": item.get("status", "")}
+            if item.get("part") is not None:
+                line["digest"] = item["part"]
+            for key in ("total", "completed"):
+                if item.get(key) is not None:
+                    line[key] = item[key]
+            await send_line(response, line)
+            last = line["status"]
+        try:
+            task.result()
+        except LocalserveError as e:
+            if response is None:
+                raise
+            await send_line(response, {"error": e.message if e.http_status != 500 else "internal server error"})
+            return response
+        if response is None:
+            response = await open_ndjson(request)
+        if last != "success":
+            await send_line(response, {"status": "success"})
+        return response
+    except (ConnectionResetError, ClientGone):
+        return web.Response(status=499)
+    finally:
+        aborted = True
+
+
+@routes.get("/api/version")
+async def version(request: web.Request) -> web.Response:
+    return web.json_response({"version": __version__})

@@ -1,0 +1,20 @@
+"""Typed keys of the application state (aiohttp's AppKey: no string keys that collide or typo)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from aiohttp import web
+
+from ..config import Settings
+
+if TYPE_CHECKING:
+    from ..models import ModelManager
+    from ..store import ModelStore
+    from .metrics import Metrics
+
+SETTINGS_KEY = web.AppKey("settings", Settings)
+MANAGER_KEY: "web.AppKey[ModelManager]" = web.AppKey("manager", Any)  # type: ignore[arg-type]
+STORE_KEY: "web.AppKey[ModelStore]" = web.AppKey("store", Any)  # type: ignore[arg-type]
+METRICS_KEY: "web.AppKey[Metrics]" = web.AppKey("metrics", Any)  # type: ignore[arg-type]
+STARTED_KEY = web.AppKey("started", float)

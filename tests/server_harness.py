@@ -1,0 +1,126 @@
+"""A real localserve HTTP server for tests: create_app + a real ModelManager on 127.0.0.1, run on its
+own event loop in a background thread, so tests can drive it with blocking clients (the official
+`openai` package, urllib) or with their own event loop, exactly as separate processes would.
+
+Built with aiohttp's default runner settings (no handler_cancellation), as the daemon runs it, so
+disconnect handling is tested on the path production takes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import threading
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Any, Coroutine
+
+from aiohttp import web
+
+from localserve.config import Settings, replace
+from localserve.models import ModelManager
+from localserve.server import create_app
+from localserve.store import ModelStore
+
+MODEL = "smollm2-135m"
+MODEL_TAG = "Q4_1"
+
+
+def server_settings(home: Path, **changes: Any) -> Settings:
+    base = dict(home=home, threads=2, context_length=1024, max_sequences=8, keep_alive=300.0)
+    base.update(changes)
+    return replace(Settings(), **base)
+
+
+def install_model(settings: Settings, gguf: Path) -> None:
+    """Register the real model in place in a test home (no copy; the test home is thrown away)."""
+    ModelStore(settings).register_local(gguf, MODEL, MODEL_TAG)
+
+
+class LiveServer:
+    def __init__(self, settings: Settings):
+        self.settings = settings
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, name="test-server", daemon=True)
+        self.runner: web.AppRunner | None = None
+        self.manager: ModelManager | None = None
+        self.port = 0
+
+    def __enter__(self) -> "LiveServer":
+        self.thread.start()
+        self.call(self._start())
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        try:
+            self.call(self._stop(), timeout=60)
+        finally:
+            self.loop.call_soon_threadsafe(self.loop.stop)
+            self.thread.join(10)
+            self.loop.close()
+
+    async def _start(self) -> None:
+        self.manager = ModelManager(self.settings)
+        app = create_app(self.settings, self.manager)
+        self.runner = web.AppRunner(app, shutdown_timeout=2.0)
+        await self.runner.setup()
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock.bind(("127.0.0.1", 0))
+        self.port = sock.getsockname()[1]
+        site = web.SockSite(self.runner, sock)
+        await site.start()
+
+    async def _stop(self) -> None:
+        assert self.runner is not None
+        await self.runner.cleanup()
+
+    def call(self, coro: Coroutine[Any, Any, Any], timeout: float = 120) -> Any:
+        """Run a coroutine on the server's loop (e.g. to read engine state) and return its result."""
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def engine_stats(self) -> dict[str, Any]:
+        async def read() -> dict[str, Any]:
+            assert self.manager is not None
+            rows = self.manager.status()
+            return rows[0]["stats"] if rows else {}
+
+        return self.call(read())
+
+    # -- plain HTTP -----------------------------------------------------------------------------
+    def request(self, method: str, path: str, body: Any = None, *, raw: bytes | None = None,
+                headers: dict[str, str] | None = None, timeout: float = 120) -> tuple[int, dict[str, str], bytes]:
+        data = raw if raw is not None else (json.dumps(body).encode() if body is not None else None)
+        req = urllib.request.Request(self.url + path, data=data, method=method, headers=headers or {})
+        if data is not None and "Content-Type" not in (headers or {}):
+            req.add_header("Content-Type", "application/json")
+        try:
+            with urllib.request.urlopen(req, timeout=timeout) as resp:
+                return resp.status, dict(resp.headers), resp.read()
+        except urllib.error.HTTPError as e:
+            return e.code, dict(e.headers), e.read()
+
+    def json(self, method: str, path: str, body: Any = None, **kw: Any) -> tuple[int, Any]:
+        status, _, data = self.request(method, path, body, **kw)
+        return status, (json.loads(data) if data.strip() else None)
+
+
+def raw_http(port: int, request_bytes: bytes, timeout: float = 10) -> bytes:
+    """Send bytes as they are (hostile Host headers, odd requests) and read the whole answer."""
+    with socket.create_connection(("127.0.0.1", port), timeout=timeout) as s:
+        s.sendall(request_bytes)
+        chunks = []
+        while True:
+            try:
+                chunk = s.recv(65536)
+            except socket.timeout:
+                break
+            if not chunk:
+                break
+            chunks.append(chunk)
+    return b"".join(chunks)
