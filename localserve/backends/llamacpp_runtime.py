@@ -7,9 +7,14 @@ line goes to the "localserve.llama" logger instead.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import logging
+import os
+import sys
+import tempfile
 import threading
+from typing import Iterator
 
 import llama_cpp
 
@@ -87,3 +92,28 @@ def last_error_since(count: int) -> str:
 
 def error_count() -> int:
     return _router.error_count
+
+
+_stderr_lock = threading.Lock()
+
+
+@contextlib.contextmanager
+def native_stderr_captured() -> Iterator[list[str]]:
+    """Collect what native code writes straight to fd 2 meanwhile; the text is in the list after.
+
+    Some llama.cpp code bypasses the log callback: the grammar parser fprintf's its parse errors
+    (and the whole grammar) to stderr. Capturing them keeps the terminal clean and lets us tell
+    the user what is wrong with their grammar.
+    """
+    box: list[str] = []
+    with _stderr_lock, tempfile.TemporaryFile() as tmp:
+        sys.stderr.flush()
+        saved = os.dup(2)
+        os.dup2(tmp.fileno(), 2)
+        try:
+            yield box
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+            tmp.seek(0)
+            box.append(tmp.read().decode("utf-8", errors="replace"))

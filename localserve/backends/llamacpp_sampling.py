@@ -17,6 +17,7 @@ the logits row picks the same token (first maximum) and is the engine's hot path
 from __future__ import annotations
 
 import ctypes
+import logging
 import math
 import weakref
 from typing import TYPE_CHECKING, Sequence
@@ -28,7 +29,7 @@ from ..batching.params import SamplingParams, TokenLogprob
 from ..errors import BackendError, InvalidRequestError
 from .base import SampledToken, Sampler
 from .grammar import grammar_text
-from .llamacpp_runtime import error_count, last_error_since
+from .llamacpp_runtime import error_count, last_error_since, native_stderr_captured
 
 if TYPE_CHECKING:
     from .llamacpp import LlamaCppBackend
@@ -36,6 +37,8 @@ if TYPE_CHECKING:
 # Must match `struct llama_token_data { llama_token id; float logit; float p; }`.
 TOKEN_DATA = np.dtype([("id", np.int32), ("logit", np.float32), ("p", np.float32)])
 assert TOKEN_DATA.itemsize == ctypes.sizeof(llama_cpp.llama_token_data)
+
+log = logging.getLogger(__name__)
 
 _MAX_SEED = 0xFFFFFFFF  # LLAMA_DEFAULT_SEED: llama.cpp reads it as "pick a random seed"
 
@@ -90,6 +93,25 @@ class _Chain:
         llama_cpp.llama_sampler_free(self.ptr)
 
 
+_PARSE_ERROR = "parse: error parsing grammar: "
+
+
+def _grammar_sampler(backend: LlamaCppBackend, grammar: str):
+    errors_before = error_count()
+    with native_stderr_captured() as captured:
+        g = llama_cpp.llama_sampler_init_grammar(backend.vocab, grammar.encode("utf-8"), b"root")
+    reason = ""
+    for line in captured[0].splitlines():
+        if line.startswith(_PARSE_ERROR) and not reason:
+            reason = line[len(_PARSE_ERROR):].strip()
+        elif line.strip():
+            log.debug("native stderr during grammar parsing: %s", line)
+    if not g:
+        reason = reason or last_error_since(errors_before).removeprefix("llama_grammar_init_impl: ")
+        raise InvalidRequestError("invalid grammar" + (f": {reason}" if reason else ""), param="grammar")
+    return g
+
+
 def _build_chain(backend: LlamaCppBackend, p: SamplingParams, grammar: str | None) -> tuple[object, object | None]:
     """Returns (chain, penalties sampler inside it or None)."""
     chain = _Chain()
@@ -108,14 +130,7 @@ def _build_chain(backend: LlamaCppBackend, p: SamplingParams, grammar: str | Non
                 )
             )
         if grammar is not None:
-            errors_before = error_count()
-            g = llama_cpp.llama_sampler_init_grammar(backend.vocab, grammar.encode("utf-8"), b"root")
-            if not g:
-                reason = last_error_since(errors_before)
-                raise InvalidRequestError(
-                    "invalid grammar" + (f": {reason}" if reason else ""), param="grammar"
-                )
-            chain.add(g)
+            chain.add(_grammar_sampler(backend, grammar))
         if p.greedy:
             chain.add(llama_cpp.llama_sampler_init_greedy())
         else:
