@@ -130,6 +130,14 @@ def test_gbnf_grammar_constrains_output(backend):
         assert text_of(backend, out[:-1]) in ("yes", "no")
 
 
+def test_grammar_with_penalties_and_bias_never_sees_the_prompt(backend):
+    # Penalties are primed with prompt tokens; the grammar must not be (a mismatch would abort).
+    no = backend.tokenize("no", add_special=False)[0]
+    params = SamplingParams(temperature=0.0, repeat_penalty=1.5, grammar='root ::= "yes" | "no"', logit_bias={no: -math.inf})
+    out = _run(backend, params, CHAT.format("Say yes or no. yes no yes no"), n=8)
+    assert text_of(backend, out[:-1]) == "yes" and backend.is_eog(out[-1])
+
+
 def test_json_schema_output_parses_and_matches(backend):
     schema = {
         "type": "object",

@@ -77,6 +77,7 @@ class LlamaCppBackend(Backend):
         self.n_embd = llama_cpp.llama_model_n_embd(model)
         self.token_ids = np.arange(self.n_vocab, dtype=np.int32)  # read-only helper for samplers
         self.token_ids.flags.writeable = False
+        self._row_type = ctypes.c_float * self.n_vocab
         self._packed = PackedBatch(self.n_batch)
         self._outputs = np.zeros(self.n_batch, dtype=np.int8)  # which rows of the last decode have logits
         self._n_out = 0  # rows of the last successful decode (0: no logits valid)
@@ -216,7 +217,9 @@ class LlamaCppBackend(Backend):
         ptr = llama_cpp.llama_get_logits_ith(self.ctx, batch_index)
         if not ptr:
             raise BackendError(f"no logits for batch row {batch_index}")
-        row = np.ctypeslib.as_array(ptr, shape=(self.n_vocab,))
+        # frombuffer over a cached ctypes array type: a third of np.ctypeslib.as_array's cost, and
+        # this runs once per sequence per step.
+        row = np.frombuffer(self._row_type.from_address(ctypes.addressof(ptr.contents)), dtype=np.float32)
         row.flags.writeable = False
         return row
 

@@ -1,8 +1,9 @@
 """Per-sequence sampling on llama.cpp sampler chains.
 
-Each sequence owns one chain (logit_bias -> penalties -> grammar -> top_k -> top_p -> min_p ->
-temperature -> dist(seed), or greedy), so its RNG, penalty history and grammar state are its own:
-a seeded request samples the same tokens whether it runs alone or inside a shared batch.
+Each sequence owns one chain (logit_bias -> penalties -> top_k -> top_p -> min_p -> temperature ->
+dist(seed), or greedy) plus, for constrained output, a grammar sampler applied grammar-last (see
+_sample_chain). Its RNG, penalty history and grammar state are its own: a seeded request samples
+the same tokens whether it runs alone or inside a shared batch.
 
 We apply the chain to our own candidate buffer (`llama_sampler_apply`) instead of calling
 `llama_sampler_sample`, because the latter GGML_ASSERTs (aborts the process) when no candidate is
@@ -112,8 +113,8 @@ def _grammar_sampler(backend: LlamaCppBackend, grammar: str):
     return g
 
 
-def _build_chain(backend: LlamaCppBackend, p: SamplingParams, grammar: str | None) -> tuple[object, object | None]:
-    """Returns (chain, penalties sampler inside it or None)."""
+def _build_chain(backend: LlamaCppBackend, p: SamplingParams) -> tuple[object, object | None]:
+    """The chain without the grammar. Returns (chain, penalties sampler inside it or None)."""
     chain = _Chain()
     try:
         if p.logit_bias:
@@ -129,8 +130,6 @@ def _build_chain(backend: LlamaCppBackend, p: SamplingParams, grammar: str | Non
                     backend.n_vocab, last_n, p.repeat_penalty, p.frequency_penalty, p.presence_penalty
                 )
             )
-        if grammar is not None:
-            chain.add(_grammar_sampler(backend, grammar))
         if p.greedy:
             chain.add(llama_cpp.llama_sampler_init_greedy())
         else:
@@ -148,29 +147,63 @@ def _build_chain(backend: LlamaCppBackend, p: SamplingParams, grammar: str | Non
     return chain.ptr, penalties
 
 
+def _free_all(samplers: list) -> None:
+    for smpl in samplers:
+        llama_cpp.llama_sampler_free(smpl)
+
+
+class _Candidates:
+    """A llama_token_data_array over a numpy buffer, refilled from a logits row."""
+
+    def __init__(self, size: int) -> None:
+        self.buf = np.empty(size, dtype=TOKEN_DATA)
+        self.array = llama_cpp.llama_token_data_array()
+        self.ref = ctypes.byref(self.array)
+        self._ptr = self.buf.ctypes.data_as(llama_cpp.llama_token_data_p)
+
+    def fill(self, ids: np.ndarray, logits: np.ndarray) -> None:
+        self.buf["id"] = ids  # samplers sort candidates in place: reset every time
+        self.buf["logit"] = logits
+        arr = self.array
+        arr.data = self._ptr  # samplers may also repoint data/size
+        arr.size = self.buf.size
+        arr.selected = -1
+        arr.sorted = False
+
+    def selected(self) -> tuple[int, float]:
+        arr = self.array
+        if not 0 <= arr.selected < arr.size:
+            raise InvalidRequestError("no token can be sampled under these constraints")
+        chosen = arr.data[arr.selected]
+        return int(chosen.id), chosen.logit
+
+
 class LlamaCppSampler(Sampler):
     def __init__(self, backend: LlamaCppBackend, params: SamplingParams, prompt_tokens: Sequence[int]) -> None:
         _check_params(params, backend.n_vocab)
         self._backend = backend
         self._n_logprobs = params.logprobs
         self._chain = None
+        self._grammar = None
         self._finalizer: weakref.finalize | None = None
         grammar = grammar_text(params)
         if params.greedy and not params.logit_bias and not _penalties_active(params) and grammar is None:
             return  # numpy argmax fast path
-        chain, penalties = _build_chain(backend, params, grammar)
-        self._chain = chain
-        self._finalizer = weakref.finalize(self, llama_cpp.llama_sampler_free, chain)
+        owned: list = []
+        self._finalizer = weakref.finalize(self, _free_all, owned)
+        if grammar is not None:
+            self._grammar = _grammar_sampler(backend, grammar)
+            owned.append(self._grammar)
+        self._chain, penalties = _build_chain(backend, params)
+        owned.append(self._chain)
         if penalties is not None:
-            # Prime only the penalty history with the prompt (as llama-server does): accepting prompt
-            # tokens on the whole chain would feed them to the grammar, which aborts on a mismatch.
+            # Prime the penalty history with the prompt, as llama-server does. Only the penalties:
+            # the grammar must never see prompt tokens (a mismatch aborts the process).
             last_n = len(prompt_tokens) if params.penalty_last_n < 0 else params.penalty_last_n
             for t in prompt_tokens[-last_n:]:
                 llama_cpp.llama_sampler_accept(penalties, int(t))
-        self._cand = np.empty(backend.n_vocab, dtype=TOKEN_DATA)
-        self._cand_array = llama_cpp.llama_token_data_array()
-        self._cand_ptr = self._cand.ctypes.data_as(llama_cpp.llama_token_data_p)
-        self._cand_ref = ctypes.byref(self._cand_array)
+        self._cand = _Candidates(backend.n_vocab)
+        self._one = _Candidates(1) if self._grammar is not None else None
 
     def sample(self, batch_index: int) -> SampledToken:
         row = self._backend.logits_row(batch_index)
@@ -184,24 +217,31 @@ class LlamaCppSampler(Sampler):
     def _sample_chain(self, row: np.ndarray) -> int:
         if self._finalizer is None or not self._finalizer.alive:
             raise ValueError("sampler is closed")
-        cand = self._cand
-        cand["id"] = self._backend.token_ids  # samplers sort candidates in place: reset every step
-        cand["logit"] = row
-        arr = self._cand_array
-        arr.data = self._cand_ptr
-        arr.size = cand.size
-        arr.selected = -1
-        arr.sorted = False
-        llama_cpp.llama_sampler_apply(self._chain, self._cand_ref)
-        if not 0 <= arr.selected < arr.size:
-            raise InvalidRequestError("no token can be sampled under these constraints")
-        chosen = arr.data[arr.selected]
-        if not math.isfinite(chosen.logit):
+        cand, ids = self._cand, self._backend.token_ids
+        cand.fill(ids, row)
+        llama_cpp.llama_sampler_apply(self._chain, cand.ref)
+        token, logit = cand.selected()
+        if self._grammar is not None and not self._grammar_allows(token, logit):
+            # Grammar-last, as llama.cpp's common sampler does: checking one token is cheap, masking
+            # the whole vocabulary (~50k tokens through the grammar stacks) is not, so only resample
+            # with the grammar applied first when the free choice breaks it.
+            cand.fill(ids, row)
+            llama_cpp.llama_sampler_apply(self._grammar, cand.ref)
+            llama_cpp.llama_sampler_apply(self._chain, cand.ref)
+            token, logit = cand.selected()
+        if not math.isfinite(logit):
             # Every candidate was banned (grammar + logit_bias): accepting would abort the process.
             raise InvalidRequestError("no token is allowed by the grammar and logit_bias together")
-        token = int(chosen.id)
         llama_cpp.llama_sampler_accept(self._chain, token)
+        if self._grammar is not None:
+            llama_cpp.llama_sampler_accept(self._grammar, token)
         return token
+
+    def _grammar_allows(self, token: int, logit: float) -> bool:
+        one = self._one
+        one.fill(np.array([token], dtype=np.int32), np.array([logit], dtype=np.float32))
+        llama_cpp.llama_sampler_apply(self._grammar, one.ref)
+        return math.isfinite(float(one.buf["logit"][0]))
 
     def _logprob(self, row: np.ndarray, token: int) -> TokenLogprob:
         # log-softmax of the raw logits (before bias, penalties and temperature), like OpenAI reports.
@@ -217,4 +257,4 @@ class LlamaCppSampler(Sampler):
 
     def close(self) -> None:
         if self._finalizer is not None:
-            self._finalizer()  # frees the chain once; later calls are no-ops
+            self._finalizer()  # frees the native samplers once; later calls are no-ops
