@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 
+import llama_cpp
 import numpy as np
 import pytest
 
@@ -161,6 +162,34 @@ def test_position_gap_is_a_backend_error_not_a_crash(backend):
     assert backend.kv_pos_max(0) == 1
     backend.decode([BatchToken(282, 0, 2, True)])
     assert backend.kv_pos_max(0) == 2
+
+
+def test_aborted_decode_rolls_back_processed_micro_batches(smollm2_gguf):
+    # llama_decode returns 2 when aborted and keeps the micro-batches it finished; decode() must
+    # drop them so the scheduler can treat the whole batch as not run.
+    with load(smollm2_gguf, n_ctx=2048, n_seq_max=2, n_batch=1024) as b:
+        assert b.n_ubatch == 512
+        polls, limit = [0], [10**9]
+
+        @llama_cpp.ggml_abort_callback
+        def abort(_data):
+            polls[0] += 1
+            return polls[0] > limit[0]
+
+        llama_cpp.llama_set_abort_callback(b.ctx, abort, None)
+        other = b.tokenize(PROMPTS[0])
+        b.decode(prompt_batch(other, 1))  # one micro-batch: counts the abort polls it takes
+        reference = b.logits(len(other) - 1)
+        polls[0], limit[0] = 0, polls[0] + 10  # abort early in the second micro-batch
+        with pytest.raises(BackendError, match="code 2"):
+            b.decode([BatchToken(100 + i % 50, 0, i) for i in range(700)])
+        assert polls[0] > limit[0]
+        assert b.kv_pos_max(0) == -1  # the first 512 tokens were computed, then rolled back
+        assert b.kv_pos_max(1) == len(other) - 1  # other sequences untouched
+        limit[0] = 10**9
+        b.kv_remove(1, len(other) - 1)
+        b.decode(prompt_batch(other[-1:], 1, start=len(other) - 1))
+        np.testing.assert_allclose(b.logits(0), reference, atol=1e-4, rtol=0)
 
 
 def test_logits_only_for_rows_that_asked(backend):
