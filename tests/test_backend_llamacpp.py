@@ -316,8 +316,9 @@ def test_special_tokens(backend):
         backend.token_to_bytes(49152)
 
 
-def test_lone_surrogate_does_not_crash_tokenizer(backend):
+def test_lone_surrogate_and_empty_text(backend):
     assert backend.tokenize("a\ud800b", add_special=False)
+    assert backend.tokenize("", add_special=False) == []
 
 
 # --- loading, logging, lifecycle ------------------------------------------------------------------

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import json
 import math
 
@@ -244,6 +245,15 @@ def test_logprobs(backend):
 def test_bad_sampling_params_are_request_errors(backend, params):
     with pytest.raises(InvalidRequestError):
         backend.new_sampler(params, [])
+
+
+def test_garbage_collection_frees_the_native_chain(backend):
+    sampler = backend.new_sampler(SamplingParams(temperature=0.8, seed=1, grammar='root ::= "a"'), [])
+    finalizer = sampler._finalizer
+    assert finalizer.alive
+    del sampler
+    gc.collect()
+    assert not finalizer.alive
 
 
 def test_close_is_idempotent(backend):
