@@ -119,6 +119,12 @@ def test_penalty_window_zero_disables_penalties(backend):
     assert _run(backend, SamplingParams(temperature=0.0, repeat_penalty=5.0, penalty_last_n=0), REPETITIVE, n=4) == plain
 
 
+@pytest.mark.parametrize("last_n", [-1, 10**9])
+def test_penalty_window_whole_context_and_huge(backend, last_n):
+    out = _run(backend, SamplingParams(temperature=0.0, repeat_penalty=5.0, penalty_last_n=last_n), REPETITIVE, n=2)
+    assert out[0] not in backend.tokenize(REPETITIVE)
+
+
 # --- grammars --------------------------------------------------------------------------------------
 def test_gbnf_grammar_constrains_output(backend):
     params = SamplingParams(temperature=0.0, grammar='root ::= "yes" | "no"')

@@ -124,7 +124,8 @@ def _build_chain(backend: LlamaCppBackend, p: SamplingParams) -> tuple[object, o
             chain.add(llama_cpp.llama_sampler_init_logit_bias(backend.n_vocab, len(p.logit_bias), biases))
         penalties = None
         if _penalties_active(p):
-            last_n = backend.n_ctx if p.penalty_last_n < 0 else p.penalty_last_n
+            # llama.cpp allocates a ring buffer of last_n tokens: a client's 10**9 must not become one.
+            last_n = backend.n_ctx if p.penalty_last_n < 0 else min(p.penalty_last_n, backend.n_ctx)
             penalties = chain.add(
                 llama_cpp.llama_sampler_init_penalties(
                     backend.n_vocab, last_n, p.repeat_penalty, p.frequency_penalty, p.presence_penalty
@@ -199,7 +200,7 @@ class LlamaCppSampler(Sampler):
         if penalties is not None:
             # Prime the penalty history with the prompt, as llama-server does. Only the penalties:
             # the grammar must never see prompt tokens (a mismatch aborts the process).
-            last_n = len(prompt_tokens) if params.penalty_last_n < 0 else params.penalty_last_n
+            last_n = backend.n_ctx if params.penalty_last_n < 0 else min(params.penalty_last_n, backend.n_ctx)
             for t in prompt_tokens[-last_n:]:
                 llama_cpp.llama_sampler_accept(penalties, int(t))
         self._cand = _Candidates(backend.n_vocab)
