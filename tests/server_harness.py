@@ -39,9 +39,27 @@ def install_model(settings: Settings, gguf: Path) -> None:
     ModelStore(settings).register_local(gguf, MODEL, MODEL_TAG)
 
 
+def exact_attention_loader(installed: Any, settings: Settings) -> Any:
+    """models.load_engine with the backend's exact_attention (F32 KV, no flash attention): only then
+    are a request's logits bit-identical alone, batched or from the prefix cache (see
+    LlamaCppBackend.load), which tests comparing greedy answers across those situations need."""
+    from localserve.backends.llamacpp import LlamaCppBackend
+    from localserve.engine import Engine
+    from localserve.models import plan_model
+
+    limits = plan_model(installed, settings).limits
+    backend = LlamaCppBackend.load(installed.path, n_ctx=limits.n_ctx, n_seq_max=limits.n_seq_max,
+                                   n_batch=limits.batch_tokens, n_threads=settings.threads or None,
+                                   exact_attention=True)
+    engine = Engine(backend, limits, installed.ref)
+    engine.start()
+    return engine
+
+
 class LiveServer:
-    def __init__(self, settings: Settings):
+    def __init__(self, settings: Settings, loader: Any = None):
         self.settings = settings
+        self.loader = loader
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, name="test-server", daemon=True)
         self.runner: web.AppRunner | None = None
@@ -62,7 +80,7 @@ class LiveServer:
             self.loop.close()
 
     async def _start(self) -> None:
-        self.manager = ModelManager(self.settings)
+        self.manager = ModelManager(self.settings, loader=self.loader)
         app = create_app(self.settings, self.manager)
         self.runner = web.AppRunner(app, shutdown_timeout=2.0)
         await self.runner.setup()

@@ -61,8 +61,8 @@ class EngineCollector(Collector):
             kv_used.add_metric([model], _num(stats.get("kv_used", 0)))
             kv_total.add_metric([model], _num(stats.get("kv_total", 0)))
             tps.add_metric([model], _num(stats.get("tokens_per_s", 0)))
-            hits.add_metric([model], _num(stats.get("prefix_hit_tokens", stats.get("prefix_hits", 0))))
-            queries.add_metric([model], _num(stats.get("prefix_query_tokens", stats.get("prefix_queries", 0))))
+            hits.add_metric([model], _num(stats.get("prefix_cache_hits", 0)))
+            queries.add_metric([model], _num(stats.get("prefix_cache_queries", 0)))
         return [loaded, running, waiting, occupancy, kv_used, kv_total, tps, hits, queries]
 
 
