@@ -134,3 +134,15 @@ def test_still_serving_after_all_that(server):
     status, body = server.json("POST", CHAT, OK_BODY)
     assert status == 200 and body["choices"][0]["message"]["role"] == "assistant"
     assert server.json("GET", "/health")[0] == 200
+
+
+def test_shutting_down_answers_503_with_retry_after(smollm2_gguf, tmp_path):
+    settings = server_settings(tmp_path / "home")
+    install_model(settings, smollm2_gguf)
+    with LiveServer(settings) as live:
+        live.call(live.manager.close())  # what the daemon's shutdown does before the socket closes
+        status, headers, data = live.request("POST", CHAT, OK_BODY)
+        assert status == 503 and int(headers["Retry-After"]) >= 1
+        assert_openai_error(json.loads(data), code="overloaded", error_type="server_error")
+        status, body = live.json("POST", "/api/generate", {"model": MODEL, "prompt": "x"})
+        assert status == 503 and isinstance(body["error"], str)

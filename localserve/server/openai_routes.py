@@ -365,26 +365,27 @@ class _Reply:
 
 
 # --- completions ---------------------------------------------------------------------------------
-def parse_prompts(value: Any) -> list[str | list[int]]:
-    """A string, an array of strings, an array of token ids, or an array of token-id arrays."""
-    if isinstance(value, str):
-        prompts: list[Any] = [value]
-    elif is_token_list(value):
-        prompts = [value]
+def parse_text_or_tokens(value: Any, param: str, max_items: int) -> list[str | list[int]]:
+    """OpenAI's prompt/input forms: a string, an array of strings, an array of token ids, or an
+    array of token-id arrays -> one entry per text."""
+    if isinstance(value, str) or is_token_list(value):
+        items: list[Any] = [value]
     elif isinstance(value, list) and value and all(isinstance(p, str) or is_token_list(p) for p in value):
-        prompts = list(value)
+        items = list(value)
     else:
-        raise invalid("'prompt' must be a string, an array of strings, or token ids", "prompt")
-    if len(prompts) > MAX_PROMPTS:
-        raise invalid(f"'prompt' may hold at most {MAX_PROMPTS} prompts", "prompt")
-    return prompts
+        raise invalid(f"'{param}' must be a string, an array of strings, or token ids", param)
+    if len(items) > max_items:
+        raise invalid(f"'{param}' may hold at most {max_items} items", param)
+    if any(isinstance(p, str) and not p for p in items):
+        raise invalid(f"'{param}' must not contain empty strings", param)
+    return items
 
 
 @routes.post("/v1/completions")
 async def completions(request: web.Request) -> web.StreamResponse:
     body = await read_json(request)
     opts = parse_options(body, request, chat=False)
-    prompts = parse_prompts(body.raw("prompt"))
+    prompts = parse_text_or_tokens(body.raw("prompt"), "prompt", MAX_PROMPTS)
     if body.has("suffix"):
         raise invalid("'suffix' (fill-in-the-middle) is not supported", "suffix")
     best_of = body.get_int("best_of", None, lo=1, hi=opts.n)
@@ -435,28 +436,12 @@ async def completions(request: web.Request) -> web.StreamResponse:
 
 
 # --- embeddings ----------------------------------------------------------------------------------
-def parse_embedding_inputs(value: Any) -> list[str | list[int]]:
-    if isinstance(value, str):
-        inputs: list[Any] = [value]
-    elif is_token_list(value):
-        inputs = [value]
-    elif isinstance(value, list) and value and all(isinstance(p, str) or is_token_list(p) for p in value):
-        inputs = list(value)
-    else:
-        raise invalid("'input' must be a non-empty string, array of strings, or token ids", "input")
-    if len(inputs) > MAX_EMBED_INPUTS:
-        raise invalid(f"'input' may hold at most {MAX_EMBED_INPUTS} items", "input")
-    if any(isinstance(p, str) and not p for p in inputs):
-        raise invalid("'input' must not contain empty strings", "input")
-    return inputs
-
-
 @routes.post("/v1/embeddings")
 async def embeddings(request: web.Request) -> web.Response:
     body = await read_json(request)
     settings = request.app[SETTINGS_KEY]
     model = body.get_str("model", None, max_len=512) or settings.default_model
-    inputs = parse_embedding_inputs(body.raw("input"))
+    inputs = parse_text_or_tokens(body.raw("input"), "input", MAX_EMBED_INPUTS)
     encoding = body.get_str("encoding_format", "float", choices=("float", "base64"))
     dimensions = body.get_int("dimensions", None, lo=1, hi=1 << 20)
     async with request.app[MANAGER_KEY].use(model) as loaded:
