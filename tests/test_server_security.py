@@ -59,8 +59,16 @@ def test_cors_allow_list(server):
         assert status == 200 and headers.get("Access-Control-Allow-Origin") == origin, origin
         assert "Origin" in headers.get("Vary", "")
     for origin in ["https://evil.example", "http://localhost.evil.example", "http://localhostx:80", "null"]:
-        status, headers, _ = server.request("GET", "/v1/models", headers={"Origin": origin})
-        assert "Access-Control-Allow-Origin" not in headers, origin
+        status, headers, data = server.request("GET", "/v1/models", headers={"Origin": origin})
+        assert status == 403 and "Access-Control-Allow-Origin" not in headers, origin
+        assert b"origin_not_allowed" in data
+
+
+def test_cross_site_simple_post_is_refused(server):
+    # What a hostile page can send without a preflight: a text/plain POST. It must not run.
+    status, headers, _ = server.request("DELETE", "/api/delete", raw=b'{"model": "x"}',
+                                        headers={"Origin": "https://evil.example", "Content-Type": "text/plain"})
+    assert status == 403 and "Access-Control-Allow-Origin" not in headers
 
 
 def test_cors_preflight(server):

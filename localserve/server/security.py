@@ -4,7 +4,9 @@ A server on 127.0.0.1 is reachable by every web page the user opens: a page on e
 DNS name is re-pointed at 127.0.0.1 sends requests with `Host: evil.example` (DNS rebinding), and
 any page can fire cross-origin requests whose answers the browser hides from it unless we grant
 CORS. So: a Host header that is not a local name is refused with 403 before anything else runs;
-CORS is granted only to origins on the allow-list (localhost pages and editor webviews); and an
+CORS is granted only to origins on the allow-list (localhost pages and editor webviews), and a
+request from any other web origin is refused outright (CSRF: a cross-site form POST needs no CORS
+to have side effects); and an
 API key, when configured, is compared in constant time so its bytes cannot be guessed by timing.
 """
 
@@ -99,14 +101,23 @@ def security_middleware(settings: Settings):
                 code="host_not_allowed",
             )
         origin = request.headers.get("Origin")
+        allowed_origin = origin is None or origin_allowed(origin, settings.cors_origins)
         if request.method == "OPTIONS" and origin and request.headers.get("Access-Control-Request-Method"):
             # A preflight: answered here, without the key (browsers never send credentials on it).
             response = web.Response(status=204)
-            if origin_allowed(origin, settings.cors_origins):
+            if allowed_origin:
                 response.headers["Access-Control-Allow-Methods"] = ALLOWED_METHODS
                 response.headers["Access-Control-Allow-Headers"] = ALLOWED_HEADERS
                 response.headers["Access-Control-Max-Age"] = "600"
             return response
+        if not allowed_origin:
+            # Withholding CORS only hides the answer from a foreign page; a "simple" cross-site POST
+            # (text/plain body, no preflight) would still run: generate, pull or delete models.
+            # Browsers always send Origin on such requests, non-browser clients do not.
+            return error_response(
+                request, 403, "origin not allowed (add it to cors_origins to let that page use the API)",
+                "permission_error", code="origin_not_allowed",
+            )
         if settings.api_key and request.path not in KEY_EXEMPT_PATHS:
             if not key_matches(presented_key(request), settings.api_key):
                 return error_response(
