@@ -10,7 +10,9 @@ done_reason and nanosecond durations (total/load/prompt_eval/eval). Errors are `
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import datetime as dt
+import logging
 import time
 from typing import Any, Callable
 
@@ -52,6 +54,7 @@ from .validation import (
 )
 
 routes = web.RouteTableDef()
+log = logging.getLogger("localserve.server")
 
 NDJSON = "application/x-ndjson"
 FOREVER = "9999-12-31T23:59:59Z"
@@ -136,6 +139,10 @@ async def stream_lines(request: web.Request, streams: list[Any], make_line: Call
         await guard_disconnect(request, body())
     except (ClientGone, ConnectionResetError):
         pass
+    except Exception:  # noqa: BLE001 - headers are out: the error middleware can no longer answer
+        log.exception("stream of %s failed", request.path)
+        with contextlib.suppress(ConnectionResetError):
+            await send_line(response, {"error": "internal server error"})
     return response
 
 
@@ -389,23 +396,24 @@ async def show(request: web.Request) -> web.Response:
 
 @routes.get("/api/ps")
 async def ps(request: web.Request) -> web.Response:
+    """Ollama's fields, plus ours that `localserve ps` shows: state, pinned, running, waiting per lane."""
     store = request.app[STORE_KEY]
-    rows = request.app[MANAGER_KEY].status()
     out = []
-    for row in rows:
-        if row.get("state", "loaded") != "loaded":
-            continue
+    for row in request.app[MANAGER_KEY].status():
         try:
             model_details = details(await asyncio.to_thread(store.find, row["name"]))
         except LocalserveError:
             model_details = {}
         expires = row.get("expires_at")
-        if expires is None:
-            expires = time.time() + row["keep_alive"] if row.get("pinned") and row.get("keep_alive", -1) >= 0 else None
+        if expires is None and row.get("pinned") and row.get("keep_alive", -1) >= 0:
+            expires = time.time() + row["keep_alive"]  # in use: it expires keep_alive after the last request
         out.append({
-            "name": row["name"], "model": row["name"], "size": row.get("memory_bytes", 0), "digest": row.get("sha256") or "",
-            "details": model_details, "expires_at": now_iso(expires) if expires is not None else FOREVER,
-            "size_vram": 0, "running": row.get("running", 0), "waiting": row.get("waiting", {}),
+            "name": row["name"], "model": row["name"], "size": row.get("memory_bytes", 0),
+            "digest": row.get("sha256") or "", "details": model_details,
+            "expires_at": now_iso(expires) if expires is not None else FOREVER,
+            "size_vram": row.get("vram_bytes", 0),
+            "state": row.get("state", "loaded"), "pinned": row.get("pinned", 0),
+            "running": row.get("running", 0), "waiting": row.get("waiting", {}),
         })
     return web.json_response({"models": out}, dumps=json_dumps)
 

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
+import logging
 import math
 import struct
 import time
@@ -61,6 +63,7 @@ from .validation import (
 )
 
 routes = web.RouteTableDef()
+log = logging.getLogger("localserve.server")
 
 SYSTEM_FINGERPRINT = f"localserve-{__version__}"
 MAX_TOKENS_LIMIT = (1 << 63) - 1  # bigger asks are clamped to the context left, not refused
@@ -281,6 +284,10 @@ class _Reply:
             await guard_disconnect(self.request, body_writer(response, streams))
         except (ClientGone, ConnectionResetError):
             pass  # the client left; the caller's finally cancels the streams
+        except Exception:  # noqa: BLE001 - headers are out: the error middleware can no longer answer
+            log.exception("stream of %s failed", self.id)
+            with contextlib.suppress(ConnectionResetError):
+                await send_sse_error(response, "internal server error")
         return response
 
     async def finish_stream(self, response: web.StreamResponse, obj: str, usages: list[Any]) -> None:
