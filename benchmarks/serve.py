@@ -45,18 +45,20 @@ WORDS = (
     "with carts of apples pears and cabbages for the market that filled the square every tuesday morning "
     "until noon when the bells of the church rang and everyone went home for lunch and a short rest"
 ).split()
-PROMPT_WORDS = (16, 48, 96, 192, 384)  # mixed prompt lengths (~1.3 tokens per word)
+# Mixed prompt lengths of chat messages, in words (~1.3 tokens per word, plus the chat template):
+# from a quick question to a pasted paragraph. Override with --prompt-words.
+PROMPT_WORDS = (4, 8, 16, 32, 64, 128)
 
 
 # --- workload ----------------------------------------------------------------------------------
 
 
-def make_prompts(n: int, seed: int) -> list[str]:
+def make_prompts(n: int, seed: int, lengths: tuple[int, ...] = PROMPT_WORDS) -> list[str]:
     """Distinct prompts of mixed lengths; each starts differently so no server gets a free prefix."""
     rng = random.Random(seed)
     prompts = []
     for i in range(n):
-        length = PROMPT_WORDS[i % len(PROMPT_WORDS)]
+        length = lengths[i % len(lengths)]
         text = " ".join(rng.choice(WORDS) for _ in range(length))
         prompts.append(f"Note {i}: {text}. Continue this story in your own words.")
     rng.shuffle(prompts)
@@ -233,8 +235,11 @@ def stop(proc: subprocess.Popen[bytes]) -> None:
             proc.wait()
 
 
-def start_localserve(model_path: Path, threads: int, work: Path) -> tuple[subprocess.Popen[bytes], str, str]:
+def start_localserve(model_path: Path, threads: int, sequences: int, work: Path) -> tuple[subprocess.Popen[bytes], str, str]:
+    # Sequences decoded together = the benchmark's concurrency, as llama-server's --parallel would be
+    # set; the automatic default ties it to the thread count.
     env = dict(os.environ, LOCALSERVE_HOME=str(work / "home"), LOCALSERVE_THREADS=str(threads),
+               LOCALSERVE_MAX_SEQUENCES=str(sequences),
                LOCALSERVE_CONFIG=str(work / "none.toml"))
     subprocess.run([sys.executable, "-m", "localserve", "add", str(model_path), "--name", "bench"],
                    env=env, check=True, cwd=REPO, stdout=subprocess.DEVNULL)
@@ -262,7 +267,7 @@ async def bench_launched(args: argparse.Namespace, prompts: list[str]) -> list[t
     try:
         for name in ("localserve", "llama_cpp.server"):
             if name == "localserve":
-                proc, url, model = start_localserve(model_path, args.threads, work)
+                proc, url, model = start_localserve(model_path, args.threads, args.concurrency, work)
                 ready = "/health"
             else:
                 proc, url, model = start_llama_cpp_server(model_path, args.threads, args.n_ctx, work)
@@ -295,7 +300,7 @@ def report_errors(name: str, results: list[Result]) -> None:
 
 
 async def main_async(args: argparse.Namespace) -> int:
-    prompts = make_prompts(args.num_requests, args.seed)
+    prompts = make_prompts(args.num_requests, args.seed, args.prompt_words)
     if args.launch:
         if not args.model_path:
             raise SystemExit("--launch needs --model-path")
@@ -313,7 +318,7 @@ async def main_async(args: argparse.Namespace) -> int:
             columns.append((url, summarize(results, duration)))
     mode = "fixed concurrency" if math.isinf(args.request_rate) else f"Poisson {args.request_rate}/s"
     print(f"\n{args.num_requests} streaming requests, concurrency {args.concurrency}, {mode}, "
-          f"max_tokens {args.max_tokens}, prompts of {min(PROMPT_WORDS)}-{max(PROMPT_WORDS)} words\n")
+          f"max_tokens {args.max_tokens}, prompts of {min(args.prompt_words)}-{max(args.prompt_words)} words\n")
     print_table(columns)
     if args.json:
         Path(args.json).write_text(json.dumps(dict(columns), indent=2))
@@ -333,6 +338,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--concurrency", type=int, default=8)
     p.add_argument("--request-rate", type=float, default=math.inf, help="Poisson arrivals per second (default: all at once)")
     p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--prompt-words", type=lambda t: tuple(int(x) for x in t.split(",")), default=PROMPT_WORDS,
+                   help="comma-separated prompt lengths in words, used in turn (default %(default)s)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--extra-body", dest="extra", type=json.loads, default={}, help="JSON merged into every request")
     p.add_argument("--json", help="write the figures to this file")

@@ -9,7 +9,9 @@ import subprocess
 import sys
 import time
 import urllib.request
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Iterator
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -50,6 +52,18 @@ def start_serve(env: dict[str, str], *args: str) -> subprocess.Popen[str]:
         [sys.executable, "-m", "localserve", "serve", *args],
         env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )
+
+
+@contextmanager
+def serving(env: dict[str, str], *args: str) -> Iterator[subprocess.Popen[str]]:
+    """A foreground `serve` subprocess, killed on the way out if the test left it running."""
+    proc = start_serve(env, *args)
+    try:
+        yield proc
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
 
 
 def pid_file(home: Path) -> Path:

@@ -22,6 +22,7 @@ from daemon_util import (
     http_post,
     pid_file,
     register_model,
+    serving,
     start_serve,
     stop_quietly,
     wait_published,
@@ -52,8 +53,7 @@ def chat(url: str, **extra) -> tuple[int, dict]:
 
 def test_serve_health_pid_file_one_per_home_and_sigterm(env: dict[str, str]) -> None:
     home = home_of(env)
-    proc = start_serve(env)
-    try:
+    with serving(env) as proc:
         info = wait_published(home, proc)
         assert info["pid"] == proc.pid and info["port"] == int(env["LOCALSERVE_PORT"])
         assert info["url"] == f"http://127.0.0.1:{env['LOCALSERVE_PORT']}"
@@ -72,15 +72,10 @@ def test_serve_health_pid_file_one_per_home_and_sigterm(env: dict[str, str]) -> 
         assert not _port_open(info["port"])
         log = (home / "logs" / "localserve.log").read_text()
         assert "listening on" in log and "stopped" in log
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
 
 
 def test_sigterm_with_a_request_in_flight_finishes_within_the_grace(env: dict[str, str]) -> None:
-    proc = start_serve(env)
-    try:
+    with serving(env) as proc:
         info = wait_published(home_of(env), proc)
         chat(info["url"])  # load the model
         result: dict = {}
@@ -115,10 +110,6 @@ def test_sigterm_with_a_request_in_flight_finishes_within_the_grace(env: dict[st
         reader.join(30)
         assert not reader.is_alive() and result["chunks"] >= 3
         assert not pid_file(home_of(env)).exists()
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
 
 
 def test_stale_pid_file_of_a_killed_daemon_is_replaced(env: dict[str, str]) -> None:
@@ -151,8 +142,7 @@ def test_stale_pid_file_of_a_killed_daemon_is_replaced(env: dict[str, str]) -> N
 
 def test_stop_command_stops_the_daemon(env: dict[str, str]) -> None:
     home = home_of(env)
-    proc = start_serve(env)
-    try:
+    with serving(env) as proc:
         info = wait_published(home, proc)
         result = cli(env, "stop")
         assert result.returncode == 0, result.stderr
@@ -161,10 +151,6 @@ def test_stop_command_stops_the_daemon(env: dict[str, str]) -> None:
         assert not pid_file(home).exists()
         again = cli(env, "stop")
         assert again.returncode == 0 and "not running" in again.stdout
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
 
 
 def test_lock_is_exclusive_in_process(tmp_path: Path) -> None:

@@ -33,6 +33,21 @@ def home(tmp_path: Path, smollm2_gguf: Path) -> Path:
     return tmp_path
 
 
+@pytest.fixture
+async def managers():
+    """Builds ModelManagers and closes every one at teardown, so a failing test never leaves an
+    engine thread running."""
+    made: list[ModelManager] = []
+
+    def make(*args, **kwargs) -> ModelManager:
+        made.append(ModelManager(*args, **kwargs))
+        return made[-1]
+
+    yield make
+    for manager in made:
+        await manager.close()
+
+
 class CountingLoader:
     """The real loader, counting calls (and slowed a little, so concurrent first uses overlap)."""
 
@@ -65,7 +80,7 @@ def names(manager: ModelManager) -> list[str]:
     return [row["name"] for row in manager.status() if row["state"] == "loaded"]
 
 
-async def test_concurrent_first_use_loads_once(home: Path) -> None:
+async def test_concurrent_first_use_loads_once(managers, home: Path) -> None:
     loader = CountingLoader(delay=0.3)
     manager = ModelManager(make_settings(home), loader=loader)
     seen = []
@@ -89,115 +104,94 @@ async def test_concurrent_first_use_loads_once(home: Path) -> None:
     assert manager.status() == []
 
 
-async def test_status_while_in_use_shows_pin_and_no_expiry(home: Path) -> None:
-    manager = ModelManager(make_settings(home))
-    try:
-        async with manager.use("alpha") as model:
-            assert model.name == "alpha:latest" and model.info.name == "alpha"
-            [row] = manager.status()
-            assert row["pinned"] == 1 and row["expires_at"] is None
-            async with manager.use("alpha:latest"):
-                assert manager.status()[0]["pinned"] == 2
-            assert manager.status()[0]["pinned"] == 1
-    finally:
-        await manager.close()
-
-
-async def test_keep_alive_expiry_unloads_and_next_use_reloads(home: Path) -> None:
-    loader = CountingLoader()
-    manager = ModelManager(make_settings(home), loader=loader)
-    try:
-        async with manager.use("alpha", keep_alive=0.5) as model:
-            await generate(model)
-        assert names(manager) == ["alpha:latest"]
-        assert 0 < manager.status()[0]["expires_in"] <= 0.5
-        await asyncio.sleep(1.2)
-        assert names(manager) == []
-        first = loader.engines[0]
-        assert first._stopped.is_set() or not first._thread.is_alive()  # its engine thread ended
-        async with manager.use("alpha") as model:
-            await generate(model)
-        assert loader.calls == ["alpha:latest", "alpha:latest"]
-    finally:
-        await manager.close()
-
-
-async def test_keep_alive_zero_unloads_right_after_and_negative_keeps_forever(home: Path) -> None:
-    manager = ModelManager(make_settings(home, keep_alive=0.3))
-    try:
-        async with manager.use("alpha", keep_alive=0):
-            pass
-        await asyncio.sleep(0.2)
-        assert names(manager) == []
-        async with manager.use("beta", keep_alive=-1):
-            pass
-        await asyncio.sleep(0.6)  # past the 0.3 s default
+async def test_status_while_in_use_shows_pin_and_no_expiry(managers, home: Path) -> None:
+    manager = managers(make_settings(home))
+    async with manager.use("alpha") as model:
+        assert model.name == "alpha:latest" and model.info.name == "alpha"
         [row] = manager.status()
-        assert row["name"] == "beta:latest" and row["expires_at"] is None and row["keep_alive"] < 0
-    finally:
-        await manager.close()
+        assert row["pinned"] == 1 and row["expires_at"] is None
+        async with manager.use("alpha:latest"):
+            assert manager.status()[0]["pinned"] == 2
+        assert manager.status()[0]["pinned"] == 1
 
 
-async def test_max_loaded_one_never_evicts_a_busy_model(home: Path) -> None:
+async def test_keep_alive_expiry_unloads_and_next_use_reloads(managers, home: Path) -> None:
     loader = CountingLoader()
-    manager = ModelManager(make_settings(home, max_loaded_models=1), loader=loader)
-    try:
-        async with manager.use("alpha") as model:
-            with pytest.raises(OverloadedError) as err:
-                async with manager.use("beta"):
-                    pass
-            assert err.value.http_status == 503 and err.value.retry_after > 0
-            assert "busy" in err.value.message
-            assert names(manager) == ["alpha:latest"]
-            assert (await generate(model)).strip()  # alpha still serves
-        # Idle now: beta takes its place, alpha (least recently used) is unloaded.
-        async with manager.use("beta") as model:
-            assert (await generate(model)).strip()
-        assert names(manager) == ["beta:latest"]
-        assert loader.calls == ["alpha:latest", "beta:latest"]
-    finally:
-        await manager.close()
+    manager = managers(make_settings(home), loader=loader)
+    async with manager.use("alpha", keep_alive=0.5) as model:
+        await generate(model)
+    assert names(manager) == ["alpha:latest"]
+    assert 0 < manager.status()[0]["expires_in"] <= 0.5
+    await asyncio.sleep(1.2)
+    assert names(manager) == []
+    first = loader.engines[0]
+    assert first._stopped.is_set() or not first._thread.is_alive()  # its engine thread ended
+    async with manager.use("alpha") as model:
+        await generate(model)
+    assert loader.calls == ["alpha:latest", "alpha:latest"]
 
 
-async def test_lru_order_with_two_slots(home: Path) -> None:
-    manager = ModelManager(make_settings(home, max_loaded_models=2))
-    try:
-        for ref in ("alpha", "beta", "alpha"):  # beta is now the least recently used
-            async with manager.use(ref):
+async def test_keep_alive_zero_unloads_right_after_and_negative_keeps_forever(managers, home: Path) -> None:
+    manager = managers(make_settings(home, keep_alive=0.3))
+    async with manager.use("alpha", keep_alive=0):
+        pass
+    await asyncio.sleep(0.2)
+    assert names(manager) == []
+    async with manager.use("beta", keep_alive=-1):
+        pass
+    await asyncio.sleep(0.6)  # past the 0.3 s default
+    [row] = manager.status()
+    assert row["name"] == "beta:latest" and row["expires_at"] is None and row["keep_alive"] < 0
+
+
+async def test_max_loaded_one_never_evicts_a_busy_model(managers, home: Path) -> None:
+    loader = CountingLoader()
+    manager = managers(make_settings(home, max_loaded_models=1), loader=loader)
+    async with manager.use("alpha") as model:
+        with pytest.raises(OverloadedError) as err:
+            async with manager.use("beta"):
                 pass
-        async with manager.use("gamma"):
+        assert err.value.http_status == 503 and err.value.retry_after > 0
+        assert "busy" in err.value.message
+        assert names(manager) == ["alpha:latest"]
+        assert (await generate(model)).strip()  # alpha still serves
+    # Idle now: beta takes its place, alpha (least recently used) is unloaded.
+    async with manager.use("beta") as model:
+        assert (await generate(model)).strip()
+    assert names(manager) == ["beta:latest"]
+    assert loader.calls == ["alpha:latest", "beta:latest"]
+
+
+async def test_lru_order_with_two_slots(managers, home: Path) -> None:
+    manager = managers(make_settings(home, max_loaded_models=2))
+    for ref in ("alpha", "beta", "alpha"):  # beta is now the least recently used
+        async with manager.use(ref):
             pass
-        assert sorted(names(manager)) == ["alpha:latest", "gamma:latest"]
-    finally:
-        await manager.close()
+    async with manager.use("gamma"):
+        pass
+    assert sorted(names(manager)) == ["alpha:latest", "gamma:latest"]
 
 
-async def test_memory_budget_evicts_least_recently_used(home: Path) -> None:
+async def test_memory_budget_evicts_least_recently_used(managers, home: Path) -> None:
     settings = make_settings(home, max_loaded_models=3)
     one_model = plan_model(ModelStore(settings).find("alpha"), settings).memory_bytes
-    manager = ModelManager(settings, budget_bytes=int(one_model * 1.5))  # room for one model only
-    try:
-        async with manager.use("alpha"):
+    manager = managers(settings, budget_bytes=int(one_model * 1.5))  # room for one model only
+    async with manager.use("alpha"):
+        pass
+    async with manager.use("beta"):
+        pass
+    assert names(manager) == ["beta:latest"]
+
+
+async def test_unknown_model_is_model_not_found(managers, home: Path) -> None:
+    manager = managers(make_settings(home))
+    with pytest.raises(ModelNotFoundError):
+        async with manager.use("no-such-model"):
             pass
-        async with manager.use("beta"):
-            pass
-        assert names(manager) == ["beta:latest"]
-    finally:
-        await manager.close()
+    assert manager.status() == []
 
 
-async def test_unknown_model_is_model_not_found(home: Path) -> None:
-    manager = ModelManager(make_settings(home))
-    try:
-        with pytest.raises(ModelNotFoundError):
-            async with manager.use("no-such-model"):
-                pass
-        assert manager.status() == []
-    finally:
-        await manager.close()
-
-
-async def test_failed_load_gives_safe_backend_error_and_can_retry(home: Path) -> None:
+async def test_failed_load_gives_safe_backend_error_and_can_retry(managers, home: Path) -> None:
     calls = []
 
     def flaky(installed, settings):
@@ -208,37 +202,31 @@ async def test_failed_load_gives_safe_backend_error_and_can_retry(home: Path) ->
             raise RuntimeError(f"failed to mmap {installed.path}")
         return load_engine(installed, settings)
 
-    manager = ModelManager(make_settings(home), loader=flaky)
-    try:
-        results = await asyncio.gather(*(_use_once(manager, "alpha") for _ in range(3)), return_exceptions=True)
-        assert all(isinstance(r, BackendError) for r in results), results
-        assert len(calls) == 1  # the waiters shared the one failed load
-        message = str(results[0])
-        assert "alpha:latest" in message and "/" not in message and "mmap" not in message
-        assert manager.status() == []
-        await _use_once(manager, "alpha")  # a later request tries again
-        assert len(calls) == 2
-    finally:
-        await manager.close()
+    manager = managers(make_settings(home), loader=flaky)
+    results = await asyncio.gather(*(_use_once(manager, "alpha") for _ in range(3)), return_exceptions=True)
+    assert all(isinstance(r, BackendError) for r in results), results
+    assert len(calls) == 1  # the waiters shared the one failed load
+    message = str(results[0])
+    assert "alpha:latest" in message and "/" not in message and "mmap" not in message
+    assert manager.status() == []
+    await _use_once(manager, "alpha")  # a later request tries again
+    assert len(calls) == 2
 
 
-async def test_damaged_model_file_is_a_clear_error(home: Path, tmp_path: Path, smollm2_gguf: Path) -> None:
+async def test_damaged_model_file_is_a_clear_error(managers, home: Path, tmp_path: Path, smollm2_gguf: Path) -> None:
     settings = make_settings(home)
     copy = tmp_path / "copy.gguf"
     copy.write_bytes(smollm2_gguf.read_bytes())
     ModelStore(settings).register_local(copy, "damaged")
     with open(copy, "r+b") as f:  # the file changed after registration: truncated to its header
         f.truncate(4096)
-    manager = ModelManager(settings)
-    try:
-        with pytest.raises(GGUFError) as err:
-            await _use_once(manager, "damaged")
-        assert str(tmp_path) not in str(err.value)
-    finally:
-        await manager.close()
+    manager = managers(settings)
+    with pytest.raises(GGUFError) as err:
+        await _use_once(manager, "damaged")
+    assert str(tmp_path) not in str(err.value)
 
 
-async def test_unload_and_close_cancel_in_flight(home: Path) -> None:
+async def test_unload_and_close_cancel_in_flight(managers, home: Path) -> None:
     manager = ModelManager(make_settings(home))
     async with manager.use("alpha") as model:
         engine = model.engine
