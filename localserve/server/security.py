@@ -136,7 +136,7 @@ async def add_cors_headers(request: web.Request, response: web.StreamResponse) -
     settings: Settings = request.app[SETTINGS_KEY]
     if origin and origin_allowed(origin, settings.cors_origins):
         response.headers["Access-Control-Allow-Origin"] = origin
-        response.headers["Access-Control-Expose-Headers"] = "Retry-After, X-Request-Id"
+        response.headers["Access-Control-Expose-Headers"] = "Retry-After"
         vary = response.headers.get("Vary")
         response.headers["Vary"] = f"{vary}, Origin" if vary else "Origin"
 
