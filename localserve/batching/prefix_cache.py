@@ -15,6 +15,11 @@ from typing import Iterable, Sequence as Seq
 from .kvpool import KVHolder, KVPool
 
 
+# Shorter hits are ignored: a few tokens save nothing worth a copy, and a hit on a parked entry can
+# cost that entry its tail when ids run short (a BOS token alone would match every prompt).
+MIN_HIT = 4
+
+
 class CachedPrefix:
     """A parked sequence id: its KV holds `tokens` at positions 0..len-1."""
 
@@ -89,14 +94,18 @@ class PrefixCache:
         if not self.enabled:
             return None, 0
         limit = len(tokens) - 1
-        best, best_n = None, 0
+        best, best_n = None, MIN_HIT - 1
         for holder in (*self.parked.values(), *running):
             if holder.seq_id < 0 or not holder.num_computed:
                 continue
             n = common_prefix(tokens, holder.tokens, min(limit, holder.num_computed))
             if n > best_n:
                 best, best_n = holder, n
-        return best, best_n
+        return (best, best_n) if best is not None else (None, 0)
+
+    def touch(self, entry: CachedPrefix) -> None:
+        """Mark an entry as just used: eviction goes least recently used first."""
+        self.parked.move_to_end(entry.seq_id)
 
     def take(self, entry: CachedPrefix) -> None:
         """Remove a parked entry that a new sequence adopts."""

@@ -276,10 +276,13 @@ class Scheduler:
                     source, n_hit = None, 0
                     continue
                 return False
-        if isinstance(source, CachedPrefix):
+        if isinstance(source, CachedPrefix) and not self.pool.free_ids:
+            # Out of ids: take the entry's own id (its tail past the hit is dropped).
             self.cache.take(source)
             self.pool.adopt(source, seq, n_hit)
-        else:
+        else:  # share the cells and keep the entry whole for the next request like this one
+            if isinstance(source, CachedPrefix):
+                self.cache.touch(source)
             self.pool.acquire(seq)
             if n_hit:
                 self.pool.share_prefix(source, seq, n_hit)
