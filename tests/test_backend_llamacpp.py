@@ -400,3 +400,70 @@ def test_embedding_input_errors(backend):
     with pytest.raises(InvalidRequestError):
         backend.embed([[49152]])
     assert backend.embed([]) == []
+
+
+# --- per-sequence KV streams (kv_unified=False) -------------------------------------------------
+STREAM_PROMPTS = PROMPTS + ["Hello", "def fib(n):", "The quick brown fox jumps over the lazy dog. " * 6, "Why?"]
+
+
+@pytest.fixture(scope="module")
+def streams(smollm2_gguf):
+    b = load(smollm2_gguf, n_ctx=8 * 256, n_seq_max=8, kv_unified=False)
+    yield b
+    b.close()
+
+
+def _greedy_steps(backend, prompts: dict[int, list[int]], n: int) -> dict[int, list[np.ndarray]]:
+    """Prefill all prompts in one batch, then decode them side by side; logits per step per seq."""
+    for seq in range(backend.n_seq_max):
+        backend.kv_remove(seq)
+    batch = [bt for seq, tokens in prompts.items() for bt in prompt_batch(tokens, seq)]
+    pos = {seq: len(tokens) for seq, tokens in prompts.items()}
+    rows: dict[int, list[np.ndarray]] = {seq: [] for seq in prompts}
+    for _ in range(n):
+        backend.decode(batch)
+        row_of = {bt.seq_id: i for i, bt in enumerate(batch) if bt.logits}
+        batch = []
+        for seq in prompts:
+            logits = backend.logits(row_of[seq])
+            rows[seq].append(logits)
+            batch.append(BatchToken(int(np.argmax(logits)), seq, pos[seq], True))
+            pos[seq] += 1
+    return rows
+
+
+def test_streams_give_bit_identical_logits_batched_and_alone(streams):
+    # The unified pool fails this (greedy tokens flip for some prompts, measured with exact attention
+    # too): attention sums over cells interleaved with other sequences' cells.
+    prompts = {seq: streams.tokenize(text) for seq, text in enumerate(STREAM_PROMPTS)}
+    together = _greedy_steps(streams, prompts, 12)
+    for seq, tokens in prompts.items():
+        alone = _greedy_steps(streams, {seq: tokens}, 12)[seq]
+        for a, b in zip(alone, together[seq]):
+            np.testing.assert_array_equal(a, b)
+
+
+def test_streams_kv_copy_prefix_equals_recompute(streams):
+    streams.kv_clear()
+    tokens = streams.tokenize(PROMPTS[1])
+    n, k = len(tokens), len(tokens) // 2
+    streams.decode(prompt_batch(tokens, 2))
+    reference = streams.logits(n - 1)
+    streams.decode(prompt_batch(tokens[:k] + [504, 3575], 0))
+    streams.kv_copy(0, 5, 0, k)  # whole-stream copy, then the tail past k dropped
+    assert (streams.kv_pos_min(5), streams.kv_pos_max(5)) == (0, k - 1)
+    streams.decode(prompt_batch(tokens[k:], 5, start=k))
+    np.testing.assert_array_equal(streams.logits(n - k - 1), reference)
+    assert streams.kv_pos_max(0) == k + 1
+    with pytest.raises(ValueError, match="from position 0"):
+        streams.kv_copy(0, 6, 1, k)
+
+
+def test_streams_bound_each_sequence_not_the_pool(streams):
+    assert streams.n_ctx_seq == 256
+    streams.kv_clear()
+    streams.decode(prompt_batch([504] * 200, 0))
+    streams.decode(prompt_batch([504] * 200, 1))  # the pool has room for both: streams are separate
+    with pytest.raises(KVFullError):
+        streams.decode(prompt_batch([504] * 100, 0, start=200))
+    assert streams.kv_pos_max(0) == 199

@@ -62,6 +62,7 @@ def _free_native(model, ctx, embedder_box: list) -> None:
 
 class LlamaCppBackend(Backend):
     exact_attention = False  # see load()
+    kv_unified = True  # see load()
 
     def __init__(self, model, ctx, path: Path, *, n_threads: int) -> None:
         self.model = model
@@ -69,6 +70,7 @@ class LlamaCppBackend(Backend):
         self.vocab = llama_cpp.llama_model_get_vocab(model)
         self.memory = llama_cpp.llama_get_memory(ctx)
         self.n_ctx = llama_cpp.llama_n_ctx(ctx)
+        self.n_ctx_seq = llama_cpp.llama_n_ctx_seq(ctx)  # cells one sequence may hold
         self.n_batch = llama_cpp.llama_n_batch(ctx)
         self.n_ubatch = llama_cpp.llama_n_ubatch(ctx)
         self.n_seq_max = llama_cpp.llama_n_seq_max(ctx)
@@ -101,6 +103,7 @@ class LlamaCppBackend(Backend):
         n_gpu_layers: int = 0,
         embeddings: bool = False,
         exact_attention: bool = False,
+        kv_unified: bool = True,
     ) -> LlamaCppBackend:
         """Load a GGUF model and create its batching context.
 
@@ -115,6 +118,14 @@ class LlamaCppBackend(Backend):
             greedy token) from the same prompt in fresh cells. With F32 and no flash attention the
             logits are bit-identical whatever the cell order, so a request gives the same output
             alone, batched, or from the prefix cache. Costs 2x KV memory and ~10% decode speed.
+        kv_unified: one pool of n_ctx cells for all sequences (True) or one stream of
+            n_ctx / n_seq_max cells per sequence (False). Measured on SmolLM2 (tests/
+            test_backend_llamacpp.py): in a unified pool a sequence's attention sums run over cells
+            interleaved with other sequences' (masked) cells, so its greedy tokens can change with
+            the batch it runs in, even with exact_attention. Per-sequence streams keep each
+            sequence's cells where they would be alone: outputs are bit-identical batched or
+            alone, with the default F16 cache too. The price: no sequence grows past its stream,
+            and kv_copy copies the stream instead of sharing cells.
         """
         path = Path(path)
         max_seq = llama_cpp.llama_max_parallel_sequences()
@@ -140,7 +151,7 @@ class LlamaCppBackend(Backend):
         cparams.n_batch = n_batch
         cparams.n_ubatch = min(n_batch, 512)  # llama.cpp's default micro-batch: bigger only costs memory
         cparams.n_seq_max = n_seq_max
-        cparams.kv_unified = True  # one cell pool: seq_cp shares cells, any sequence may grow to n_ctx
+        cparams.kv_unified = kv_unified
         cparams.n_threads = n_threads
         cparams.n_threads_batch = n_threads
         cparams.embeddings = False
@@ -153,6 +164,7 @@ class LlamaCppBackend(Backend):
             raise BackendError(f"could not create a context for {path.name!r} (n_ctx={n_ctx}; out of memory?)")
         backend = cls(model, ctx, path, n_threads=n_threads)
         backend.exact_attention = exact_attention
+        backend.kv_unified = kv_unified
         if embeddings:
             backend._embedder()
         return backend
@@ -267,7 +279,16 @@ class LlamaCppBackend(Backend):
         self._check_open()
         self._check_seq(src)
         self._check_seq(dst)
-        llama_cpp.llama_memory_seq_cp(self.memory, src, dst, p0, p1)
+        if self.kv_unified:
+            llama_cpp.llama_memory_seq_cp(self.memory, src, dst, p0, p1)
+            return
+        # Separate streams: llama.cpp copies only whole streams (a range GGML_ASSERTs and aborts the
+        # process), so copy all of src and drop what lies past the wanted prefix.
+        if p0 > 0:
+            raise ValueError("with per-sequence KV streams only a prefix from position 0 can be copied")
+        llama_cpp.llama_memory_seq_cp(self.memory, src, dst, -1, -1)
+        if p1 >= 0:
+            self.kv_remove(dst, p1, -1)
 
     def kv_pos_max(self, seq_id: int) -> int:
         self._check_open()
