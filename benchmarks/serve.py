@@ -256,7 +256,9 @@ def start_llama_cpp_server(model_path: Path, threads: int, n_ctx: int, work: Pat
     cmd = [sys.executable, "-m", "llama_cpp.server", "--model", str(model_path), "--port", str(port),
            "--host", "127.0.0.1", "--n_ctx", str(n_ctx), "--n_threads", str(threads),
            "--n_threads_batch", str(threads), "--interrupt_requests", "False", "--model_alias", "bench"]
-    proc = subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=log)
+    # The same OpenMP idle policy localserve's daemon sets for itself, so only the servers differ.
+    env = dict(os.environ, OMP_WAIT_POLICY=os.environ.get("OMP_WAIT_POLICY", "PASSIVE"))
+    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=log)
     return proc, f"http://127.0.0.1:{port}", "bench"
 
 
