@@ -305,3 +305,18 @@ def test_step_count_is_bounded_by_work():
     assert not h.sched.has_work()
     plan = h.step()
     assert not plan.batch
+
+
+def test_queue_timeout_finishes_requests_that_never_started():
+    h = Harness(FakeBackend(n_ctx=4096, n_batch=16), max_sequences=1, queue_timeout=0.05)
+    running = h.submit([1, 2, 3], max_tokens=10_000)
+    waiting = h.submit([4, 5, 6], max_tokens=5)
+    h.step()
+    waiting.seq.t_submit -= 1.0  # it has now waited a second
+    h.sched._next_timeout_check = 0.0
+    h.step()
+    assert waiting.finish_reason == "error" and "queue" in waiting.seq.error
+    assert running.finish_reason is None  # a running request never times out of the queue
+    running.seq.cancelled = True
+    h.run()
+    h.assert_drained()

@@ -91,7 +91,7 @@ class Scheduler:
                 budget -= 1
 
         prefillers = [s for s in order if s.pending > 1]
-        budget = self._admit(prefillers, budget, len(plan.scheduled))
+        self._admit(prefillers, budget)
         prefillers.sort(key=self.key)
         unscheduled.update(map(id, prefillers))
         # While a request of the top lane is prefilling, lower lanes' prompts stay out of the
@@ -246,9 +246,9 @@ class Scheduler:
         self.pool.grow(seq, n)
         return n
 
-    def _admit(self, prefillers: list[Sequence], budget: int, n_fed: int) -> int:
-        """Move waiting sequences into the running set while their prompts fit the KV cache and
-        there is step budget their prompts could use. Returns the budget left for prefill."""
+    def _admit(self, prefillers: list[Sequence], budget: int) -> None:
+        """Move waiting sequences into the running set (appending them to `prefillers`) while
+        their prompts fit the KV cache and this step has budget their prompts could use."""
         demand = sum(s.pending for s in prefillers)
         while len(self.running) < self.max_running:
             seq = self.lanes.peek(self.step)
@@ -261,7 +261,6 @@ class Scheduler:
                 break
             prefillers.append(seq)
             demand += seq.pending
-        return budget
 
     def _start(self, seq: Sequence, reserved: int) -> bool:
         """Give seq a sequence id and its cached prefix; False if its prompt cannot fit yet."""

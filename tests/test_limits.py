@@ -1,0 +1,46 @@
+"""EngineLimits: settings win, zeros are derived from the machine and the model."""
+
+from __future__ import annotations
+
+import pytest
+
+from localserve.batching.limits import EngineLimits
+from localserve.config import Settings
+from localserve.errors import ConfigError
+
+GIB = 1024**3
+
+
+def test_zero_settings_are_derived_from_cores_ram_and_model():
+    small = EngineLimits.from_settings(Settings(), n_ctx_train=8192, model_bytes=100 * 2**20,
+                                       kv_bytes_per_token=23_040, cores=2, ram_bytes=16 * GIB)
+    big = EngineLimits.from_settings(Settings(), n_ctx_train=32768, model_bytes=4 * GIB,
+                                     kv_bytes_per_token=131_072, cores=16, ram_bytes=64 * GIB)
+    assert small.n_ctx_seq == 8192 and big.n_ctx_seq == 8192  # capped for automatic sizing
+    assert small.max_sequences < big.max_sequences and small.batch_tokens < big.batch_tokens
+    assert small.batch_tokens >= small.max_sequences
+    assert small.n_ctx >= small.n_ctx_seq and small.n_ctx % 256 == 0
+    assert small.n_seq_max == 2 * small.max_sequences  # parked prefix-cache entries need ids too
+
+
+def test_kv_cells_shrink_to_the_ram_left_after_the_weights():
+    tight = EngineLimits.from_settings(Settings(), n_ctx_train=4096, model_bytes=7 * GIB,
+                                       kv_bytes_per_token=512 * 1024, cores=8, ram_bytes=8 * GIB)
+    # A quarter of the 1 GiB left is 512 cells: less than one full context, so one full context.
+    assert tight.n_ctx == 4096 and tight.n_ctx_seq == 4096
+
+
+def test_settings_win_and_are_kept_consistent():
+    settings = Settings(context_length=2048, max_sequences=64, batch_tokens=32, queue_size=5,
+                        queue_timeout=9.0, prefix_cache=False)
+    limits = EngineLimits.from_settings(settings, n_ctx_train=8192, model_bytes=0, cores=2, ram_bytes=8 * GIB)
+    assert limits.n_ctx_seq == 2048 and limits.queue_size == 5 and limits.queue_timeout == 9.0
+    assert limits.max_sequences == 32  # every running sequence needs a token of the step budget
+    assert not limits.prefix_cache and limits.n_seq_max == 32
+    # A context longer than the model was trained for is cut to what it was trained for.
+    assert EngineLimits.from_settings(Settings(context_length=16384), n_ctx_train=8192, model_bytes=0).n_ctx_seq == 8192
+
+
+def test_nonsense_limits_are_a_config_error():
+    with pytest.raises(ConfigError):
+        EngineLimits(max_sequences=0)
