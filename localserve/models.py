@@ -165,6 +165,7 @@ class ModelManager:
         self._capacity = asyncio.Lock()
         self._wake = asyncio.Event()
         self._reaper: asyncio.Task[None] | None = None
+        self._background: set[asyncio.Task[None]] = set()
         self._closed = False
 
     @property
@@ -220,10 +221,10 @@ class ModelManager:
 
     async def unload(self, model_ref: str) -> bool:
         """Unload now, or as soon as its requests finish when it is busy. False if not loaded."""
-        key = self._key_of(model_ref)
-        if key is None:
+        key = await self._key_of(model_ref)
+        model = self._loaded.get(key) if key else None
+        if model is None:
             return False
-        model = self._loaded[key]
         if model.pinned:
             model.unload_when_idle = True
             return True
@@ -357,11 +358,14 @@ class ModelManager:
         del self._loaded[model.name]
         task = asyncio.create_task(self._shutdown_engine(model), name=f"unload {model.name}")
         self._unloading[model.name] = (task, model.memory_bytes)
-        try:
-            await asyncio.shield(task)
-        finally:
-            if task.done() and self._unloading.get(model.name, (None,))[0] is task:
-                del self._unloading[model.name]
+        # Cleared by the task itself, not by whoever awaits it: a waiter may be cancelled, and a
+        # leftover entry would count freed memory as used forever.
+        task.add_done_callback(lambda t, name=model.name: self._forget_unload(name, t))
+        await asyncio.shield(task)
+
+    def _forget_unload(self, name: str, task: asyncio.Task[None]) -> None:
+        if self._unloading.get(name, (None, 0))[0] is task:
+            del self._unloading[name]
 
     async def _shutdown_engine(self, model: LoadedModel) -> None:
         try:
@@ -385,7 +389,10 @@ class ModelManager:
                     continue
                 if model.expires_at <= now:
                     log.info("keep-alive of %s expired", model.name)
-                    asyncio.create_task(self._unload(model))
+                    task = asyncio.create_task(self._unload(model))
+                    # The loop only keeps weak references to tasks: hold it until it is done.
+                    self._background.add(task)
+                    task.add_done_callback(self._background.discard)
                 elif next_expiry is None or model.expires_at < next_expiry:
                     next_expiry = model.expires_at
             timeout = None if next_expiry is None else max(0.01, next_expiry - now)
@@ -395,13 +402,13 @@ class ModelManager:
                 pass
 
     # --- helpers ---------------------------------------------------------------------------
-    def _key_of(self, model_ref: str) -> str | None:
-        """The loaded model a reference names: exact `name:tag`, or a name with one loaded tag."""
+    async def _key_of(self, model_ref: str) -> str | None:
+        """The loaded model a reference names: exact `name:tag`, or what the store resolves it to,
+        or a name with exactly one loaded tag (its manifest may be gone: `rm` of a loaded model)."""
         if model_ref in self._loaded:
             return model_ref
         try:
-            key = self._store.find(model_ref).ref
-            return key if key in self._loaded else None
+            return (await asyncio.to_thread(self._store.find, model_ref)).ref
         except LocalserveError:
             matches = [k for k in self._loaded if k.split(":")[0].lower() == model_ref.lower()]
             return matches[0] if len(matches) == 1 else None
