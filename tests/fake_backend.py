@@ -53,6 +53,7 @@ class FakeBackend(Backend):
         eog_every: int = 0,
         step_time: float = 0.0,
         token_time: float = 0.0,
+        kv_unified: bool = True,
     ):
         self.n_ctx = n_ctx
         self.n_batch = n_batch
@@ -61,6 +62,10 @@ class FakeBackend(Backend):
         self.eog_every = eog_every  # 0 = greedy output never ends by itself
         self.step_time = step_time  # simulated compute per decode call, plus per token
         self.token_time = token_time
+        # False: like llama.cpp's per-sequence streams, each id holds at most n_ctx // n_seq_max
+        # cells and kv_copy copies them.
+        self.kv_unified = kv_unified
+        self.n_ctx_seq = n_ctx if kv_unified else n_ctx // n_seq_max
         self.info = ModelInfo(
             name="fake", architecture="fake", n_ctx_train=n_ctx, n_vocab=n_vocab, n_embd=8,
             n_params=0, chat_template=None, bos_token=None, eos_token=None,
@@ -107,6 +112,8 @@ class FakeBackend(Backend):
             raise KVFullError("injected")
         if len(self._refs) + len(batch) > self.n_ctx:
             raise KVFullError(f"no room for {len(batch)} tokens")
+        if not self.kv_unified and any(p > self.n_ctx_seq for p in next_pos.values()):
+            raise KVFullError("a sequence outgrew its stream")
         if self.fail_when and self.fail_when(batch):
             raise BackendError("injected failure")  # like llama.cpp's backend: positions rolled back
         self._rows = {}
@@ -151,6 +158,15 @@ class FakeBackend(Backend):
         assert p0 == 0 and not self._seqs.get(dst), "copy a prefix into an empty sequence"
         cells = self._seqs.get(src, [])
         assert p1 <= len(cells), f"copy of {p1} positions from a sequence holding {len(cells)}"
+        if not self.kv_unified:
+            copies = []
+            for cell in cells[:p1]:
+                new = next(self._cells)
+                self._hash[new] = self._hash[cell]
+                self._refs[new] = 1
+                copies.append(new)
+            self._seqs[dst] = copies
+            return
         for cell in cells[:p1]:
             self._refs[cell] += 1
         self._seqs[dst] = cells[:p1]

@@ -262,6 +262,7 @@ def test_random_schedules_lose_nothing_and_leak_nothing(seed):
         n_batch=rng.choice([8, 16, 64]),
         n_seq_max=rng.choice([2, 4, 9]),
         eog_every=rng.choice([0, 7, 50]),
+        kv_unified=rng.random() < 0.7,
     )
     h = Harness(
         backend,
@@ -276,7 +277,7 @@ def test_random_schedules_lose_nothing_and_leak_nothing(seed):
     while pending or h.sched.has_work():
         if pending and rng.random() < 0.4:
             pending -= 1
-            n = rng.randint(1, min(90, backend.n_ctx - 2))
+            n = rng.randint(1, min(90, h.sched.n_ctx_seq - 1))
             prompt = (shared[: rng.randint(0, 40)] + _prompt(rng, n))[:n]
             h.submit(prompt, max_tokens=rng.randint(1, 30), lane=rng.choice(["interactive", "default", "batch"]),
                      stop=rng.choice([[], ["ab"], ["é"]]))
@@ -319,4 +320,19 @@ def test_queue_timeout_finishes_requests_that_never_started():
     assert running.finish_reason is None  # a running request never times out of the queue
     running.seq.cancelled = True
     h.run()
+    h.assert_drained()
+
+
+def test_per_sequence_streams_copy_prefixes_and_cap_each_sequence():
+    rng = random.Random(7)
+    system = _prompt(rng, 60)
+    h = Harness(FakeBackend(n_ctx=1024, n_batch=64, n_seq_max=8, kv_unified=False), max_sequences=4)
+    assert h.sched.n_ctx_seq == 128  # each sequence's own stream
+    a = h.submit(system + [1], max_tokens=20)
+    for _ in range(3):
+        h.step()
+    b = h.submit(system + [2], max_tokens=200)  # copies a's prefix, then runs into its stream's end
+    h.run()
+    assert b.usage.cached_tokens == 60 and b.finish_reason == "length" and len(b.seq.tokens) == 128
+    assert a.tokens == alone(system + [1], 20) and b.tokens == alone(system + [2], 200)[: len(b.tokens)]
     h.assert_drained()

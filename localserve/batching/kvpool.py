@@ -5,6 +5,10 @@ another without duplicating cells, and a cell is free again only when no sequenc
 mirror that exactly with a reference count per cell id, so admission decisions match what
 llama.cpp will accept (counting a shared system prompt once per request would refuse requests
 that fit, and counting it once but freeing it with its first owner would over-admit).
+
+A backend may instead give each sequence its own stream of `n_ctx_seq` cells (llama.cpp with
+kv_unified=False: outputs do not depend on what else is in the cache). Then a prefix copy really
+copies, so it is counted as new cells, and no sequence may outgrow its stream.
 """
 
 from __future__ import annotations
@@ -24,6 +28,9 @@ class KVPool:
     def __init__(self, backend: Backend, n_cells: int, n_seq_ids: int):
         self.backend = backend
         self.n_cells = n_cells
+        self.shared = getattr(backend, "kv_unified", True)  # kv_copy shares cells (one pool)
+        # Cells one sequence may hold: the whole pool, or its own stream.
+        self.n_cells_seq = n_cells if self.shared else min(n_cells, getattr(backend, "n_ctx_seq", n_cells))
         self._free_ids = list(range(n_seq_ids - 1, -1, -1))  # pop() hands out 0 first
         self._refs: dict[int, int] = {}
         self._cell_ids = itertools.count()
@@ -74,6 +81,10 @@ class KVPool:
     def share_prefix(self, src: KVHolder, dst: KVHolder, n: int) -> None:
         """dst (fresh, empty) gets src's first n positions; cells are shared, not copied."""
         self.backend.kv_copy(src.seq_id, dst.seq_id, 0, n)
+        if not self.shared:  # a copy into dst's own stream: new cells
+            dst.cells = []
+            self.grow(dst, n)
+            return
         shared = src.cells[:n]
         refs = self._refs
         for cell in shared:

@@ -47,7 +47,7 @@ class Scheduler:
         self.budget = min(limits.batch_tokens, backend.n_batch)
         self.max_running = max(1, min(limits.max_sequences, backend.n_seq_max, self.budget))
         self.pool = KVPool(backend, min(limits.n_ctx, backend.n_ctx), backend.n_seq_max)
-        self.n_ctx_seq = min(limits.n_ctx_seq, self.pool.n_cells)
+        self.n_ctx_seq = min(limits.n_ctx_seq, self.pool.n_cells_seq)
         self.cache = PrefixCache(self.pool, limits.prefix_cache)
         self.lanes = LaneQueues(limits.aging_steps)
         self.aging_steps = limits.aging_steps
