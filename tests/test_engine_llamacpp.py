@@ -27,7 +27,8 @@ GREEDY = SamplingParams(temperature=0)
 # Below 64 tokens per step, and with cells laid out in position order, each row's result is
 # independent of whatever else shares the batch and the cache -- so the tests keep the step budget
 # at 48 (long prompts are still chunked and mixed with decodes) and, where they compare runs,
-# avoid holes (finished requests stay parked in the prefix cache instead of being freed).
+# avoid holes in the shared pool (finished requests stay parked instead of being freed), or use
+# per-sequence KV streams, where no other sequence's cells ever sit between a sequence's own.
 BUDGET = 48
 
 
@@ -92,6 +93,30 @@ async def test_concurrent_prompts_of_different_lengths_match_each_alone(backend)
     for a, (t, _, last) in zip(alone, together):
         assert len(a) == 12 and t == a
         assert last.finish_reason == "length"
+
+
+async def test_per_sequence_streams_are_exact_with_shared_prefixes_and_holes(smollm2_gguf):
+    """With one KV stream per sequence (kv_unified=False) a sequence's cells never interleave with
+    others', so prompts that share prefixes (copied from running and parked requests) and finish at
+    different times (leaving holes) still give exactly the tokens each gives alone."""
+    streams = LlamaCppBackend.load(smollm2_gguf, n_ctx=16384, n_seq_max=16, n_batch=256, n_threads=1,
+                                   kv_unified=False)
+    try:
+        topics = ["the moon", "bread", "cats", "rivers", "winter", "primes", "a lighthouse", "tea"]
+        prompts = [
+            chat(streams, " ".join(["Some background about the world and its many details."] * (i * i // 2))
+                 + f" Write one sentence about {topic}.")
+            for i, topic in enumerate(topics)
+        ]
+        requests = lambda: [GenerationRequest(p, GREEDY, max_tokens=12, ignore_eos=True) for p in prompts]
+        with running_engine(streams, prefix_cache=False, n_ctx_seq=1024) as engine:
+            alone = [(await run(engine, r))[0] for r in requests()]
+        with running_engine(streams, n_ctx_seq=1024) as engine:
+            together = await asyncio.gather(*(run(engine, r) for r in requests()))
+            assert engine.stats().prefix_cache_hits > 300
+        assert [t for t, _, _ in together] == alone
+    finally:
+        streams.close()
 
 
 async def test_shared_prefix_is_served_from_cache_with_the_same_output(backend):
