@@ -21,10 +21,11 @@ import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
 from .config import Settings
 from .errors import DaemonError
+from .store import FileLock, atomic_write_json
 
 LOCK_NAME = "daemon.lock"
 INFO_NAME = "daemon.json"
@@ -43,47 +44,16 @@ class DaemonInfo:
 # --- the lock -------------------------------------------------------------------------------
 
 
-def _try_lock(f: IO[Any]) -> bool:
-    if sys.platform == "win32":
-        import msvcrt
-
-        try:
-            f.seek(0)
-            msvcrt.locking(f.fileno(), msvcrt.LK_NBLCK, 1)
-            return True
-        except OSError:
-            return False
-    import fcntl
-
-    try:
-        fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
-        return True
-    except OSError:
-        return False
-
-
-def _unlock(f: IO[Any]) -> None:
-    if sys.platform == "win32":
-        import msvcrt
-
-        f.seek(0)
-        msvcrt.locking(f.fileno(), msvcrt.LK_UNLCK, 1)
-    else:
-        import fcntl
-
-        fcntl.flock(f.fileno(), fcntl.LOCK_UN)
-
-
 def _lock_held(run_dir: Path) -> bool:
     """Whether some live process holds the daemon lock (probing takes it for an instant)."""
     path = run_dir / LOCK_NAME
     if not path.exists():
         return False
-    with open(path, "a+") as f:
-        if _try_lock(f):
-            _unlock(f)
-            return False
-        return True
+    probe = FileLock(path)
+    if probe.acquire(blocking=False):
+        probe.release()
+        return False
+    return True
 
 
 class DaemonLock:
@@ -91,41 +61,32 @@ class DaemonLock:
 
     def __init__(self, settings: Settings):
         self.run_dir = settings.run_dir
-        self._file: IO[Any] | None = None
+        self._lock = FileLock(self.run_dir / LOCK_NAME)
+        self._held = False
 
     def acquire(self) -> None:
-        self.run_dir.mkdir(parents=True, exist_ok=True)
-        f = open(self.run_dir / LOCK_NAME, "a+")
         # Another CLI process may be probing the lock at this instant (`_lock_held`); a probe holds it
         # for microseconds, so retry briefly before concluding that a daemon runs.
-        deadline = time.monotonic() + 0.5
-        while not _try_lock(f):
-            if time.monotonic() > deadline:
-                f.close()
-                info = _read_info(self.run_dir)
-                where = f" (pid {info.pid}, {info.url})" if info else ""
-                raise DaemonError(f"a localserve daemon is already running for this home{where}")
-            time.sleep(0.02)
-        self._file = f
-        stale = self.run_dir / INFO_NAME
+        if not self._lock.acquire(poll=0.02, timeout=0.5):
+            info = _read_info(self.run_dir)
+            where = f" (pid {info.pid}, {info.url})" if info else ""
+            raise DaemonError(f"a localserve daemon is already running for this home{where}")
+        self._held = True
         # We hold the lock, so any pid file left here belongs to a daemon that died without cleanup.
-        stale.unlink(missing_ok=True)
+        (self.run_dir / INFO_NAME).unlink(missing_ok=True)
 
     def publish(self, info: DaemonInfo) -> None:
         """Write the pid file atomically: a reader never sees half a JSON document."""
-        tmp = self.run_dir / f".{INFO_NAME}.{os.getpid()}.tmp"
-        tmp.write_text(json.dumps(asdict(info)), encoding="utf-8")
-        os.replace(tmp, self.run_dir / INFO_NAME)
+        atomic_write_json(self.run_dir / INFO_NAME, asdict(info))
 
     def release(self) -> None:
-        if self._file is None:
+        if not self._held:
             return
         (self.run_dir / INFO_NAME).unlink(missing_ok=True)
         # The lock file itself stays: deleting it would let a process that opened the old inode and a
         # process that creates a new one both "hold" the lock.
-        _unlock(self._file)
-        self._file.close()
-        self._file = None
+        self._lock.release()
+        self._held = False
 
 
 def _read_info(run_dir: Path) -> DaemonInfo | None:
