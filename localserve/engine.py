@@ -46,6 +46,7 @@ class EngineStats:
     busy: bool
     preemptions: int = 0
     parked: int = 0  # finished requests kept as prefix cache
+    max_sequences: int = 0  # the running batch's capacity (occupancy = running / max_sequences)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -218,6 +219,7 @@ class Engine:
             busy=self._busy,
             preemptions=s.preemptions,
             parked=len(s.cache.parked),
+            max_sequences=s.max_running,
         )
 
     def active_requests(self) -> int:

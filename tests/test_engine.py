@@ -58,6 +58,7 @@ async def test_concurrent_requests_stream_their_own_tokens():
         assert engine.active_requests() == 0
         stats = engine.stats()
         assert stats.steps > 0 and stats.kv_total == 2048 and stats.running == 0
+        assert stats.max_sequences == 8 and stats.tokens_per_s > 0
         assert set(stats.to_dict()) >= {"running", "waiting", "kv_used", "tokens_per_s", "prefix_cache_hit_rate", "busy"}
     finally:
         engine.shutdown()
