@@ -90,7 +90,8 @@ class Scheduler:
                 unscheduled.discard(id(seq))
                 budget -= 1
 
-        prefillers = [s for s in order if s.pending > 1]
+        # (Decoders' reservations may have preempted some of these: only running ones remain.)
+        prefillers = [s for s in order if s.pending > 1 and s.status is Status.RUNNING]
         self._admit(prefillers, budget)
         prefillers.sort(key=self.key)
         unscheduled.update(map(id, prefillers))
