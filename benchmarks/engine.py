@@ -2,6 +2,11 @@
 
     python benchmarks/engine.py [--model PATH] [--threads N]
 
+--threads defaults to 1: on a shared 2-core machine llama.cpp's two spinning threads collapse
+whenever anything else runs (measured: the bare loop at batch 1 swung between 80 and 2 tok/s), which
+makes every figure noise. Both loops run on the same backend, so the ratios hold for any count;
+use --threads 2 on an idle machine for absolute speed.
+
 Prints a table, then as its last line one JSON object:
   engine_vs_bare_b8                  engine decode tok/s at batch 8 / bare llama_decode+argmax loop
                                      at batch 8 (same backend and context, same run); target >= 0.9
@@ -137,7 +142,7 @@ async def prefix_hit(backend: LlamaCppBackend) -> tuple[float, float, int]:
 async def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", type=Path, default=DEFAULT_MODEL)
-    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--threads", type=int, default=1)
     args = parser.parse_args()
     if not args.model.is_file():
         print(f"model file not found: {args.model} (run the test suite once to fetch it)", file=sys.stderr)
