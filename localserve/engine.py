@@ -247,10 +247,15 @@ class Engine:
                     if self._stopping:
                         break
                     self._busy = True
-                self._take_inbox()
-                self._run_jobs()
-                if self.scheduler.has_work():
-                    self._step()
+                try:
+                    self._take_inbox()
+                    self._run_jobs()
+                    if self.scheduler.has_work():
+                        self._step()
+                except Exception:  # a bug in delivery must not leave every stream hanging
+                    log.exception("engine loop error")
+                    self.scheduler.fail_running("internal error while serving this request")
+                    self._deliver()
         finally:
             self._drain_on_stop()
 
