@@ -42,12 +42,19 @@ class Settings:
     keep_alive: float = 300.0  # seconds a model stays loaded after its last request
     max_loaded_models: int = 2
     shutdown_timeout: float = 10.0  # seconds in-flight requests get to finish when the daemon stops
-    context_length: int = 0  # 0 = min(model's trained context, 8192)
+    context_length: int = 0  # per request; 0 = min(trained context, 4096 with KV streams, 8192 unified)
     max_sequences: int = 0  # 0 = sized from memory and the machine
     batch_tokens: int = 0  # per-step token budget; 0 = sized from the machine
     queue_size: int = 64  # per lane
     queue_timeout: float = 600.0
     threads: int = 0  # 0 = physical cores
+    # False: one KV stream per sequence, so a request's output does not depend on what else runs
+    # (llama.cpp's attention sums over interleaved cells of a shared pool round differently);
+    # True: one shared pool, longer contexts for the same memory, outputs may vary with load.
+    kv_unified: bool = False
+    # llama.cpp's CPU flash-attention kernel rounds differently for chunks of 64+ tokens, so with it
+    # on a prompt's output depends on how its prefill was chunked beside other requests.
+    flash_attention: bool = False
     prefix_cache: bool = True  # keep finished requests' KV to serve later prompts sharing a prefix
     max_body_bytes: int = 8 * 1024 * 1024
     log_level: str = "info"

@@ -115,6 +115,8 @@ def load_engine(installed: InstalledModel, settings: Settings) -> "Engine":
         n_batch=limits.batch_tokens,
         n_threads=settings.threads or None,
         n_gpu_layers=plan.n_gpu_layers,
+        kv_unified=limits.kv_unified,
+        flash_attention=settings.flash_attention,
     )
     engine = Engine(backend, limits, installed.ref)
     engine.start()

@@ -39,23 +39,6 @@ def install_model(settings: Settings, gguf: Path) -> None:
     ModelStore(settings).register_local(gguf, MODEL, MODEL_TAG)
 
 
-def exact_attention_loader(installed: Any, settings: Settings) -> Any:
-    """models.load_engine with the backend's exact_attention (F32 KV, no flash attention): only then
-    are a request's logits bit-identical alone, batched or from the prefix cache (see
-    LlamaCppBackend.load), which tests comparing greedy answers across those situations need."""
-    from localserve.backends.llamacpp import LlamaCppBackend
-    from localserve.engine import Engine
-    from localserve.models import plan_model
-
-    limits = plan_model(installed, settings).limits
-    backend = LlamaCppBackend.load(installed.path, n_ctx=limits.n_ctx, n_seq_max=limits.n_seq_max,
-                                   n_batch=limits.batch_tokens, n_threads=settings.threads or None,
-                                   exact_attention=True)
-    engine = Engine(backend, limits, installed.ref)
-    engine.start()
-    return engine
-
-
 class LiveServer:
     def __init__(self, settings: Settings, loader: Any = None):
         self.settings = settings

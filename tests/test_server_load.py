@@ -12,7 +12,7 @@ from concurrent.futures import ThreadPoolExecutor
 import openai
 import pytest
 
-from server_harness import MODEL, LiveServer, exact_attention_loader, install_model, server_settings
+from server_harness import MODEL, LiveServer, install_model, server_settings
 
 pytestmark = pytest.mark.model
 PROMPTS = ["Tell me about cats.", "What is 2+2?", "Name a fruit.", "Describe the sea.", "Who wrote Hamlet?",
@@ -26,7 +26,7 @@ NO_EOS = {"0": -100, "1": -100, "2": -100}
 def server(smollm2_gguf, tmp_path_factory):
     settings = server_settings(tmp_path_factory.mktemp("home"), max_sequences=8)
     install_model(settings, smollm2_gguf)
-    with LiveServer(settings, loader=exact_attention_loader) as live:
+    with LiveServer(settings) as live:
         yield live
 
 
@@ -56,9 +56,9 @@ def test_concurrent_streams_do_not_mix(server):
 
 
 @pytest.mark.xfail(strict=False, reason=(
-    "engine/backend: on the CPU build, greedy tokens of a sequence decoded beside others can differ from "
-    "the same request alone (first divergence after 3-12 tokens for 5 of these 8 prompts, even with "
-    "exact_attention and without the prefix cache); reported to the engine owner"))
+    "llama.cpp CPU kernels: with flash attention off, the V-product's SIMD/scalar split depends on how "
+    "many KV cells the micro-batch spans, which grows with the longest stream in it; 2 of these 8 "
+    "answers flip a greedy token beside the others. tests/test_engine_llamacpp.py shows what is exact."))
 def test_eight_concurrent_streams_match_sequential(server):
     client = openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0, timeout=300)
     alone = [stream_text(client, p) for p in PROMPTS]

@@ -104,6 +104,7 @@ class LlamaCppBackend(Backend):
         embeddings: bool = False,
         exact_attention: bool = False,
         kv_unified: bool = True,
+        flash_attention: bool = True,
     ) -> LlamaCppBackend:
         """Load a GGUF model and create its batching context.
 
@@ -126,6 +127,11 @@ class LlamaCppBackend(Backend):
             sequence's cells where they would be alone: outputs are bit-identical batched or
             alone, with the default F16 cache too. The price: no sequence grows past its stream,
             and kv_copy copies the stream instead of sharing cells.
+        flash_attention: False disables it (True lets llama.cpp decide). On CPU its kernel switches
+            to a tiled variant for micro-batches of 64+ tokens, which rounds differently, so a
+            prompt prefilled in other chunk sizes (alone vs. beside other requests) can end in other
+            greedy tokens. With per-sequence streams and flash attention off, outputs are identical
+            whatever the batch (tests/test_engine_llamacpp.py), with the F16 cache.
         """
         path = Path(path)
         max_seq = llama_cpp.llama_max_parallel_sequences()
@@ -157,6 +163,7 @@ class LlamaCppBackend(Backend):
         cparams.embeddings = False
         if exact_attention:
             cparams.type_k = cparams.type_v = llama_cpp.GGML_TYPE_F32
+        if exact_attention or not flash_attention:
             cparams.flash_attn_type = llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED
         ctx = llama_cpp.llama_init_from_model(model, cparams)
         if not ctx:

@@ -20,6 +20,10 @@ from ..errors import ConfigError
 # (16 layers x 2 x 512 dims x 2 bytes). Larger models pass their real figure.
 _DEFAULT_KV_BYTES_PER_TOKEN = 32 * 1024
 _MAX_AUTO_CONTEXT = 8192  # per sequence; llama.cpp allocates the whole cache up front
+# With one KV stream per sequence id every id (parked prefix-cache ones too) holds a full-length
+# stream, so the automatic per-request context is smaller; settings.context_length overrides it.
+_MAX_AUTO_CONTEXT_STREAMS = 4096
+_MIN_AUTO_CONTEXT = 2048  # below this, run fewer sequences rather than cramp every request
 _KV_RAM_SHARE = 0.25  # at most this share of the RAM left after the weights goes to the KV cache
 _LLAMA_MAX_SEQ = 256  # llama.cpp refuses contexts with more sequence ids
 
@@ -33,6 +37,7 @@ class EngineLimits:
     n_ctx: int = 8192  # KV cells in the shared cache (all sequences together)
     n_ctx_seq: int = 8192  # prompt + completion of one request
     prefix_cache: bool = True
+    kv_unified: bool = False  # one shared cell pool instead of a stream per sequence (see config.py)
     aging_steps: int = 256  # a waiting/running request gains one lane of priority per this many steps
 
     def __post_init__(self) -> None:
@@ -47,7 +52,7 @@ class EngineLimits:
     def n_seq_max(self) -> int:
         """Sequence ids the backend context needs: the running ones plus as many parked prefix-cache
         entries (a finished request's KV stays resident under its own id until evicted)."""
-        return min(_LLAMA_MAX_SEQ, self.max_sequences * (2 if self.prefix_cache else 1))
+        return _seq_ids(self.max_sequences, self.prefix_cache)
 
     @classmethod
     def from_settings(
@@ -74,12 +79,23 @@ class EngineLimits:
         # amortise the per-step overhead, short enough that running streams do not visibly stall.
         batch_tokens = settings.batch_tokens or max(256, min(2048, 128 * cores))
 
-        # Total KV cells: room for every sequence to hold a good share of its context, capped by
-        # the RAM the weights leave over, and never below one full-length request.
         kv_budget_cells = int(max(ram - model_bytes, 0) * _KV_RAM_SHARE) // kv_token
-        wanted = max_sequences * min(n_ctx_seq, 2048)
-        n_ctx = max(n_ctx_seq, min(wanted, kv_budget_cells, 65536))
-        n_ctx = -(-n_ctx // 256) * 256  # llama.cpp pads its cache to 256 cells anyway
+        if settings.kv_unified:
+            # Total KV cells: room for every sequence to hold a good share of its context, capped by
+            # the RAM the weights leave over, and never below one full-length request.
+            wanted = max_sequences * min(n_ctx_seq, 2048)
+            n_ctx = max(n_ctx_seq, min(wanted, kv_budget_cells, 65536))
+            n_ctx = -(-n_ctx // 256) * 256  # llama.cpp pads its cache to 256 cells anyway
+        else:
+            # One stream of n_ctx_seq cells per sequence id: llama.cpp needs n_ctx = streams x cells.
+            if not settings.context_length:
+                n_ctx_seq = min(n_ctx_seq, _MAX_AUTO_CONTEXT_STREAMS)
+            floor = min(n_ctx_seq, _MIN_AUTO_CONTEXT)
+            while max_sequences > 1 and kv_budget_cells // _seq_ids(max_sequences, settings.prefix_cache) < floor:
+                max_sequences //= 2
+            per_stream = kv_budget_cells // _seq_ids(max_sequences, settings.prefix_cache)
+            n_ctx_seq = max(256, max(floor, min(n_ctx_seq, per_stream)) // 256 * 256)
+            n_ctx = n_ctx_seq * _seq_ids(max_sequences, settings.prefix_cache)
         return cls(
             max_sequences=max_sequences,
             batch_tokens=batch_tokens,
@@ -88,4 +104,11 @@ class EngineLimits:
             n_ctx=n_ctx,
             n_ctx_seq=n_ctx_seq,
             prefix_cache=settings.prefix_cache,
+            kv_unified=settings.kv_unified,
         )
+
+
+def _seq_ids(max_sequences: int, prefix_cache: bool) -> int:
+    """Sequence ids the backend context needs: the running ones plus as many parked prefix-cache
+    entries (a finished request's KV stays resident under its own id until evicted)."""
+    return min(_LLAMA_MAX_SEQ, max_sequences * (2 if prefix_cache else 1))
