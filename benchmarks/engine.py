@@ -35,9 +35,13 @@ from localserve.batching.limits import EngineLimits  # noqa: E402
 from localserve.batching.params import GenerationRequest, SamplingParams  # noqa: E402
 from localserve.engine import Engine  # noqa: E402
 
-DEFAULT_MODEL = REPO / ".test-cache" / "SmolLM2-135M-Instruct.Q4_1.gguf"
+# Where the test suite's fixture pulls the model (through our own puller).
+DEFAULT_MODEL = REPO / ".test-cache/home/models/smollm2-135m/Q4_1/SmolLM2-135M-Instruct.Q4_1.gguf"
 GREEDY = SamplingParams(temperature=0)
-N_CTX, N_SEQ_MAX, N_BATCH = 8192, 32, 512
+# The product's defaults: a KV stream per sequence id (n_ctx = ids x cells per stream), flash
+# attention off (config.py says why). 2048 cells per stream hold the 1,000-token prefix test.
+N_SEQ_MAX, N_CTX_SEQ, N_BATCH = 32, 2048, 512
+N_CTX = N_SEQ_MAX * N_CTX_SEQ
 DECODE_TOKENS = 64
 BATCH_SIZES = (1, 4, 8, 16)
 ROUNDS = 3  # throughput: best of; latencies: median of
@@ -51,7 +55,7 @@ def prompt(backend: LlamaCppBackend, i: int, words: int) -> list[int]:
 
 def new_engine(backend: LlamaCppBackend, **limits) -> Engine:
     backend.kv_clear()  # a fresh engine's books start empty: so must the cache
-    values = dict(max_sequences=16, batch_tokens=N_BATCH, n_ctx=N_CTX, n_ctx_seq=N_CTX, prefix_cache=False)
+    values = dict(max_sequences=16, batch_tokens=N_BATCH, n_ctx=N_CTX, n_ctx_seq=N_CTX_SEQ, prefix_cache=False)
     values.update(limits)
     engine = Engine(backend, EngineLimits(**values), name="bench")
     engine.start()
@@ -147,7 +151,8 @@ async def main() -> int:
     if not args.model.is_file():
         print(f"model file not found: {args.model} (run the test suite once to fetch it)", file=sys.stderr)
         return 2
-    backend = LlamaCppBackend.load(args.model, n_ctx=N_CTX, n_seq_max=N_SEQ_MAX, n_batch=N_BATCH, n_threads=args.threads)
+    backend = LlamaCppBackend.load(args.model, n_ctx=N_CTX, n_seq_max=N_SEQ_MAX, n_batch=N_BATCH, n_threads=args.threads,
+                                   kv_unified=False, flash_attention=False)
     t_start = time.perf_counter()
     bare_loop_warmup = bare_decode_rate(backend, 4)  # first decodes pay for page faults and caches
     assert bare_loop_warmup > 0
@@ -163,7 +168,7 @@ async def main() -> int:
     miss, hit, cached = await prefix_hit(backend)
     backend.close()
 
-    print(f"SmolLM2-135M Q4_1, {args.threads} threads, n_ctx {N_CTX}, decode of {DECODE_TOKENS} tokens per sequence")
+    print(f"SmolLM2-135M Q4_1, {args.threads} threads, {N_SEQ_MAX} KV streams of {N_CTX_SEQ}, decode of {DECODE_TOKENS} tokens per sequence")
     print(f"{'batch':>5} | {'bare tok/s':>10} | {'engine tok/s':>12} | {'engine/bare':>11}")
     for batch, bare, engine in rows:
         print(f"{batch:>5} | {bare:>10.1f} | {engine:>12.1f} | {engine / bare:>11.3f}")

@@ -6,7 +6,7 @@
 
     # start localserve and llama-cpp-python's own server on the same GGUF, one after the other
     # (needs `pip install -e .[bench]` for llama_cpp.server), and compare them
-    python benchmarks/serve.py --launch --model-path .test-cache/SmolLM2-135M-Instruct.Q4_1.gguf
+    python benchmarks/serve.py --launch --model-path .test-cache/home/models/smollm2-135m/Q4_1/SmolLM2-135M-Instruct.Q4_1.gguf
 
 Workload: N streaming chat requests with prompts of mixed lengths (seeded, so every server gets the
 same prompts), at a fixed concurrency or with Poisson arrivals (--request-rate), each asking for
