@@ -417,6 +417,15 @@ def test_free_disk_is_checked_when_the_server_announces_the_length(tmp_path, ser
     assert_nothing_installed(settings, "huge", "latest")
 
 
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full (Linux)")
+def test_a_full_disk_while_writing_is_a_disk_full_error():
+    from localserve.pull.download import write_chunk
+
+    with open("/dev/full", "wb", buffering=0) as f:  # every write fails with ENOSPC
+        with pytest.raises(DiskFullError, match="disk full while writing x.gguf; free some space"):
+            write_chunk(f, b"bytes", "x.gguf", resumable=True)
+
+
 def test_url_without_digest_must_parse_as_gguf(tmp_path, server, smollm2_gguf):
     server.files["junk.gguf"] = Served(b"GGUF" + os.urandom(200_000))
     server.files["real.gguf"] = Served(smollm2_gguf.read_bytes())

