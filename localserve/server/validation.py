@@ -71,31 +71,33 @@ class Body:
         value = self.data.get(name, default)
         return default if value is None else value
 
-    def get_str(self, name: str, default: str | None = None, *, required: bool = False,
-                choices: Iterable[str] | None = None, max_len: int = 1 << 20) -> str | None:
+    def error(self, name: str, problem: str) -> InvalidRequestError:
+        """`'<param>' <problem>`, naming the field with its prefix."""
+        return invalid(f"'{self.param(name)}' {problem}", self.param(name))
+
+    def _typed(self, name: str, kind: type, label: str) -> Any:
+        """The field's value (None when absent or null), refused when it is not a `kind`."""
         value = self.data.get(name)
+        if value is not None and not isinstance(value, kind):
+            raise self.error(name, f"must be {label}, not {_type_name(value)}")
+        return value
+
+    def get_str(self, name: str, default: str | None = None, *,
+                choices: Iterable[str] | None = None, max_len: int = 1 << 20) -> str | None:
+        value = self._typed(name, str, "a string")
         if value is None:
-            if required:
-                raise invalid(f"'{self.param(name)}' is required", self.param(name))
             return default
-        if not isinstance(value, str):
-            raise invalid(f"'{self.param(name)}' must be a string, not {_type_name(value)}", self.param(name))
         if len(value) > max_len:
-            raise invalid(f"'{self.param(name)}' is longer than {max_len} characters", self.param(name))
+            raise self.error(name, f"is longer than {max_len} characters")
         if choices is not None:
             options = tuple(choices)
             if value not in options:
-                raise invalid(f"'{self.param(name)}' must be one of {', '.join(options)} (got {value!r:.40})",
-                              self.param(name))
+                raise self.error(name, f"must be one of {', '.join(options)} (got {value!r:.40})")
         return value
 
     def get_bool(self, name: str, default: bool) -> bool:
-        value = self.data.get(name)
-        if value is None:
-            return default
-        if not isinstance(value, bool):
-            raise invalid(f"'{self.param(name)}' must be a boolean, not {_type_name(value)}", self.param(name))
-        return value
+        value = self._typed(name, bool, "a boolean")
+        return default if value is None else value
 
     def get_int(self, name: str, default: int | None, *, lo: int, hi: int) -> int | None:
         value = self.data.get(name)
@@ -104,9 +106,9 @@ class Body:
         if isinstance(value, float) and value.is_integer():
             value = int(value)  # 16.0 from a JavaScript client is a fine 16
         if isinstance(value, bool) or not isinstance(value, int):
-            raise invalid(f"'{self.param(name)}' must be an integer, not {_type_name(value)}", self.param(name))
+            raise self.error(name, f"must be an integer, not {_type_name(value)}")
         if not lo <= value <= hi:
-            raise invalid(f"'{self.param(name)}' must be between {lo} and {hi} (got {value})", self.param(name))
+            raise self.error(name, f"must be between {lo} and {hi} (got {value})")
         return value
 
     def get_float(self, name: str, default: float | None, *, lo: float, hi: float) -> float | None:
@@ -114,29 +116,19 @@ class Body:
         if value is None:
             return default
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-            raise invalid(f"'{self.param(name)}' must be a number, not {_type_name(value)}", self.param(name))
+            raise self.error(name, f"must be a number, not {_type_name(value)}")
         if not lo <= value <= hi:
-            raise invalid(f"'{self.param(name)}' must be between {lo:g} and {hi:g} (got {value:g})", self.param(name))
+            raise self.error(name, f"must be between {lo:g} and {hi:g} (got {value:g})")
         return float(value)
 
     def get_object(self, name: str) -> "Body | None":
-        value = self.data.get(name)
-        if value is None:
-            return None
-        if not isinstance(value, dict):
-            raise invalid(f"'{self.param(name)}' must be an object, not {_type_name(value)}", self.param(name))
-        return Body(value, f"{self.param(name)}.")
+        value = self._typed(name, dict, "an object")
+        return None if value is None else Body(value, f"{self.param(name)}.")
 
-    def get_list(self, name: str, *, max_items: int, required: bool = False) -> list | None:
-        value = self.data.get(name)
-        if value is None:
-            if required:
-                raise invalid(f"'{self.param(name)}' is required", self.param(name))
-            return None
-        if not isinstance(value, list):
-            raise invalid(f"'{self.param(name)}' must be an array, not {_type_name(value)}", self.param(name))
-        if len(value) > max_items:
-            raise invalid(f"'{self.param(name)}' has more than {max_items} items", self.param(name))
+    def get_list(self, name: str, *, max_items: int) -> list | None:
+        value = self._typed(name, list, "an array")
+        if value is not None and len(value) > max_items:
+            raise self.error(name, f"has more than {max_items} items")
         return value
 
 
