@@ -165,10 +165,8 @@ def _best_llama_gpu(report: HardwareReport, runtimes: Runtimes) -> tuple[int | N
 
 def _choose_cpu(report: HardwareReport, has_gguf: bool, has_onnx: bool, runtimes: Runtimes,
                 estimate: MemoryEstimate | None, notes: list[str], formats: set[str]) -> BackendChoice:
-    if not notes and not report.gpus:
-        notes.append("no GPU found")
-    elif not notes and report.gpus:
-        notes.append("no GPU that llama.cpp can offload to")
+    if not notes:
+        notes.append("no GPU that llama.cpp can offload to" if report.gpus else "no GPU found")
     if estimate is not None and report.ram_total_bytes and estimate.total_bytes > report.ram_total_bytes:
         notes.append(f"warning: {_needs(estimate)} but RAM is {format_bytes(report.ram_total_bytes)}")
     detail = "; ".join(notes)
