@@ -231,7 +231,7 @@ def run_rm(args: argparse.Namespace, settings: Settings) -> int:
 
 def run_add(args: argparse.Namespace, settings: Settings) -> int:
     ref = parse_ref(args.name)
-    if ref.name.startswith(("hf.co/", "http://", "https://")) or "/" in ref.name:
+    if "/" in ref.name:  # hf.co/... and URLs included
         raise InvalidRequestError("--name must be a plain NAME[:TAG] (no slashes)")
     model = ModelStore(settings).register_local(args.path, ref.name, ref.tag or "latest")
     print(f"added {model.ref} -> {model.path} ({_size(model.size)}, {model.quant or 'unknown quant'})")
