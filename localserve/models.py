@@ -11,12 +11,15 @@
   When every loaded model is busy the request gets OverloadedError (503 + Retry-After), not a wait
   of unknown length.
 
-Context size per model (EngineLimits.from_settings decides; see batching/limits.py): one request
-may use settings.context_length tokens, or min(trained context, 8192); the shared (unified) KV pool
-holds max_sequences x min(that, 2048) cells, at least one full-length request, capped by a share of
-the RAM the weights leave over. The memory charged to the budget is the estimate for that whole
-pool plus weights and compute buffers (memory.estimate_memory); the device and GPU layer count come
-from placement.choose_backend over the hardware report.
+Context size per model (EngineLimits.from_settings decides; see batching/limits.py): by default
+every sequence id (running ones and parked prefix-cache ones) gets its own KV stream of
+settings.context_length cells, or min(trained context, 4096), shrunk to fit a share of the RAM the
+weights leave over (fewer sequences run before a stream drops below 2048 cells). With
+settings.kv_unified one shared pool of max_sequences x min(context, 2048) cells (at least one
+full-length request, context up to 8192) serves them all instead. The memory charged to the
+budget is the estimate for the whole KV cache plus weights and compute buffers
+(memory.estimate_memory); the device and GPU layer count come from placement.choose_backend over
+the hardware report.
 
 All state lives on the event loop thread; only loading and unloading run in threads.
 """

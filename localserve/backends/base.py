@@ -64,9 +64,10 @@ class Sampler(ABC):
 
 
 class Backend(ABC):
-    # KV cells in the shared cache. llama.cpp reports no count of used cells, so the scheduler keeps
-    # the books: one cell per token decoded for a sequence, cells shared through kv_copy count once,
-    # a cell is free when no sequence holds it (batching/kvpool.py).
+    # KV cells of all sequences together (one shared pool, or per-sequence streams: `kv_unified`).
+    # llama.cpp reports no count of used cells, so the scheduler keeps the books: one cell per token
+    # decoded for a sequence, cells shared through kv_copy count once, a cell is free when no
+    # sequence holds it (batching/kvpool.py).
     n_ctx: int
     n_batch: int  # hard cap of tokens per decode call: never exceed it (llama.cpp aborts the process)
     n_seq_max: int  # sequence ids are 0 .. n_seq_max-1
@@ -97,7 +98,8 @@ class Backend(ABC):
 
     @abstractmethod
     def kv_copy(self, src: int, dst: int, p0: int, p1: int) -> None:
-        """Make positions [p0, p1) of `src` part of `dst` too (cells shared, not duplicated).
+        """Make positions [p0, p1) of `src` part of `dst` too (cells shared, not duplicated, where
+        the backend can; a backend with `kv_unified = False` copies them into dst's own stream).
         `dst` should hold nothing in that range (kv_remove it first)."""
 
     @abstractmethod

@@ -1,4 +1,5 @@
-"""The llama.cpp backend: one model, one context whose unified KV cache is shared by many sequences.
+"""The llama.cpp backend: one model, one context whose KV cache holds many sequences (one stream
+per sequence, as the product runs it, or one unified pool: see LlamaCppBackend.load).
 
 Built on llama-cpp-python's low-level ctypes API (pinned: its signatures move between releases).
 Everything that could make llama.cpp abort the process (more than n_batch tokens in one decode,
@@ -108,7 +109,8 @@ class LlamaCppBackend(Backend):
     ) -> LlamaCppBackend:
         """Load a GGUF model and create its batching context.
 
-        n_ctx: KV cells shared by all sequences (unified cache, so kv_copy can share prefixes).
+        n_ctx: KV cells of all sequences together: one pool (kv_unified, so kv_copy can share
+            prefixes) or n_seq_max streams of n_ctx / n_seq_max cells each.
         n_seq_max: sequence ids 0..n_seq_max-1 (llama.cpp allows at most 256).
         n_batch: the most tokens one decode may carry (the scheduler's step budget must not exceed it).
         embeddings: create the embeddings context now instead of at the first embed() call.
@@ -119,15 +121,17 @@ class LlamaCppBackend(Backend):
             greedy token) from the same prompt in fresh cells. With F32 and no flash attention the
             logits are bit-identical whatever the cell order, so a request gives the same output
             alone, batched, or from the prefix cache. Costs 2x KV memory and ~10% decode speed.
-        kv_unified: one pool of n_ctx cells for all sequences (True) or one stream of
-            n_ctx / n_seq_max cells per sequence (False). Measured on SmolLM2 (tests/
+        kv_unified: one pool of n_ctx cells for all sequences (True, this function's default) or
+            one stream of n_ctx / n_seq_max cells per sequence (False, what the product loads:
+            settings.kv_unified, EngineLimits). Measured on SmolLM2 (tests/
             test_backend_llamacpp.py): in a unified pool a sequence's attention sums run over cells
             interleaved with other sequences' (masked) cells, so its greedy tokens can change with
             the batch it runs in, even with exact_attention. Per-sequence streams keep each
             sequence's cells where they would be alone: outputs are bit-identical batched or
             alone, with the default F16 cache too. The price: no sequence grows past its stream,
             and kv_copy copies the stream instead of sharing cells.
-        flash_attention: False disables it (True lets llama.cpp decide). On CPU its kernel switches
+        flash_attention: False disables it (True, this function's default, lets llama.cpp decide;
+            the product passes settings.flash_attention, False). On CPU its kernel switches
             to a tiled variant for micro-batches of 64+ tokens, which rounds differently, so a
             prompt prefilled in other chunk sizes (alone vs. beside other requests) can end in other
             greedy tokens. With per-sequence streams and flash attention off, outputs are identical

@@ -1,14 +1,15 @@
-"""Accounting of the backend's shared KV cache: sequence ids and cells, shared cells counted once.
+"""Accounting of the backend's KV cache: sequence ids and cells, shared cells counted once.
 
-llama.cpp's unified cache has n_ctx cells; `kv_copy` makes a prefix of one sequence part of
-another without duplicating cells, and a cell is free again only when no sequence holds it. We
-mirror that exactly with a reference count per cell id, so admission decisions match what
-llama.cpp will accept (counting a shared system prompt once per request would refuse requests
-that fit, and counting it once but freeing it with its first owner would over-admit).
+The product's default (llama.cpp with kv_unified=False) gives each sequence its own stream of
+`n_ctx_seq` cells, so outputs do not depend on what else is in the cache. There a prefix copy
+really copies: it is counted as new cells, and no sequence may outgrow its stream.
 
-A backend may instead give each sequence its own stream of `n_ctx_seq` cells (llama.cpp with
-kv_unified=False: outputs do not depend on what else is in the cache). Then a prefix copy really
-copies, so it is counted as new cells, and no sequence may outgrow its stream.
+With one unified pool (kv_unified=True, and backends without streams) all sequences share n_ctx
+cells; `kv_copy` makes a prefix of one sequence part of another without duplicating cells, and a
+cell is free again only when no sequence holds it. We mirror that exactly with a reference count
+per cell id, so admission decisions match what llama.cpp will accept (counting a shared system
+prompt once per request would refuse requests that fit, and counting it once but freeing it with
+its first owner would over-admit).
 """
 
 from __future__ import annotations
@@ -79,7 +80,8 @@ class KVPool:
             self.uncount(holder, keep)
 
     def share_prefix(self, src: KVHolder, dst: KVHolder, n: int) -> None:
-        """dst (fresh, empty) gets src's first n positions; cells are shared, not copied."""
+        """dst (fresh, empty) gets src's first n positions: shared cells in one pool, a copy (new
+        cells) with per-sequence streams."""
         self.backend.kv_copy(src.seq_id, dst.seq_id, 0, n)
         if not self.shared:  # a copy into dst's own stream: new cells
             dst.cells = []

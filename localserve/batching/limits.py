@@ -34,7 +34,7 @@ class EngineLimits:
     batch_tokens: int = 512  # tokens per step (decodes + prefill chunks); <= backend.n_batch
     queue_size: int = 64  # waiting requests per lane before submit refuses
     queue_timeout: float = 600.0  # seconds a request may wait before its first step
-    n_ctx: int = 8192  # KV cells in the shared cache (all sequences together)
+    n_ctx: int = 8192  # KV cells of the backend context (all sequences, or all streams, together)
     n_ctx_seq: int = 8192  # prompt + completion of one request
     prefix_cache: bool = True
     kv_unified: bool = False  # one shared cell pool instead of a stream per sequence (see config.py)

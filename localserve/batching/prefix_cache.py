@@ -2,9 +2,11 @@
 memory or ids run short, and a new request starts from the longest token prefix resident anywhere
 (a parked entry or a running sequence) instead of recomputing it.
 
-llama.cpp's `kv_copy` shares cells, so starting from a running sequence's prefix costs no memory;
-starting from a parked entry adopts its id outright. Matching is exact on token ids, so a hit can
-never change the output -- only how many prompt tokens have to be computed.
+Starting from a running sequence's prefix copies it with `kv_copy`: with per-sequence KV streams
+(the default) that copies cells, in a unified pool it shares them and costs no memory. Starting
+from a parked entry adopts its id when ids run short, and shares or copies its prefix otherwise.
+Matching is exact on token ids, so a hit can never change the output -- only how many prompt
+tokens have to be computed.
 """
 
 from __future__ import annotations
