@@ -192,26 +192,15 @@ class _Job:
                 url = remote.url if remote is not None else str(source.url)
                 self.download(url, partial, expected_sha, expected_size, file_name)
             try:
-                facts = self.verify(partial, file_name, expected_sha, actual_sha)
+                actual_sha, facts = self.verify(partial, file_name, expected_sha, actual_sha)
             finally:
                 release_partial(partial, keep=partial.exists())
-            actual_sha = facts.pop("__sha256__")
             partial.replace(target)  # atomic: the cache never holds a half-written model file
             release_partial(partial, keep=False)
         else:
             facts = self.facts_of(target, file_name, known_good=True)
         emit(self.progress, "writing manifest")
-        return self.store.write_manifest(self.entry.name, self.variant.tag, {
-            "file": file_name,
-            "in_place": False,
-            "size": target.stat().st_size,
-            "sha256": actual_sha,
-            "quant": facts.get("quant") or self.variant.quant,
-            "source": self.source_record(source, remote),
-            "facts": facts,
-            "license": self.entry.license,
-            "description": self.entry.description,
-        })
+        return self.write_manifest(target, False, actual_sha, facts, source, remote)
 
     def register_file(self, source: Source) -> InstalledModel:
         path = Path(str(source.path)).expanduser()
@@ -219,14 +208,20 @@ class _Job:
             raise ModelNotFoundError(str(source.path), message=f"local source file {path.name} does not exist")
         path = path.resolve()
         expected = self.variant.sha256 or source.sha256
-        facts = self.verify(path, path.name, expected, None, delete_bad=False)
+        sha, facts = self.verify(path, path.name, expected, None, delete_bad=False)
+        return self.write_manifest(path, True, sha, facts, source, None)
+
+    def write_manifest(self, path: Path, in_place: bool, sha: str, facts: dict[str, Any], source: Source,
+                       remote: RemoteFile | None) -> InstalledModel:
+        """The manifest that makes the model visible: it names a file in the model's folder, or
+        the absolute path of a file registered in place."""
         return self.store.write_manifest(self.entry.name, self.variant.tag, {
-            "file": str(path),
-            "in_place": True,
+            "file": str(path) if in_place else path.name,
+            "in_place": in_place,
             "size": path.stat().st_size,
-            "sha256": facts.pop("__sha256__"),
+            "sha256": sha,
             "quant": facts.get("quant") or self.variant.quant,
-            "source": self.source_record(source, None),
+            "source": self.source_record(source, remote),
             "facts": facts,
             "license": self.entry.license,
             "description": self.entry.description,
@@ -299,9 +294,9 @@ class _Job:
             raise
 
     def verify(self, path: Path, label: str, expected_sha: str | None, known_sha: str | None,
-               delete_bad: bool = True) -> dict[str, Any]:
+               delete_bad: bool = True) -> tuple[str, dict[str, Any]]:
         """sha256 (computed unless the fetch already did) against the expected digest, then GGUF
-        facts. Returns the facts for the manifest, with the digest under `__sha256__`."""
+        facts. Returns the digest and the facts for the manifest."""
         emit(self.progress, "verifying sha256", label)
         actual = known_sha or sha256_file(path, self.progress, label)
         if expected_sha and actual != expected_sha:
@@ -317,8 +312,7 @@ class _Job:
             if delete_bad:
                 path.unlink(missing_ok=True)
             raise
-        facts["__sha256__"] = actual
-        return facts
+        return actual, facts
 
     def facts_of(self, path: Path, label: str, known_good: bool) -> dict[str, Any]:
         try:
