@@ -12,10 +12,15 @@ from .report import GPUInfo, GPUKind, NPUInfo
 NPU_DRIVERS = {"amdxdna": "AMD", "intel_vpu": "Intel", "qaic": "Qualcomm"}
 
 
+def _read(env: ProbeEnv, directory: Path, name: str) -> str | None:
+    """`directory/name` of the probe world (`directory` is a path under `env.root`)."""
+    return env.read_text(str(directory.relative_to(env.root)), name)
+
+
 def _uevent(env: ProbeEnv, device: Path) -> dict[str, str]:
     """The device's uevent (DRIVER, PCI_ID, PCI_CLASS, PCI_SLOT_NAME): plain files, no symlinks to
     follow, which is why we prefer it to device/driver and device/vendor."""
-    text = env.read_text(str(device.relative_to(env.root)), "uevent") or ""
+    text = _read(env, device, "uevent") or ""
     out = {}
     for line in text.splitlines():
         key, _, value = line.partition("=")
@@ -29,15 +34,14 @@ def _ids(env: ProbeEnv, device: Path, ue: dict[str, str]) -> tuple[str, str] | N
     if "PCI_ID" in ue:
         vendor, _, dev = ue["PCI_ID"].lower().partition(":")
         return vendor, dev
-    rel = str(device.relative_to(env.root))
-    vendor_file, device_file = env.read_text(rel, "vendor"), env.read_text(rel, "device")
+    vendor_file, device_file = _read(env, device, "vendor"), _read(env, device, "device")
     if vendor_file and device_file:
         return vendor_file.strip().lower().removeprefix("0x"), device_file.strip().lower().removeprefix("0x")
     return None
 
 
 def _int_file(env: ProbeEnv, device: Path, name: str) -> int | None:
-    text = env.read_text(str(device.relative_to(env.root)), name)
+    text = _read(env, device, name)
     try:
         return int(text.strip()) if text else None
     except ValueError:
@@ -57,7 +61,7 @@ def _rocm_targets(env: ProbeEnv) -> dict[str, str]:
         return targets
     for node in sorted(nodes.iterdir()):
         props = {}
-        for line in (env.read_text(str(node.relative_to(env.root)), "properties") or "").splitlines():
+        for line in (_read(env, node, "properties") or "").splitlines():
             key, _, value = line.partition(" ")
             props[key] = value.strip()
         version = int(props.get("gfx_target_version", "0") or 0)
@@ -82,7 +86,7 @@ def probe_gpus_linux(env: ProbeEnv) -> list[GPUInfo]:
         device = card / "device"
         ue = _uevent(env, device)
         ids = _ids(env, device, ue)
-        pci_class = ue.get("PCI_CLASS") or (env.read_text(str(device.relative_to(env.root)), "class") or "").strip()
+        pci_class = ue.get("PCI_CLASS") or (_read(env, device, "class") or "").strip()
         if ids is None or not pci_class:
             continue  # simpledrm / efifb framebuffers: not a GPU we can compute on
         try:
