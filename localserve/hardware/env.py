@@ -94,12 +94,18 @@ class WinRegistry:
 
 
 def _sysctl(env: "ProbeEnv") -> Callable[[str], str | None]:
+    # The cpu, memory, gpu and npu probes ask for the same few keys (hw.optional.arm64,
+    # machdep.cpu.brand_string, hw.memsize): run `sysctl` once per key.
+    answers: dict[str, str | None] = {}
+
     def read(key: str) -> str | None:
-        try:
-            out = env.run(["sysctl", "-n", key], env.timeout)
-        except ProbeError:  # unknown key: sysctl exits 1
-            return None
-        return out.strip() if out is not None else None
+        if key not in answers:
+            try:
+                out = env.run(["sysctl", "-n", key], env.timeout)
+            except ProbeError:  # unknown key: sysctl exits 1
+                out = None
+            answers[key] = out.strip() if out is not None else None
+        return answers[key]
 
     return read
 
