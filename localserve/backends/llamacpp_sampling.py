@@ -50,6 +50,12 @@ def _penalties_active(p: SamplingParams) -> bool:
     )
 
 
+def _penalty_window(backend: LlamaCppBackend, p: SamplingParams) -> int:
+    """Tokens the penalties look back over: -1 means the context. Capped, because llama.cpp
+    allocates a ring buffer of that many tokens: a client's 10**9 must not become one."""
+    return backend.n_ctx if p.penalty_last_n < 0 else min(p.penalty_last_n, backend.n_ctx)
+
+
 def _check_params(p: SamplingParams, n_vocab: int) -> None:
     for name in ("temperature", "top_p", "min_p", "repeat_penalty", "frequency_penalty", "presence_penalty"):
         if not math.isfinite(getattr(p, name)):
@@ -124,11 +130,10 @@ def _build_chain(backend: LlamaCppBackend, p: SamplingParams) -> tuple[object, o
             chain.add(llama_cpp.llama_sampler_init_logit_bias(backend.n_vocab, len(p.logit_bias), biases))
         penalties = None
         if _penalties_active(p):
-            # llama.cpp allocates a ring buffer of last_n tokens: a client's 10**9 must not become one.
-            last_n = backend.n_ctx if p.penalty_last_n < 0 else min(p.penalty_last_n, backend.n_ctx)
             penalties = chain.add(
                 llama_cpp.llama_sampler_init_penalties(
-                    backend.n_vocab, last_n, p.repeat_penalty, p.frequency_penalty, p.presence_penalty
+                    backend.n_vocab, _penalty_window(backend, p), p.repeat_penalty, p.frequency_penalty,
+                    p.presence_penalty,
                 )
             )
         if p.greedy:
@@ -200,8 +205,7 @@ class LlamaCppSampler(Sampler):
         if penalties is not None:
             # Prime the penalty history with the prompt, as llama-server does. Only the penalties:
             # the grammar must never see prompt tokens (a mismatch aborts the process).
-            last_n = backend.n_ctx if params.penalty_last_n < 0 else min(params.penalty_last_n, backend.n_ctx)
-            for t in prompt_tokens[-last_n:]:
+            for t in prompt_tokens[-_penalty_window(backend, params):]:
                 llama_cpp.llama_sampler_accept(penalties, int(t))
         self._cand = _Candidates(backend.n_vocab)
         self._one = _Candidates(1) if self._grammar is not None else None
