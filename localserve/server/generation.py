@@ -32,17 +32,20 @@ def chat_template(engine: Any) -> ChatTemplate:
     return ChatTemplate.for_model(info.chat_template, info.bos_token, info.eos_token)
 
 
-def tokenize_prompt(engine: Any, text: str, template: ChatTemplate | None = None) -> list[int]:
+def tokenize_prompt(engine: Any, text: str, template: ChatTemplate | None = None, *,
+                    add_special: bool = True) -> list[int]:
     """Tokens of a prompt. A rendered template that already starts with BOS must not get a second
-    one from the tokenizer (a doubled BOS measurably degrades Llama-family answers)."""
+    one from the tokenizer (a doubled BOS measurably degrades Llama-family answers); nor does a
+    continuation (`add_special=False`), whose earlier turn already began with BOS."""
     has_bos = bool(template and template.bos_token and text.startswith(template.bos_token))
-    return list(engine.tokenize(text, add_special=not has_bos))
+    return list(engine.tokenize(text, add_special=add_special and not has_bos))
 
 
-async def tokenize_async(engine: Any, text: str, template: ChatTemplate | None = None) -> list[int]:
+async def tokenize_async(engine: Any, text: str, template: ChatTemplate | None = None, *,
+                         add_special: bool = True) -> list[int]:
     if len(text) > LONG_PROMPT_CHARS:
-        return await asyncio.to_thread(tokenize_prompt, engine, text, template)
-    return tokenize_prompt(engine, text, template)
+        return await asyncio.to_thread(tokenize_prompt, engine, text, template, add_special=add_special)
+    return tokenize_prompt(engine, text, template, add_special=add_special)
 
 
 def is_token_list(items: Any) -> bool:

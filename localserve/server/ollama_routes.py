@@ -30,6 +30,7 @@ from .generation import (
     collect,
     embed_inputs,
     guard_disconnect,
+    is_token_list,
     merge,
     raise_if_failed,
     submit_all,
@@ -180,6 +181,8 @@ async def generate(request: web.Request) -> web.StreamResponse:
         raise invalid("a custom 'template' is not supported; the model's own chat template is used", "template")
     if not prompt and not context:
         return await load_only(request, model, keep_alive, {"response": ""})
+    if context and not is_token_list(context):
+        raise invalid("'context' must be an array of token ids", "context")
 
     clock = Clock()
     async with request.app[MANAGER_KEY].use(model, keep_alive=keep_alive) as loaded:
@@ -192,14 +195,9 @@ async def generate(request: web.Request) -> web.StreamResponse:
             template = chat_template(engine)
             messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
             text = template.render(messages)
-        if context:
-            if any(isinstance(t, bool) or not isinstance(t, int) for t in context):
-                raise invalid("'context' must be an array of token ids", "context")
-            # A continuation: the earlier turn already began with BOS.
-            tokens = check_tokens(list(context), engine.backend.info.n_vocab, "context") + list(
-                engine.tokenize(text, add_special=False))
-        else:
-            tokens = await tokenize_async(engine, text, template)
+        # A continuation of `context`: the earlier turn already began with BOS.
+        earlier = check_tokens(context, engine.backend.info.n_vocab, "context") if context else []
+        tokens = earlier + await tokenize_async(engine, text, template, add_special=not context)
         req = build_request(body, request, engine, tokens, interactive=False)
         streams = submit_all(engine, [req])
         try:
