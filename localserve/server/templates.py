@@ -77,7 +77,7 @@ _ENV = _environment()
 def _compile(source: str) -> tuple[jinja2.Template, frozenset[str]]:
     try:
         ast = _ENV.parse(source)
-        template = _ENV.from_string(source)
+        template = _ENV.from_string(ast)  # compiled from the tree just parsed, not parsed again
     except jinja2.TemplateError as e:
         # A broken template in a model file; the client cannot fix it, but must learn why.
         raise InvalidRequestError(f"the model's chat template cannot be compiled: {e}", param="model") from None
@@ -121,9 +121,7 @@ class ChatTemplate:
             return template.render(**context)
         except TemplateRaised as e:
             raise InvalidRequestError(f"the model's chat template rejected the messages: {e}", param="messages") from None
-        except jinja2.TemplateError as e:
-            raise InvalidRequestError(f"the model's chat template failed on these messages: {e}", param="messages") from None
-        except (TypeError, ValueError, KeyError, IndexError, AttributeError) as e:
+        except (jinja2.TemplateError, TypeError, ValueError, KeyError, IndexError, AttributeError) as e:
             raise InvalidRequestError(f"the model's chat template failed on these messages: {e}", param="messages") from None
 
 
