@@ -77,7 +77,7 @@ _ENV = _environment()
 def _compile(source: str) -> tuple[jinja2.Template, frozenset[str]]:
     try:
         ast = _ENV.parse(source)
-        template = _ENV.from_string(ast)  # compiled from the tree just parsed, not parsed again
+        template = _ENV.from_string(source)
     except jinja2.TemplateError as e:
         # A broken template in a model file; the client cannot fix it, but must learn why.
         raise InvalidRequestError(f"the model's chat template cannot be compiled: {e}", param="model") from None
