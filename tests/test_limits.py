@@ -68,3 +68,13 @@ def test_streams_shrink_the_sequence_count_before_the_context():
     roomy = EngineLimits.from_settings(Settings(context_length=8192), n_ctx_train=8192, model_bytes=GIB,
                                        kv_bytes_per_token=23_040, cores=4, ram_bytes=64 * GIB)
     assert roomy.n_ctx_seq == 8192 and roomy.max_sequences == 16
+
+
+def test_streams_are_sized_for_the_sequences_that_can_run():
+    # max_sequences above the step budget (or llama.cpp's id limit) is clamped before the streams
+    # are sized: one stream per usable id, none allocated for sequences that can never run.
+    for settings in (Settings(context_length=2048, max_sequences=64, batch_tokens=32, prefix_cache=False),
+                     Settings(max_sequences=200, prefix_cache=False)):
+        limits = EngineLimits.from_settings(settings, n_ctx_train=8192, model_bytes=0, cores=2, ram_bytes=64 * GIB)
+        assert limits.max_sequences <= min(limits.batch_tokens, 128)
+        assert limits.n_ctx == limits.n_ctx_seq * limits.n_seq_max

@@ -44,8 +44,7 @@ class EngineLimits:
         for name in ("max_sequences", "batch_tokens", "queue_size", "n_ctx", "n_ctx_seq", "aging_steps"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"engine limit {name} must be at least 1 (got {getattr(self, name)})")
-        # Every running sequence decodes one token per step, so the budget must hold them all.
-        self.max_sequences = min(self.max_sequences, self.batch_tokens, _LLAMA_MAX_SEQ // 2)
+        self.max_sequences = _max_running(self.max_sequences, self.batch_tokens)
         self.n_ctx_seq = min(self.n_ctx_seq, self.n_ctx)
 
     @property
@@ -78,6 +77,8 @@ class EngineLimits:
         # A step of this many prompt tokens takes a few hundred ms on a small CPU: long enough to
         # amortise the per-step overhead, short enough that running streams do not visibly stall.
         batch_tokens = settings.batch_tokens or max(256, min(2048, 128 * cores))
+        # Clamped here, not only in __post_init__: the KV cache below is sized for this count.
+        max_sequences = _max_running(max_sequences, batch_tokens)
 
         kv_budget_cells = int(max(ram - model_bytes, 0) * _KV_RAM_SHARE) // kv_token
         if settings.kv_unified:
@@ -106,6 +107,12 @@ class EngineLimits:
             prefix_cache=settings.prefix_cache,
             kv_unified=settings.kv_unified,
         )
+
+
+def _max_running(max_sequences: int, batch_tokens: int) -> int:
+    """Every running sequence decodes one token per step, so the budget must hold them all; and
+    with as many parked prefix-cache ids the total stays within llama.cpp's limit."""
+    return min(max_sequences, batch_tokens, _LLAMA_MAX_SEQ // 2)
 
 
 def _seq_ids(max_sequences: int, prefix_cache: bool) -> int:
