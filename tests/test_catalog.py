@@ -129,6 +129,12 @@ def test_user_catalog_extends_and_overrides(settings, tmp_path):
     ('{"models": {"ok": {"variants": {"x": {"sources": [{"hf": "no-slash"}]}}}}}', "ORG/REPO"),
     ('{"models": {"ok": {"variants": {"x": {"sources": [{"wheel": "pkg==1"}]}}}}}', "member"),
     ('{"models": {"ok": {"default": "y", "variants": {"x": {"sources": ["/a.gguf"]}}}}}', "default tag"),
+    ('{"models": {"ok": {"variants": ["x"]}}}', "'variants' must be an object"),
+    ('{"models": {"ok": {"variants": {"x": "oops"}}}}', "ok:x must be an object"),
+    ('{"models": {"ok": {"variants": {"x": {"sources": "/a.gguf"}}}}}', "'sources' must be a list"),
+    ('{"models": {"ok": {"variants": {"x": {"size": "big", "sources": ["/a.gguf"]}}}}}', "not a number of bytes"),
+    ('{"models": {"ok": {"variants": {"x": {"sources": [{"url": "https://a/b.gguf", "size": "x"}]}}}}}', "not a number"),
+    ('{"models": {"ok": {"variants": {"x": {"sources": [{"parts": 5}]}}}}}', "'parts' must be a list"),
 ])
 def test_bad_user_catalog_is_a_config_error(settings, tmp_path, content, message):
     user = tmp_path / "bad.json"
