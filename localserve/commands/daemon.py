@@ -13,6 +13,7 @@ import time
 from contextlib import closing
 from typing import Any
 
+from ..batching.params import LANES
 from ..client import DaemonClient
 from ..config import Settings
 from ..daemon import ensure_daemon, find_daemon, run_daemon, stop_daemon
@@ -100,9 +101,9 @@ def _print_ps(models: list[dict[str, Any]]) -> None:
     for column in ("NAME", "MEMORY", "PROCESSOR", "RUNNING", "QUEUED i/d/b", "UNTIL"):
         table.add_column(column, no_wrap=True)
     for m in models:
-        queued = m.get("queued") or m.get("waiting") or {}
-        lanes = "/".join(str(queued.get(lane, 0)) for lane in ("interactive", "default", "batch"))
-        memory = m.get("size") or m.get("memory_bytes") or 0
+        queued = m.get("waiting") or {}
+        lanes = "/".join(str(queued.get(lane, 0)) for lane in LANES)
+        memory = m.get("size") or 0
         table.add_row(
             str(m.get("name") or m.get("model")),
             format_bytes(memory) if memory else "-",
