@@ -265,7 +265,10 @@ class LlamaCppBackend(Backend):
             if self._embedder_box[0] is None:
                 self._embedder_box[0] = EmbeddingContext(
                     self.model,
-                    n_ctx=self.n_ctx,
+                    # One request's worth of cells: with per-sequence streams n_ctx is streams x
+                    # n_ctx_seq, and a pool that size would double the model's KV memory on the
+                    # first embed call. No input may be longer than n_ctx_seq anyway.
+                    n_ctx=self.n_ctx_seq,
                     n_batch=self.n_batch,
                     n_seq_max=min(self.n_seq_max, 64),
                     n_threads=self.n_threads,
