@@ -25,7 +25,17 @@ status and an OpenAI error body (`server/errors.py`) through `http_status`, `err
 
 from __future__ import annotations
 
+import re
 from typing import Sequence
+
+# An absolute path standing on its own (not the path part of a URL): /x/y or C:\x\y.
+_HOST_PATH = re.compile(r"(?<![\w:/.\\])(?:[A-Za-z]:\\|/)[^\s'\"]+")
+
+
+def redact_paths(text: str) -> str:
+    """Replace host paths in text we did not write (a subprocess's error line) by their last part,
+    so the message can go into an error without telling a client where things live."""
+    return _HOST_PATH.sub(lambda m: re.split(r"[\\/]", m.group(0).rstrip("/\\"))[-1] or "/", text)
 
 
 class LocalserveError(Exception):

