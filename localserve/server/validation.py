@@ -401,9 +401,13 @@ def parse_keep_alive(value: Any, param: str = "keep_alive") -> float | None:
         sign = -1.0 if text.startswith("-") else 1.0
         text = text.lstrip("+-")
         try:
-            return -1.0 if sign < 0 else float(text)
+            seconds = float(text)
         except ValueError:
             pass
+        else:  # "nan" and "inf" parse as floats too; refused as the numbers are
+            if not math.isfinite(seconds):
+                raise invalid(f"'{param}' must be finite", param)
+            return -1.0 if sign < 0 else seconds
         pos, total = 0, 0.0
         for m in _DURATION_RE.finditer(text):
             if m.start() != pos:
@@ -411,5 +415,7 @@ def parse_keep_alive(value: Any, param: str = "keep_alive") -> float | None:
             total += float(m.group(1)) * _DURATION_UNITS[m.group(2)]
             pos = m.end()
         if text and pos == len(text):
+            if not math.isfinite(total):  # a run of digits past float's range
+                raise invalid(f"'{param}' must be finite", param)
             return -1.0 if sign < 0 else total
     raise invalid(f"'{param}' must be a duration such as \"5m\" or a number of seconds", param)
