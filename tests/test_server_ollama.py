@@ -144,6 +144,13 @@ def test_ps_and_keep_alive_unload(server):
     status, r = server.json("POST", "/api/chat", {"model": MODEL, "messages": []})
     assert status == 200 and r["done_reason"] == "load" and r["message"]["content"] == ""
     assert [m["name"] for m in server.json("GET", "/api/ps")[1]["models"]] == [FULL]
+    # A keep_alive past year 9999 is "never", not a 500 from /api/ps; a non-finite one is refused.
+    status, r = server.json("POST", "/api/chat", {"model": MODEL, "messages": [], "keep_alive": 1e12})
+    assert status == 200
+    status, ps = server.json("GET", "/api/ps")
+    assert status == 200 and ps["models"][0]["expires_at"] == "9999-12-31T23:59:59Z"
+    status, r = server.json("POST", "/api/chat", {"model": MODEL, "messages": [], "keep_alive": "nan"})
+    assert status == 400 and "finite" in r["error"]
 
 
 def test_embeddings(server):

@@ -63,7 +63,10 @@ _OLLAMA_NAMES = {"penalty_last_n": "repeat_last_n"}
 
 
 def now_iso(epoch: float | None = None) -> str:
-    t = dt.datetime.fromtimestamp(time.time() if epoch is None else epoch, dt.timezone.utc)
+    try:
+        t = dt.datetime.fromtimestamp(time.time() if epoch is None else epoch, dt.timezone.utc)
+    except (OverflowError, ValueError, OSError):
+        return FOREVER  # past year 9999: a keep_alive of 1e12 seconds expires never, not with a 500
     return t.isoformat(timespec="microseconds").replace("+00:00", "Z")
 
 
