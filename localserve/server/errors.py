@@ -113,11 +113,10 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
         if exc.status < 400:  # redirects and the like are not errors
             raise
         return http_exception_response(request, exc)
-    except (ConnectionResetError, ConnectionError):
+    except ConnectionError:  # ConnectionResetError among them
         raise  # the client left; nothing to answer
-    except Exception as exc:  # noqa: BLE001 - the last line of defence: log, answer 500 without details
+    except Exception:  # noqa: BLE001 - the last line of defence: log, answer 500 without details
         log.exception("unhandled error in %s %s", request.method, request.path)
-        del exc
         return error_response(request, 500, "internal server error", "server_error", code="internal_error")
 
 
