@@ -37,6 +37,7 @@ from .generation import (
     tokenize_async,
 )
 from .state import MANAGER_KEY, METRICS_KEY, SETTINGS_KEY, STORE_KEY
+from .templates import ChatTemplate
 from .tools import ToolCallStream, parse_tool_calls
 from .validation import (
     MAX_EMBED_INPUTS,
@@ -360,8 +361,6 @@ async def tags(request: web.Request) -> web.Response:
 
 @routes.post("/api/show")
 async def show(request: web.Request) -> web.Response:
-    from .templates import ChatTemplate
-
     body = await read_json(request)
     model = await asyncio.to_thread(request.app[STORE_KEY].find, model_name(body))
     facts = model.facts
