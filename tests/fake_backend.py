@@ -158,18 +158,19 @@ class FakeBackend(Backend):
         assert p0 == 0 and not self._seqs.get(dst), "copy a prefix into an empty sequence"
         cells = self._seqs.get(src, [])
         assert p1 <= len(cells), f"copy of {p1} positions from a sequence holding {len(cells)}"
+        cells = cells if p1 < 0 else cells[:p1]  # p1 < 0: to the end, as in llama.cpp
         if not self.kv_unified:
             copies = []
-            for cell in cells[:p1]:
+            for cell in cells:
                 new = next(self._cells)
                 self._hash[new] = self._hash[cell]
                 self._refs[new] = 1
                 copies.append(new)
             self._seqs[dst] = copies
             return
-        for cell in cells[:p1]:
+        for cell in cells:
             self._refs[cell] += 1
-        self._seqs[dst] = cells[:p1]
+        self._seqs[dst] = list(cells)
 
     def kv_pos_max(self, seq_id: int) -> int:
         return len(self._seqs.get(seq_id, [])) - 1

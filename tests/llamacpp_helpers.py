@@ -13,9 +13,9 @@ THREADS = 2
 
 
 def load(path: Path, *, n_ctx: int = 2048, n_seq_max: int = 8, n_batch: int = 512,
-         exact: bool = False, kv_unified: bool = True) -> LlamaCppBackend:
+         exact: bool = False, kv_unified: bool = True, flash_attention: bool = True) -> LlamaCppBackend:
     return LlamaCppBackend.load(path, n_ctx=n_ctx, n_seq_max=n_seq_max, n_batch=n_batch, n_threads=THREADS,
-                                exact_attention=exact, kv_unified=kv_unified)
+                                exact_attention=exact, kv_unified=kv_unified, flash_attention=flash_attention)
 
 
 def prompt_batch(tokens: Sequence[int], seq_id: int, start: int = 0) -> list[BatchToken]:

@@ -408,7 +408,8 @@ STREAM_PROMPTS = PROMPTS + ["Hello", "def fib(n):", "The quick brown fox jumps o
 
 @pytest.fixture(scope="module")
 def streams(smollm2_gguf):
-    b = load(smollm2_gguf, n_ctx=8 * 256, n_seq_max=8, kv_unified=False)
+    # As the product loads models: one KV stream per sequence, flash attention off.
+    b = load(smollm2_gguf, n_ctx=8 * 256, n_seq_max=8, kv_unified=False, flash_attention=False)
     yield b
     b.close()
 
@@ -467,3 +468,46 @@ def test_streams_bound_each_sequence_not_the_pool(streams):
     with pytest.raises(KVFullError):
         streams.decode(prompt_batch([504] * 100, 0, start=200))
     assert streams.kv_pos_max(0) == 199
+
+
+def test_streams_prompt_chunks_beside_decodes_equal_each_alone(streams):
+    """A step mixing a decode with prompt chunks: llama.cpp alone would compute the first token of
+    seq 1's chunk in a micro-batch with seq 0's decode and its last token in one of its own: each
+    time as the only row of seq 1 (other kernels, other rounding: its logits moved by ~0.4). The
+    backend submits the batch so that every row equals the same sequence run alone."""
+    prompt_a, prompt_b = streams.tokenize(PROMPTS[1]) * 2, streams.tokenize(PROMPTS[0])
+    first = streams.tokenize(PROMPTS[2])
+
+    def alone(seq_id: int, tokens: list[int], start: int = 0) -> np.ndarray:
+        streams.decode(prompt_batch(tokens, seq_id, start))
+        return streams.logits(len(tokens) - 1)
+
+    streams.kv_clear()
+    ref_a = alone(1, prompt_a)
+    ref_b = alone(2, prompt_b)
+    alone(0, first)
+    ref_decode = alone(0, [504], start=len(first))
+
+    streams.kv_clear()
+    streams.decode(prompt_batch(first, 0))
+    cut = len(prompt_a) - 2
+    streams.decode(prompt_batch(prompt_a[:cut], 1))
+    batch = [BatchToken(504, 0, len(first), True), *prompt_batch(prompt_a[cut:], 1, start=cut),
+             *prompt_batch(prompt_b, 2)]
+    streams.decode(batch)
+    rows = {bt.seq_id: i for i, bt in enumerate(batch) if bt.logits}
+    np.testing.assert_array_equal(streams.logits(rows[0]), ref_decode)
+    np.testing.assert_array_equal(streams.logits(rows[1]), ref_a)
+    np.testing.assert_array_equal(streams.logits(rows[2]), ref_b)
+    assert not streams.logits_row(rows[1]).flags.writeable
+    with pytest.raises(ValueError, match="no logits"):
+        streams.logits_row(1)
+
+
+def test_streams_kv_full_in_a_later_call_keeps_nothing_of_the_batch(streams):
+    streams.kv_clear()
+    streams.decode(prompt_batch([504] * 200, 1))
+    # seq 0's chunk goes first and fits; seq 1's overflows its 256-cell stream.
+    with pytest.raises(KVFullError):
+        streams.decode(prompt_batch([504] * 30, 0) + prompt_batch([504] * 80, 1, start=200))
+    assert streams.kv_pos_max(0) == -1 and streams.kv_pos_max(1) == 199

@@ -142,11 +142,12 @@ def test_prefix_cache_reuses_a_finished_requests_prefix():
     assert first.usage.cached_tokens == 0
     assert second.usage.cached_tokens == 200
     assert second.tokens == alone(system + [4, 5, 6, 7], 8)
-    # A fully cached prompt still recomputes its last token (its logits are needed).
+    # A fully cached prompt still recomputes its last two tokens: the last one's logits are
+    # needed, and a one-token rest would run through other kernels than the uncached prompt.
     third = h.submit(system + [4, 5, 6, 7], max_tokens=8)
     h.run()
-    assert third.usage.cached_tokens == 203 and third.tokens == second.tokens
-    assert h.sched.cache.hits == 403
+    assert third.usage.cached_tokens == 202 and third.tokens == second.tokens
+    assert h.sched.cache.hits == 402
     h.assert_drained()
 
 
@@ -331,8 +332,8 @@ def test_per_sequence_streams_copy_prefixes_and_cap_each_sequence():
     a = h.submit(system + [1], max_tokens=20)
     for _ in range(3):
         h.step()
-    b = h.submit(system + [2], max_tokens=200)  # copies a's prefix, then runs into its stream's end
+    b = h.submit(system + [2, 3], max_tokens=200)  # copies a's prefix, then runs into its stream's end
     h.run()
     assert b.usage.cached_tokens == 60 and b.finish_reason == "length" and len(b.seq.tokens) == 128
-    assert a.tokens == alone(system + [1], 20) and b.tokens == alone(system + [2], 200)[: len(b.tokens)]
+    assert a.tokens == alone(system + [1], 20) and b.tokens == alone(system + [2, 3], 200)[: len(b.tokens)]
     h.assert_drained()

@@ -55,10 +55,6 @@ def test_concurrent_streams_do_not_mix(server):
     assert len(set(alone)) == 8
 
 
-@pytest.mark.xfail(strict=False, reason=(
-    "llama.cpp CPU kernels: with flash attention off, the V-product's SIMD/scalar split depends on how "
-    "many KV cells the micro-batch spans, which grows with the longest stream in it; 2 of these 8 "
-    "answers flip a greedy token beside the others. tests/test_engine_llamacpp.py shows what is exact."))
 def test_eight_concurrent_streams_match_sequential(server):
     client = openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0, timeout=300)
     alone = [stream_text(client, p) for p in PROMPTS]

@@ -70,6 +70,9 @@ class Backend(ABC):
     # sequence holds it (batching/kvpool.py).
     n_ctx: int
     n_batch: int  # hard cap of tokens per decode call: never exceed it (llama.cpp aborts the process)
+    # llama.cpp computes a decode in micro-batches of at most this many tokens (scheduler.py keeps
+    # prompt chunks from leaving one token alone in a micro-batch).
+    n_ubatch: int
     n_seq_max: int  # sequence ids are 0 .. n_seq_max-1
     info: ModelInfo
 
@@ -101,6 +104,13 @@ class Backend(ABC):
         """Make positions [p0, p1) of `src` part of `dst` too (cells shared, not duplicated, where
         the backend can; a backend with `kv_unified = False` copies them into dst's own stream).
         `dst` should hold nothing in that range (kv_remove it first)."""
+
+    def kv_move(self, src: int, dst: int) -> None:
+        """Move everything `src` holds to the empty id `dst`; `src` is left empty. The scheduler
+        moves sequences to keep the running ones on consecutive ids (llama.cpp batches only those
+        together, see batching/kvpool.py)."""
+        self.kv_copy(src, dst, 0, -1)
+        self.kv_remove(src, 0, -1)
 
     @abstractmethod
     def kv_pos_max(self, seq_id: int) -> int:

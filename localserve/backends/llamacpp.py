@@ -29,7 +29,7 @@ import numpy as np
 from ..batching.params import SamplingParams
 from ..errors import BackendError, GGUFError, InvalidRequestError, ModelNotFoundError
 from .base import Backend, BatchToken, KVFullError, ModelInfo
-from .llamacpp_batch import PackedBatch
+from .llamacpp_batch import PackedBatch, stream_groups
 from .llamacpp_embed import EmbeddingContext
 from .llamacpp_runtime import ensure_runtime, error_count, last_error_since
 from .llamacpp_sampling import LlamaCppSampler
@@ -82,8 +82,13 @@ class LlamaCppBackend(Backend):
         self.token_ids.flags.writeable = False
         self._row_type = ctypes.c_float * self.n_vocab
         self._packed = PackedBatch(self.n_batch)
+        self._part = PackedBatch(self.n_batch)  # one llama_decode call's share of a batch (stream_groups)
         self._outputs = np.zeros(self.n_batch, dtype=np.int8)  # which rows of the last decode have logits
         self._n_out = 0  # rows of the last successful decode (0: no logits valid)
+        # Where a batch row's logits are after a decode that took several llama_decode calls: rows of
+        # the last call are read in place (_row_in_call), earlier calls' rows were copied (_held).
+        self._row_in_call = np.arange(self.n_batch)
+        self._held: dict[int, np.ndarray] = {}
         self._pieces: dict[tuple[int, bool], bytes] = {}
         self._embedder_box: list[EmbeddingContext | None] = [None]
         self._embedder_lock = threading.Lock()
@@ -211,18 +216,40 @@ class LlamaCppBackend(Backend):
         packed.check_ids(self.n_vocab, self.n_seq_max)
         n = packed.n_tokens
         self._n_out = 0  # the previous step's rows are gone whatever happens next
+        self._held.clear()
+        groups = None if self.kv_unified else stream_groups(packed.seq[:n])
         errors_before = error_count()
-        rc = llama_cpp.llama_decode(self.ctx, packed.struct)
+        if groups is None:
+            self._row_in_call[:n] = np.arange(n)
+            self._decode_call(packed, packed, 0, errors_before)
+        else:
+            last = len(groups) - 1
+            for k, rows in enumerate(groups):
+                part = self._part
+                part.fill(packed.token[rows], packed.seq[rows], packed.pos[rows], packed.logits[rows])
+                self._decode_call(packed, part, k, errors_before)
+                if k < last:  # the next call overwrites llama.cpp's logits: keep this call's
+                    for j in np.flatnonzero(part.logits[: part.n_tokens]):
+                        held = self._ctx_row(int(j)).copy()
+                        held.flags.writeable = False
+                        self._held[int(rows[j])] = held
+                else:
+                    self._row_in_call[rows] = np.arange(len(rows))
+        self._outputs[:n] = packed.logits[:n]
+        self._n_out = n
+
+    def _decode_call(self, packed: PackedBatch, part: PackedBatch, k: int, errors_before: int) -> None:
+        """One llama_decode of `part` (call k of `packed`); on failure nothing of `packed` is kept."""
+        rc = llama_cpp.llama_decode(self.ctx, part.struct)
         if rc == 0:
-            self._outputs[:n] = packed.logits[:n]
-            self._n_out = n
             return
-        if rc == 1:
-            raise KVFullError(f"no room in the KV cache for a batch of {n} tokens")
-        if rc != -1:
-            # 2 (aborted) and < -1 (compute error) keep the micro-batches already processed; drop them
-            # so every sequence is back where it was (-1 means nothing was processed).
+        if k > 0 or rc not in (1, -1):
+            # Earlier calls of this batch were kept, and 2 (aborted) and < -1 (compute error) keep
+            # the micro-batches already processed: drop them so every sequence is back where it
+            # was (1 and -1 on the first call mean nothing was processed).
             self._rollback(packed)
+        if rc == 1:
+            raise KVFullError(f"no room in the KV cache for a batch of {packed.n_tokens} tokens")
         reason = last_error_since(errors_before)
         raise BackendError(f"decode failed (llama.cpp code {rc})" + (f": {reason}" if reason else ""))
 
@@ -237,9 +264,15 @@ class LlamaCppBackend(Backend):
         if not 0 <= batch_index < self._n_out or not self._outputs[batch_index]:
             # llama.cpp returns NULL here in release builds but GGML_ASSERTs inside llama_sampler_sample.
             raise ValueError(f"batch row {batch_index} produced no logits in the last decode")
-        ptr = llama_cpp.llama_get_logits_ith(self.ctx, batch_index)
+        held = self._held.get(batch_index)
+        if held is not None:
+            return held
+        return self._ctx_row(int(self._row_in_call[batch_index]))
+
+    def _ctx_row(self, row_in_call: int) -> np.ndarray:
+        ptr = llama_cpp.llama_get_logits_ith(self.ctx, row_in_call)
         if not ptr:
-            raise BackendError(f"no logits for batch row {batch_index}")
+            raise BackendError(f"no logits for batch row {row_in_call}")
         # frombuffer over a cached ctypes array type: a third of np.ctypeslib.as_array's cost, and
         # this runs once per sequence per step.
         row = np.frombuffer(self._row_type.from_address(ctypes.addressof(ptr.contents)), dtype=np.float32)

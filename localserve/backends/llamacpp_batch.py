@@ -102,3 +102,34 @@ class PackedBatch:
             raise ValueError(f"token id out of range 0..{n_vocab - 1}")
         if int(self.pos[:n].min()) < 0:
             raise ValueError("negative position")
+
+
+def stream_groups(seq: np.ndarray) -> list[np.ndarray] | None:
+    """How to submit one step's batch to a context with one KV stream per sequence, so that every
+    token is computed exactly as it would be if its request ran alone; None: as it is, one call.
+
+    Why: llama.cpp splits such a batch into micro-batches that hold an equal number of tokens of
+    each sequence, and only of sequences with consecutive ids in batch order. A prompt chunk next
+    to decoding sequences therefore gets one of its tokens computed in a micro-batch where its
+    sequence has a single row. The CPU matmul kernels differ for one row (a GEMV) and for several
+    (llamafile's tiled GEMM); they round differently, and a greedy answer can change with what else
+    was running (measured on SmolLM2: a prompt's last logits moved by 0.43). So every sequence with
+    several tokens gets a call of its own, and the one-token rows (decodes) go together last, in
+    ascending id order, which keeps consecutive ids in one micro-batch. Returns index arrays into
+    the batch, in submission order."""
+    n = len(seq)
+    counts = np.bincount(seq)
+    multi = counts[seq] > 1
+    if not multi.any():
+        if n == 1 or bool(np.all(seq[1:] > seq[:-1])):
+            return None
+        return [np.argsort(seq, kind="stable")]
+    multi_ids = seq[multi]
+    first = np.unique(multi_ids, return_index=True)[1]
+    groups = [np.flatnonzero(seq == s) for s in multi_ids[np.sort(first)]]
+    if len(groups) == 1 and len(groups[0]) == n:
+        return None
+    singles = np.flatnonzero(~multi)
+    if len(singles):
+        groups.append(singles[np.argsort(seq[singles], kind="stable")])
+    return groups

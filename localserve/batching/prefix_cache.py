@@ -1,12 +1,13 @@
-"""Prefix cache: finished requests keep their KV under their own sequence id ("parked") until
-memory or ids run short, and a new request starts from the longest token prefix resident anywhere
-(a parked entry or a running sequence) instead of recomputing it.
+"""Prefix cache: finished requests keep their KV under a parked sequence id until memory or ids
+run short, and a new request starts from the longest token prefix resident anywhere (a parked
+entry or a running sequence) instead of recomputing it.
 
-Starting from a running sequence's prefix copies it with `kv_copy`: with per-sequence KV streams
-(the default) that copies cells, in a unified pool it shares them and costs no memory. Starting
-from a parked entry adopts its id when ids run short, and shares or copies its prefix otherwise.
-Matching is exact on token ids, so a hit can never change the output -- only how many prompt
-tokens have to be computed.
+Parking moves the finished sequence's KV out of the running id range (kvpool.py says why);
+starting from a prefix copies it with `kv_copy` into the new request's own id: with per-sequence
+KV streams (the default) that copies cells, in a unified pool it shares them and costs no memory.
+The entry stays, so the next request with the same system prompt hits it too. Matching is exact on
+token ids, and at least two prompt tokens are always computed (see `lookup`), so a hit never
+changes the output -- only how many prompt tokens have to be computed.
 """
 
 from __future__ import annotations
@@ -68,6 +69,10 @@ class PrefixCache:
         the sequence holds nothing."""
         if not self.enabled or holder.seq_id < 0 or not holder.cells:
             return False
+        if not self.pool.free_parked_ids:
+            self.evict_one()
+        if not self.pool.park(holder):  # no parked ids at all (the context has only running ones)
+            return False
         entry = CachedPrefix(holder.seq_id, holder.cells, tokens[: len(holder.cells)])
         holder.seq_id, holder.cells = -1, []
         self.parked[entry.seq_id] = entry
@@ -92,10 +97,14 @@ class PrefixCache:
 
     def lookup(self, tokens: list[int], running: Iterable) -> tuple[object | None, int]:
         """The resident holder with the longest common prefix with `tokens`, and its length.
-        Never the whole prompt: the last prompt token is always recomputed, its logits are needed."""
+
+        At most all but the last two prompt tokens: the last one's logits are needed, and a prompt
+        token computed as the only row of its sequence in a micro-batch goes through other matmul
+        kernels than a chunk of several (llamacpp_batch.stream_groups), so a one-token rest could
+        give another answer than the same prompt computed without the cache."""
         if not self.enabled:
             return None, 0
-        limit = len(tokens) - 1
+        limit = len(tokens) - 2
         best, best_n = None, MIN_HIT - 1
         for holder in (*self.parked.values(), *running):
             if holder.seq_id < 0 or not holder.num_computed:
@@ -108,10 +117,6 @@ class PrefixCache:
     def touch(self, entry: CachedPrefix) -> None:
         """Mark an entry as just used: eviction goes least recently used first."""
         self.parked.move_to_end(entry.seq_id)
-
-    def take(self, entry: CachedPrefix) -> None:
-        """Remove a parked entry that a new sequence adopts."""
-        del self.parked[entry.seq_id]
 
     def record(self, prompt_tokens: int, hit_tokens: int) -> None:
         self.queries += prompt_tokens

@@ -1,6 +1,6 @@
 """The continuous-batching scheduler: which tokens of which sequences go into the next step.
 
-Each step has one token budget (<= backend.n_batch, so one decode call per step). Running
+Each step has one token budget (<= backend.n_batch, so one backend.decode per step). Running
 sequences with one pending token (decoding) go first, best lane first; then prompt chunks of
 admitted sequences fill the rest, so a 4k-token prompt is spread over several steps instead of
 freezing every stream for one long step. Waiting requests are admitted by KV capacity; when the
@@ -46,7 +46,8 @@ class Scheduler:
         self.backend = backend
         self.budget = min(limits.batch_tokens, backend.n_batch)
         self.max_running = max(1, min(limits.max_sequences, backend.n_seq_max, self.budget))
-        self.pool = KVPool(backend, min(limits.n_ctx, backend.n_ctx), backend.n_seq_max)
+        self.n_ubatch = getattr(backend, "n_ubatch", backend.n_batch) or backend.n_batch
+        self.pool = KVPool(backend, min(limits.n_ctx, backend.n_ctx), backend.n_seq_max, self.max_running)
         self.n_ctx_seq = min(limits.n_ctx_seq, self.pool.n_cells_seq)
         self.cache = PrefixCache(self.pool, limits.prefix_cache)
         self.lanes = LaneQueues(limits.aging_steps)
@@ -76,7 +77,7 @@ class Scheduler:
         self.step += 1
         self._reap()
         self._make_room()
-        plan = StepPlan()
+        feeds: list[tuple[Sequence, int]] = []
         budget = self.budget
         order = sorted(self.running, key=self.key)
         unscheduled = set(map(id, order))
@@ -86,7 +87,7 @@ class Scheduler:
             if budget == 0:
                 break
             if self._reserve(seq, 1, unscheduled):
-                self._feed(plan, seq, 1)
+                feeds.append((seq, 1))
                 unscheduled.discard(id(seq))
                 budget -= 1
 
@@ -100,16 +101,32 @@ class Scheduler:
         # wait for a batch job's prompt chunk. Aging lifts old requests into the top rank too.
         top = self.key(prefillers[0])[0] if prefillers else 1
         for seq in prefillers:
-            if budget == 0:
+            if budget < 2:
                 break
             if top <= 0 and self.key(seq)[0] > 0:
                 continue
-            n = self._reserve(seq, min(seq.pending, budget), unscheduled, shrink=True)
+            n = self._reserve(seq, self._chunk(seq.pending, budget), unscheduled, shrink=True)
             if n:
-                self._feed(plan, seq, n)
+                feeds.append((seq, n))
                 unscheduled.discard(id(seq))
                 budget -= n
+        # Ids are final only now (preemptions and admissions above leave holes).
+        self.pool.compact(self.running)
+        plan = StepPlan()
+        for seq, n in feeds:
+            if seq.status is Status.RUNNING:
+                self._feed(plan, seq, n)
         return plan
+
+    def _chunk(self, pending: int, budget: int) -> int:
+        """The prompt tokens of one sequence to feed this step: as many as fit, but never so that a
+        single prompt token is left for a later step or for a micro-batch of its own (llama.cpp
+        computes a lone row with other kernels, which round differently: see
+        llamacpp_batch.stream_groups); 0 when that leaves nothing to feed now."""
+        for n in range(min(pending, budget), 1, -1):
+            if (n == pending or pending - n >= 2) and n % self.n_ubatch != 1:
+                return n
+        return 0
 
     def run_step(self) -> StepPlan:
         """One step: schedule, decode, sample, postprocess."""
@@ -267,8 +284,9 @@ class Scheduler:
         """Give seq a sequence id and its cached prefix; False if its prompt cannot fit yet."""
         source, n_hit = self.cache.lookup(seq.tokens, self.running)
         while True:
-            need = len(seq.tokens) - n_hit
-            if self.pool.free - reserved >= need and (self.pool.free_ids or isinstance(source, CachedPrefix)):
+            # A prefix copied into a stream of its own takes cells there too.
+            need = len(seq.tokens) - (n_hit if self.pool.shared else 0)
+            if self.pool.free - reserved >= need:
                 break
             if not self.cache.evict_one(keep=source if isinstance(source, CachedPrefix) else None):
                 if isinstance(source, CachedPrefix):  # last resort: give up the hit, use the memory
@@ -276,16 +294,12 @@ class Scheduler:
                     source, n_hit = None, 0
                     continue
                 return False
-        if isinstance(source, CachedPrefix) and not self.pool.free_ids:
-            # Out of ids: take the entry's own id (its tail past the hit is dropped).
-            self.cache.take(source)
-            self.pool.adopt(source, seq, n_hit)
-        else:  # share the cells and keep the entry whole for the next request like this one
-            if isinstance(source, CachedPrefix):
-                self.cache.touch(source)
-            self.pool.acquire(seq)
-            if n_hit:
-                self.pool.share_prefix(source, seq, n_hit)
+        if not self.pool.acquire(seq):
+            return False
+        if isinstance(source, CachedPrefix):  # the entry stays whole for the next request like this one
+            self.cache.touch(source)
+        if n_hit:
+            self.pool.share_prefix(source, seq, n_hit)
         seq.num_computed = n_hit
         if seq.queued:  # the first admission is the one the client sees in usage
             seq.cached_tokens = n_hit
@@ -303,17 +317,16 @@ class Scheduler:
             victim = max(self.running, key=self.key)
             if self.key(victim)[0] <= self.key(seq)[0]:
                 return
-            fits_slot = len(self.running) < self.max_running and (
-                self.pool.free_ids or self.cache.parked
-            )
+            fits_slot = len(self.running) < self.max_running
             fits_cells = self.pool.free + self.cache.evictable_cells() >= len(seq.tokens)
             if fits_slot and fits_cells:
                 return
             self._preempt(victim, park=True)
 
     def _preempt(self, seq: Sequence, park: bool) -> None:
-        """Back to the front of its lane; its KV is parked as cache (re-admission adopts it and
-        recomputes nothing) or dropped (recomputed: prompt and generated tokens are re-fed)."""
+        """Back to the front of its lane; its KV is parked as cache (re-admission copies it back and
+        recomputes only the last tokens) or dropped (recomputed: prompt and generated tokens are
+        re-fed)."""
         self.running.remove(seq)
         self._park_or_release(seq, park)
         seq.num_computed = 0
