@@ -30,9 +30,9 @@ def server(smollm2_gguf, tmp_path_factory):
         yield live
 
 
-def stream_text(client: openai.OpenAI, prompt: str) -> str:
+def stream_text(client: openai.OpenAI, prompt: str, max_tokens: int = 24) -> str:
     chunks = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": prompt}],
-                                            max_tokens=24, temperature=0, stream=True)
+                                            max_tokens=max_tokens, temperature=0, stream=True)
     return "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
 
 
@@ -56,10 +56,15 @@ def test_concurrent_streams_do_not_mix(server):
 
 
 def test_eight_concurrent_streams_match_sequential(server):
+    # Prompts from a few tokens to a pasted paragraph: the long ones are still prefilling in chunks
+    # while the short ones decode, and all share the chat template's prefix (prefix cache hits).
+    paragraph = " ".join(["The harbour town woke early, and the fishing boats left before sunrise."] * 12)
+    prompts = [*PROMPTS[:5], f"Summarize: {paragraph}", f"{paragraph} What happens next?",
+               f"Translate to French: {paragraph[:200]}"]
     client = openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0, timeout=300)
-    alone = [stream_text(client, p) for p in PROMPTS]
+    alone = [stream_text(client, p, 48) for p in prompts]
     with ThreadPoolExecutor(8) as pool:
-        together = list(pool.map(lambda p: stream_text(client, p), PROMPTS))
+        together = list(pool.map(lambda p: stream_text(client, p, 48), prompts))
     assert together == alone
     assert all(alone)
 
