@@ -151,6 +151,44 @@ def test_prefix_cache_reuses_a_finished_requests_prefix():
     h.assert_drained()
 
 
+def test_next_chat_turn_takes_over_the_parked_conversation_without_a_copy():
+    rng = random.Random(8)
+    h = Harness(FakeBackend(n_ctx=4096, n_batch=64, kv_unified=False), max_sequences=4)
+    copies = []
+    real_copy = h.backend.kv_copy
+    h.backend.kv_copy = lambda *a: (copies.append(a), real_copy(*a))
+    turn1 = _prompt(rng, 80)
+    first = h.submit(turn1, max_tokens=12, ignore_eos=True)
+    h.run()
+    (entry,) = h.sched.cache.parked.values()
+    assert entry.seq_id == 0  # parked where it ran: nothing moved
+    turn2 = turn1 + first.tokens + _prompt(rng, 10)
+    second = h.submit(turn2, max_tokens=8)
+    h.run()
+    # Everything the first turn computed is reused (its last sampled token was never fed).
+    assert second.usage.cached_tokens == 80 + 12 - 1
+    assert second.tokens == alone(turn2, 8)
+    assert copies == []
+    h.assert_drained()
+
+
+def test_parked_entries_on_running_ids_move_up_when_the_ids_are_needed():
+    rng = random.Random(9)
+    h = Harness(FakeBackend(n_ctx=8192, n_batch=64, n_seq_max=8, kv_unified=False), max_sequences=4)
+    done = [h.submit(_prompt(rng, 20 + i), max_tokens=4) for i in range(4)]
+    h.run()
+    assert len(h.sched.cache.parked) == 4 and min(h.sched.cache.parked) < 4  # parked in place
+    busy = [h.submit(_prompt(rng, 30), max_tokens=30, ignore_eos=True) for _ in range(4)]
+    while len(h.sched.running) < 4:
+        h.step()
+    # Four new requests need ids 0..3: the entries moved above the running range, none was lost.
+    assert sorted(q.seq_id for q in h.sched.running) == [0, 1, 2, 3]
+    assert sorted(h.sched.cache.parked) == [4, 5, 6, 7]
+    h.run()
+    assert all(r.tokens == alone(r.seq.request.prompt_tokens, len(r.tokens)) for r in done + busy)
+    h.assert_drained()
+
+
 def test_prefix_cache_shares_a_running_sequences_cells():
     rng = random.Random(6)
     system = _prompt(rng, 120)

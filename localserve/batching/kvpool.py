@@ -11,12 +11,15 @@ per cell id, so admission decisions match what llama.cpp will accept (counting a
 prompt once per request would refuse requests that fit, and counting it once but freeing it with
 its first owner would over-admit).
 
-Sequence ids come in two ranges: running sequences take the lowest free ids of [0, n_running) and
-parked prefix-cache entries live above. With per-sequence streams llama.cpp puts only sequences
-with consecutive ids into one micro-batch (its splitter requires it), so eight decoding sequences
-on ids 0..7 cost one pass over the weights per step and on ids 0, 2, .., 14 eight (measured on
-SmolLM2, 2 threads: 40 vs 79 ms per step). `compact` keeps the running ids consecutive by moving
-the highest one into a hole; parking moves a finished sequence out of the running range.
+Sequence ids come in two ranges: [0, n_running) for running sequences and the ids above for
+parked prefix-cache entries. With per-sequence streams llama.cpp puts only sequences with
+consecutive ids into one micro-batch (its splitter requires it), so eight decoding sequences on
+ids 0..7 cost one pass over the weights per step and on ids 0, 2, .., 14 eight (measured on
+SmolLM2, 2 threads: 40 vs 79 ms per step). The scheduler therefore keeps the running sequences on
+consecutive ids: `block` picks where, `gather` moves the stragglers in. A finished sequence is
+parked where it is, so a follow-up request (the next chat turn) can take its id over without
+copying anything; it is moved above the running range only when its id is needed
+(`move_to_parked`).
 """
 
 from __future__ import annotations
@@ -63,33 +66,75 @@ class KVPool:
     def free_parked_ids(self) -> int:
         return len(self._free_parked)
 
-    def acquire(self, holder: KVHolder) -> bool:
-        """Give the holder the lowest free running id; False when none is free."""
+    @property
+    def free_running_ids(self) -> int:
+        return len(self._free_running)
+
+    def acquire(self, holder: KVHolder, near: list[int] = ()) -> bool:
+        """Give the holder a free running id: next to the `near` ids (the running block) when one
+        is free there, else the lowest; False when none is free."""
         if not self._free_running:
             return False
-        holder.seq_id = heapq.heappop(self._free_running)
+        seq_id = self._free_running[0]
+        if near:
+            for candidate in (max(near) + 1, min(near) - 1):
+                if candidate in self._free_running:
+                    seq_id = candidate
+                    break
+        self._take(seq_id)
+        holder.seq_id = seq_id
         holder.cells = []
         return True
 
-    def park(self, holder: KVHolder) -> bool:
-        """Move the holder's KV to a free parked id; False when none is free."""
+    def move_to_parked(self, holder: KVHolder) -> bool:
+        """Move the holder's KV to the lowest free parked id; False when none is free."""
         if not self._free_parked or holder.seq_id < 0:
             return False
         self._move(holder, heapq.heappop(self._free_parked))
         return True
 
-    def compact(self, running: list) -> int:
-        """Move running holders down into holes until their ids are 0..len-1; returns the moves."""
+    def block(self, running_ids: list[int], parked_ids: list[int]) -> range:
+        """Where the running sequences should sit: the window of consecutive running-range ids
+        that needs the fewest moves (running ones outside it move in, parked ones inside move out)."""
+        n = len(running_ids)
+        inside = set(running_ids)
+        parked = set(parked_ids)
+        best, best_cost = 0, None
+        for start in range(0, self.n_running - n + 1):
+            window = range(start, start + n)
+            cost = sum(i not in inside for i in window) + sum(i in parked for i in window)
+            if best_cost is None or cost < best_cost:
+                best, best_cost = start, cost
+                if cost == 0:
+                    break
+        return range(best, best + n)
+
+    def gather(self, running: list, block: range) -> int:
+        """Move running holders outside `block` onto its free ids (parked entries must be out of
+        it already); returns the moves."""
         moves = 0
-        for holder in sorted(running, key=lambda h: h.seq_id, reverse=True):
-            if not self._free_running or self._free_running[0] > holder.seq_id:
-                break
-            self._move(holder, heapq.heappop(self._free_running))
-            moves += 1
+        for holder in running:
+            if holder.seq_id not in block:
+                self._move(holder, next(i for i in sorted(self._free_running) if i in block))
+                moves += 1
         return moves
+
+    def _take(self, seq_id: int) -> None:
+        self._free_running.remove(seq_id)
+        heapq.heapify(self._free_running)
+
+    def adopt(self, src: KVHolder, dst: KVHolder, n: int) -> None:
+        """dst takes over src's sequence id and its first n positions (no copy); src is left empty."""
+        if n < len(src.cells):
+            self.backend.kv_remove(src.seq_id, n, -1)
+            self.uncount(src, n)
+        dst.seq_id, dst.cells = src.seq_id, src.cells
+        src.seq_id, src.cells = -1, []
 
     def _move(self, holder: KVHolder, dst: int) -> None:
         src = holder.seq_id
+        if dst < self.n_running and dst in self._free_running:
+            self._take(dst)
         self.backend.kv_move(src, dst)  # cells and their counts go along unchanged
         holder.seq_id = dst
         self._give_back(src)

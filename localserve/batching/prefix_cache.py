@@ -1,13 +1,14 @@
-"""Prefix cache: finished requests keep their KV under a parked sequence id until memory or ids
-run short, and a new request starts from the longest token prefix resident anywhere (a parked
-entry or a running sequence) instead of recomputing it.
+"""Prefix cache: finished requests keep their KV under their sequence id ("parked") until memory
+or ids run short, and a new request starts from the longest token prefix resident anywhere (a
+parked entry or a running sequence) instead of recomputing it.
 
-Parking moves the finished sequence's KV out of the running id range (kvpool.py says why);
-starting from a prefix copies it with `kv_copy` into the new request's own id: with per-sequence
-KV streams (the default) that copies cells, in a unified pool it shares them and costs no memory.
-The entry stays, so the next request with the same system prompt hits it too. Matching is exact on
-token ids, and at least two prompt tokens are always computed (see `lookup`), so a hit never
-changes the output -- only how many prompt tokens have to be computed.
+A request that extends a whole entry (the next turn of a chat) takes the entry's id over: nothing
+is copied. Any other hit copies the prefix with `kv_copy` into the request's own id -- with
+per-sequence KV streams (the default) that copies cells, in a unified pool it shares them and
+costs no memory -- and the entry stays whole for the next request with the same system prompt.
+Entries sitting on ids the running sequences need are moved above them (kvpool.py says why).
+Matching is exact on token ids, and at least two prompt tokens are always computed (see
+`lookup`), so a hit never changes the output -- only how many prompt tokens have to be computed.
 """
 
 from __future__ import annotations
@@ -69,21 +70,47 @@ class PrefixCache:
         the sequence holds nothing."""
         if not self.enabled or holder.seq_id < 0 or not holder.cells:
             return False
-        if not self.pool.free_parked_ids:
-            self.evict_one()
-        if not self.pool.park(holder):  # no parked ids at all (the context has only running ones)
-            return False
         entry = CachedPrefix(holder.seq_id, holder.cells, tokens[: len(holder.cells)])
         holder.seq_id, holder.cells = -1, []
         self.parked[entry.seq_id] = entry
         return True
 
+    def vacate(self, ids: range) -> None:
+        """Clear `ids` of parked entries: each moves above the running range, or is dropped when
+        there is no room there."""
+        for entry in [e for e in self.parked.values() if e.seq_id in ids]:
+            self._vacate(entry)
+
+    def vacate_one(self, keep: CachedPrefix | None = None) -> bool:
+        """Free one running-range id held by a parked entry (least recently used first, `keep`
+        last); False when parked entries hold none."""
+        in_range = [e for e in self.parked.values() if e.seq_id < self.pool.n_running]
+        in_range.sort(key=lambda e: e is keep)  # stable: LRU order otherwise
+        if not in_range:
+            return False
+        self._vacate(in_range[0], keep)
+        return True
+
+    def _vacate(self, entry: CachedPrefix, keep: CachedPrefix | None = None) -> None:
+        if not self.pool.free_parked_ids:  # make room above: the oldest entry up there goes
+            for other in self.parked.values():
+                if other.seq_id >= self.pool.n_running and other is not keep:
+                    self._drop(other)
+                    break
+        if self.pool.move_to_parked(entry):  # re-keyed under its new id, in the same LRU place
+            self.parked = OrderedDict((e.seq_id, e) for e in self.parked.values())
+        else:  # no room above the running range
+            self._drop(entry)
+
+    def _drop(self, entry: CachedPrefix) -> None:
+        del self.parked[entry.seq_id]
+        self.pool.release(entry)
+
     def evict_one(self, keep: CachedPrefix | None = None) -> bool:
         """Drop the least recently used entry (not `keep`); False when there is none."""
-        for seq_id, entry in self.parked.items():
+        for entry in self.parked.values():
             if entry is not keep:
-                del self.parked[seq_id]
-                self.pool.release(entry)
+                self._drop(entry)
                 return True
         return False
 
@@ -117,6 +144,10 @@ class PrefixCache:
     def touch(self, entry: CachedPrefix) -> None:
         """Mark an entry as just used: eviction goes least recently used first."""
         self.parked.move_to_end(entry.seq_id)
+
+    def take(self, entry: CachedPrefix) -> None:
+        """Remove a parked entry that a new sequence adopts."""
+        del self.parked[entry.seq_id]
 
     def record(self, prompt_tokens: int, hit_tokens: int) -> None:
         self.queries += prompt_tokens

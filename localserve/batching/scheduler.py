@@ -110,8 +110,10 @@ class Scheduler:
                 feeds.append((seq, n))
                 unscheduled.discard(id(seq))
                 budget -= n
-        # Ids are final only now (preemptions and admissions above leave holes).
-        self.pool.compact(self.running)
+        # Ids are final only now (finishes, preemptions and adoptions leave holes).
+        block = self.pool.block([q.seq_id for q in self.running], list(self.cache.parked))
+        self.cache.vacate(block)
+        self.pool.gather(self.running, block)
         plan = StepPlan()
         for seq, n in feeds:
             if seq.status is Status.RUNNING:
@@ -283,23 +285,37 @@ class Scheduler:
     def _start(self, seq: Sequence, reserved: int) -> bool:
         """Give seq a sequence id and its cached prefix; False if its prompt cannot fit yet."""
         source, n_hit = self.cache.lookup(seq.tokens, self.running)
+        entry = source if isinstance(source, CachedPrefix) else None
+        # A prompt that extends a whole entry (a chat's next turn) takes the entry's id: no copy.
+        adopt = entry is not None and n_hit == len(entry.tokens)
+        if not adopt and not self.pool.free_running_ids:
+            if not self.cache.vacate_one(keep=entry):
+                return False
+            if entry is not None and entry.seq_id < 0:  # it was the one in the way, and is gone
+                source = entry = None
+                n_hit = 0
         while True:
             # A prefix copied into a stream of its own takes cells there too.
-            need = len(seq.tokens) - (n_hit if self.pool.shared else 0)
+            need = len(seq.tokens) - (n_hit if adopt or self.pool.shared else 0)
             if self.pool.free - reserved >= need:
                 break
-            if not self.cache.evict_one(keep=source if isinstance(source, CachedPrefix) else None):
-                if isinstance(source, CachedPrefix):  # last resort: give up the hit, use the memory
+            if not self.cache.evict_one(keep=entry):
+                if entry is not None:  # last resort: give up the hit, use the memory
                     self.cache.evict_one()
-                    source, n_hit = None, 0
+                    source = entry = None
+                    n_hit, adopt = 0, False
                     continue
                 return False
-        if not self.pool.acquire(seq):
-            return False
-        if isinstance(source, CachedPrefix):  # the entry stays whole for the next request like this one
-            self.cache.touch(source)
-        if n_hit:
-            self.pool.share_prefix(source, seq, n_hit)
+        if adopt:
+            self.cache.take(entry)
+            self.pool.adopt(entry, seq, n_hit)
+        else:  # copy the prefix; the entry stays whole for the next request like this one
+            if not self.pool.acquire(seq, near=[q.seq_id for q in self.running]):
+                return False
+            if entry is not None:
+                self.cache.touch(entry)
+            if n_hit:
+                self.pool.share_prefix(source, seq, n_hit)
         seq.num_computed = n_hit
         if seq.queued:  # the first admission is the one the client sees in usage
             seq.cached_tokens = n_hit
@@ -324,9 +340,9 @@ class Scheduler:
             self._preempt(victim, park=True)
 
     def _preempt(self, seq: Sequence, park: bool) -> None:
-        """Back to the front of its lane; its KV is parked as cache (re-admission copies it back and
-        recomputes only the last tokens) or dropped (recomputed: prompt and generated tokens are
-        re-fed)."""
+        """Back to the front of its lane; its KV is parked as cache (re-admission adopts it and
+        recomputes only the last two tokens) or dropped (recomputed: prompt and generated tokens
+        are re-fed)."""
         self.running.remove(seq)
         self._park_or_release(seq, park)
         seq.num_computed = 0
