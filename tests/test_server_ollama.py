@@ -153,6 +153,18 @@ def test_ps_and_keep_alive_unload(server):
     assert status == 400 and "finite" in r["error"]
 
 
+def test_bad_options_are_refused_before_the_model_loads(server):
+    server.json("POST", "/api/generate", {"model": MODEL, "keep_alive": 0})  # unloaded
+    bad = {"temperature": "hot"}
+    status, r = server.json("POST", "/api/chat", {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}],
+                                                  "options": bad, "stream": False})
+    assert status == 400 and "temperature" in r["error"]
+    status, r = server.json("POST", "/api/generate", {"model": MODEL, "prompt": "Hi", "stream": False,
+                                                      "options": {"num_predict": "many"}})
+    assert status == 400 and "num_predict" in r["error"]
+    assert server.json("GET", "/api/ps")[1]["models"] == []  # nothing was loaded for them
+
+
 def test_embeddings(server):
     status, r = server.json("POST", "/api/embed", {"model": MODEL, "input": ["hello world", "goodbye"]})
     assert status == 200 and r["model"] == FULL

@@ -80,16 +80,18 @@ def model_name(body: Body) -> str:
 
 
 def build_request(body: Body, request: web.Request, engine: Any, tokens: list[int], *, interactive: bool) -> GenerationRequest:
+    """The engine request; with engine=None only checks the body (before a model is loaded for it)."""
+    n_vocab, n_ctx = (engine.backend.info.n_vocab, engine.n_ctx_per_seq) if engine else (1 << 20, 1 << 24)
     options = body.get_object("options") or Body({}, "options.")
     options.get_int("num_ctx", None, lo=1, hi=1 << 24)  # validated; the context is fixed when the model loads
-    sampling = sampling_from(options, n_vocab=engine.backend.info.n_vocab, seed=parse_seed(options), names=_OLLAMA_NAMES)
+    sampling = sampling_from(options, n_vocab=n_vocab, seed=parse_seed(options), names=_OLLAMA_NAMES)
     sampling.json_schema = parse_json_format(body.raw("format"), "format")
     num_predict = options.get_int("num_predict", None, lo=-2, hi=(1 << 63) - 1)
     requested = None if num_predict is None or num_predict <= 0 else num_predict  # -1 / -2: to the context's end
     return GenerationRequest(
         prompt_tokens=tokens,
         sampling=sampling,
-        max_tokens=clamp_max_tokens(requested, len(tokens), engine.n_ctx_per_seq, "prompt"),
+        max_tokens=clamp_max_tokens(requested, len(tokens), n_ctx, "prompt"),
         stop=parse_stop(options.raw("stop"), "options.stop"),
         lane=parse_lane(body, request, "interactive" if interactive else "default"),
     )
@@ -187,6 +189,7 @@ async def generate(request: web.Request) -> web.StreamResponse:
         return await load_only(request, model, keep_alive, {"response": ""})
     if context and not is_token_list(context):
         raise invalid("'context' must be an array of token ids", "context")
+    build_request(body, request, None, [], interactive=False)  # bad options fail before any model load
 
     clock = Clock()
     async with request.app[MANAGER_KEY].use(model, keep_alive=keep_alive) as loaded:
@@ -241,6 +244,7 @@ async def chat(request: web.Request) -> web.StreamResponse:
         return await load_only(request, model, keep_alive, {"message": {"role": "assistant", "content": ""}})
     messages = parse_messages(raw_messages)
     tools = parse_tools(body.raw("tools"))
+    build_request(body, request, None, [], interactive=stream)  # bad options fail before any model load
 
     clock = Clock()
     async with request.app[MANAGER_KEY].use(model, keep_alive=keep_alive) as loaded:
