@@ -104,14 +104,18 @@ class FileLock:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
         deadline = None if timeout is None else time.monotonic() + timeout
-        while True:
-            if _try_lock(fd):
-                self._fd = fd
-                return True
-            if not blocking or (deadline is not None and time.monotonic() >= deadline):
-                os.close(fd)
-                return False
-            time.sleep(poll)
+        try:
+            while True:
+                if _try_lock(fd):
+                    self._fd = fd
+                    return True
+                if not blocking or (deadline is not None and time.monotonic() >= deadline):
+                    os.close(fd)
+                    return False
+                time.sleep(poll)
+        except BaseException:  # an odd lock error or Ctrl-C while waiting: do not leak the descriptor
+            os.close(fd)
+            raise
 
     def release(self) -> None:
         if self._fd is not None:

@@ -118,6 +118,21 @@ def test_file_lock_is_exclusive_between_holders(tmp_path):
     second.release()
 
 
+@pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="counts open descriptors through /proc")
+def test_file_lock_closes_its_descriptor_when_locking_fails(tmp_path, monkeypatch):
+    import localserve.store as store_module
+
+    def broken(fd: int) -> bool:
+        raise OSError("no locks on this filesystem")
+
+    monkeypatch.setattr(store_module, "_try_lock", broken)
+    before = len(os.listdir("/proc/self/fd"))
+    for _ in range(20):
+        with pytest.raises(OSError):
+            FileLock(tmp_path / "x.lock").acquire()
+    assert len(os.listdir("/proc/self/fd")) == before
+
+
 def test_cli_add_list_rm(tmp_path, smollm2_gguf):
     home = tmp_path / "home"
     bad = tmp_path / "bad.gguf"
