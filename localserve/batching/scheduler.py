@@ -26,6 +26,10 @@ from .sequence import Sequence, Status
 
 log = logging.getLogger(__name__)
 
+# A prefix hit that leaves at most this many of a parked entry's tokens unused takes the entry over
+# (the scheduler recomputes the last two prompt tokens anyway: PrefixCache.lookup).
+_ADOPT_SLACK = 2
+
 
 @dataclass(slots=True)
 class StepPlan:
@@ -286,8 +290,9 @@ class Scheduler:
         """Give seq a sequence id and its cached prefix; False if its prompt cannot fit yet."""
         source, n_hit = self.cache.lookup(seq.tokens, self.running)
         entry = source if isinstance(source, CachedPrefix) else None
-        # A prompt that extends a whole entry (a chat's next turn) takes the entry's id: no copy.
-        adopt = entry is not None and n_hit == len(entry.tokens)
+        # A prompt that extends the whole entry (a chat's next turn, a preempted request coming
+        # back: it loses the last tokens it computes again anyway) takes the entry's id: no copy.
+        adopt = entry is not None and len(entry.tokens) - n_hit <= _ADOPT_SLACK
         if not adopt and not self.pool.free_running_ids:
             if not self.cache.vacate_one(keep=entry):
                 return False
