@@ -39,6 +39,9 @@ class Settings:
     api_key: str | None = None
     cors_origins: tuple[str, ...] = DEFAULT_CORS_ORIGINS
     hf_endpoint: str = "https://huggingface.co"  # tests point this at a local server answering like the Hub
+    # A Hugging Face access token for gated and private repositories; when unset, the Hub's own
+    # HF_TOKEN variable or the token file `huggingface-cli login` writes (see _hf_token_fallback).
+    hf_token: str | None = None
     keep_alive: float = 300.0  # seconds a model stays loaded after its last request
     max_loaded_models: int = 2
     shutdown_timeout: float = 10.0  # seconds in-flight requests get to finish when the daemon stops
@@ -85,6 +88,25 @@ class Settings:
 
 
 _SETTING_NAMES = [f.name for f in fields(Settings) if f.name != "sources"]
+_SECRETS = ("api_key", "hf_token")  # never shown by `localserve config`
+
+
+def _hf_token_fallback(environ: Mapping[str, str]) -> tuple[str, str] | None:
+    """(token, source) from where Hugging Face's own tools keep it: HF_TOKEN, else the token file
+    (HF_TOKEN_PATH, else HF_HOME/token, else ~/.cache/huggingface/token)."""
+    if environ.get("HF_TOKEN", "").strip():
+        return environ["HF_TOKEN"].strip(), "env HF_TOKEN"
+    if environ.get("HF_TOKEN_PATH"):
+        path = Path(environ["HF_TOKEN_PATH"]).expanduser()
+    else:
+        home = Path(environ["HOME"]) if environ.get("HOME") else Path.home()
+        cache = Path(environ.get("XDG_CACHE_HOME") or home / ".cache")
+        path = Path(environ.get("HF_HOME") or cache / "huggingface").expanduser() / "token"
+    try:
+        token = path.read_text(encoding="utf-8").strip()
+    except (OSError, UnicodeDecodeError):
+        return None
+    return (token, "huggingface token file") if token else None
 
 
 def config_file_path(environ: Mapping[str, str] | None = None) -> Path:
@@ -103,8 +125,8 @@ def _coerce(name: str, value: Any) -> Any:
         if name == "cors_origins":
             items = value.split(",") if isinstance(value, str) else list(value)
             return tuple(s.strip() for s in items if s.strip())
-        if name == "api_key":
-            return str(value) or None
+        if name in _SECRETS:
+            return str(value).strip() or None
         if isinstance(default, bool):
             return str(value).lower() in ("1", "true", "yes", "on")
         if isinstance(default, int):
@@ -157,16 +179,18 @@ def load_settings(
         setattr(settings, name, _coerce(name, value))
         sources[name] = f"flag --{name.replace('_', '-')}"
 
+    if settings.hf_token is None and (fallback := _hf_token_fallback(environ)):
+        settings.hf_token, sources["hf_token"] = fallback
     settings.sources = sources
     return settings
 
 
 def describe(settings: Settings) -> list[tuple[str, str, str]]:
-    """(name, value, source) rows for display; the API key is masked."""
+    """(name, value, source) rows for display; secrets (API key, Hub token) are masked."""
     rows = []
     for name in _SETTING_NAMES:
         value = getattr(settings, name)
-        if name == "api_key" and value:
+        if name in _SECRETS and value:
             shown = "****"
         elif isinstance(value, tuple):
             shown = ",".join(value)

@@ -31,6 +31,7 @@ from localserve.errors import (
     NetworkError,
 )
 from localserve.pull import PullEvent, RetryPolicy, pull_model
+from localserve.pull.download import UrllibTransport
 from localserve.pull.puller import claim_partial
 from localserve.store import ModelStore
 
@@ -58,6 +59,8 @@ class LocalServer:
         self.files: dict[str, Served] = {}
         self.hub: dict[str, Any] = {}  # "org/repo" -> tree listing (or raw text to send)
         self.hub_failures: list[int] = []  # statuses the listing answers first, one per request
+        self.hub_token: str | None = None  # when set, the Hub's endpoints answer 401 without it
+        self.cdn_url: str | None = None  # where resolve redirects (another origin, like the Hub's CDN)
         self.log: list[dict[str, Any]] = []
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
@@ -90,9 +93,15 @@ class LocalServer:
     def requests_for(self, name: str) -> list[dict[str, Any]]:
         return [r for r in self.log if r["path"] == f"/files/{name}"]
 
+    def _refused(self, request: web.Request) -> bool:
+        return self.hub_token is not None and request.headers.get("Authorization") != f"Bearer {self.hub_token}"
+
     async def tree(self, request: web.Request) -> web.Response:
         key = f"{request.match_info['org']}/{request.match_info['repo']}"
-        self.log.append({"path": request.path, "query": request.query_string})
+        self.log.append({"path": request.path, "query": request.query_string,
+                         "auth": request.headers.get("Authorization")})
+        if self._refused(request):
+            return web.json_response({"error": "Access to model is restricted"}, status=401)
         if self.hub_failures:
             return web.Response(status=self.hub_failures.pop(0))
         if key not in self.hub:
@@ -103,11 +112,15 @@ class LocalServer:
 
     async def resolve(self, request: web.Request) -> web.Response:
         # The real Hub redirects LFS files to a CDN; urllib must keep the Range header across it.
-        self.log.append({"path": request.path, "range": request.headers.get("Range")})
-        raise web.HTTPFound(f"/files/{request.match_info['path'].rsplit('/', 1)[-1]}")
+        self.log.append({"path": request.path, "range": request.headers.get("Range"),
+                         "auth": request.headers.get("Authorization")})
+        if self._refused(request):
+            return web.Response(status=401)
+        raise web.HTTPFound(f"{self.cdn_url or ''}/files/{request.match_info['path'].rsplit('/', 1)[-1]}")
 
     async def serve_file(self, request: web.Request) -> web.StreamResponse:
-        record: dict[str, Any] = {"path": request.path, "range": request.headers.get("Range"), "sent": 0}
+        record: dict[str, Any] = {"path": request.path, "range": request.headers.get("Range"), "sent": 0,
+                                  "auth": request.headers.get("Authorization"), "host": request.host}
         self.log.append(record)
         spec = self.files.get(request.match_info["name"])
         if spec is None:
@@ -383,6 +396,49 @@ def test_hf_reference_resolves_through_the_hub_api(tmp_path, server, smollm2_ggu
         pull_model("hf.co/TestOrg/Nope", settings, retry=FAST_RETRY)
 
 
+def test_gated_repo_token_goes_to_the_hub_and_never_to_the_cdn(tmp_path, server, smollm2_gguf):
+    data = smollm2_gguf.read_bytes()
+    server.hub["Gated/SmolLM2-GGUF"] = hub_listing("SmolLM2-135M-Instruct.Q4_1.gguf", data)
+    server.files["SmolLM2-135M-Instruct.Q4_1.gguf"] = Served(data)
+    server.hub_token = "hf_secret"
+    # The "CDN" is the same server under another host name: another origin, as the Hub's CDN is.
+    server.cdn_url = f"http://localhost:{server.port}"
+    settings = make_settings(tmp_path, server)
+
+    with pytest.raises(ModelNotFoundError, match="set HF_TOKEN"):
+        pull_model("hf.co/Gated/SmolLM2-GGUF:Q4_1", settings, retry=FAST_RETRY)
+    assert server.log[-1]["auth"] is None
+
+    settings = replace(settings, hf_token="hf_secret")
+    model = pull_model("hf.co/Gated/SmolLM2-GGUF:Q4_1", settings, retry=FAST_RETRY)
+    assert model.sha256 == hashlib.sha256(data).hexdigest()
+    hub_requests = [r for r in server.log if "/api/models/" in r["path"] or "/resolve/" in r["path"]]
+    assert hub_requests[-2:] and all(r["auth"] == "Bearer hf_secret" for r in hub_requests[-2:])
+    (download,) = server.requests_for("SmolLM2-135M-Instruct.Q4_1.gguf")
+    assert download["host"].startswith("localhost") and download["auth"] is None
+    # A redirect that stays on the Hub's origin (a renamed repository) keeps the token.
+    server.cdn_url = None
+    response = UrllibTransport().open(f"{server.url}/Gated/SmolLM2-GGUF/resolve/main/SmolLM2-135M-Instruct.Q4_1.gguf",
+                                      {"Authorization": "Bearer hf_secret", "Range": "bytes=0-9"})
+    assert response.status == 206 and response.read(4) == b"GGUF"
+    response.close()
+    assert server.log[-1]["auth"] == "Bearer hf_secret" and server.log[-1]["range"] == "bytes=0-9"
+
+
+def test_hf_token_comes_from_the_hubs_own_places(tmp_path):
+    token_file = tmp_path / "hf" / "token"
+    token_file.parent.mkdir()
+    token_file.write_text("hf_from_file\n")
+    settings = load_settings(environ={"HF_HOME": str(tmp_path / "hf")}, config_path=tmp_path / "none.toml")
+    assert settings.hf_token == "hf_from_file" and settings.sources["hf_token"] == "huggingface token file"
+    env = {"HF_HOME": str(tmp_path / "hf"), "HF_TOKEN": "hf_env"}
+    assert load_settings(environ=env, config_path=tmp_path / "none.toml").hf_token == "hf_env"
+    env["LOCALSERVE_HF_TOKEN"] = "hf_ours"
+    assert load_settings(environ=env, config_path=tmp_path / "none.toml").hf_token == "hf_ours"
+    shown = run_cli("config", home=tmp_path / "home", HF_TOKEN="hf_env_secret")
+    assert "hf_env_secret" not in shown.stdout and "hf_token" in shown.stdout
+
+
 def test_hub_listing_errors_are_retried_or_reported(tmp_path, server, smollm2_gguf):
     data = smollm2_gguf.read_bytes()
     server.hub["TestOrg/SmolLM2-GGUF"] = hub_listing("SmolLM2-135M-Instruct.Q4_1.gguf", data)
@@ -464,9 +520,9 @@ def cli_env(home: Path, **extra: str) -> dict[str, str]:
     return {**os.environ, "LOCALSERVE_HOME": str(home), "LOCALSERVE_CONFIG": str(home / "none.toml"), **extra}
 
 
-def run_cli(*args: str, home: Path) -> subprocess.CompletedProcess[str]:
+def run_cli(*args: str, home: Path, **env: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-m", "localserve", *args], capture_output=True, text=True,
-                          env=cli_env(home), cwd=REPO, timeout=120)
+                          env=cli_env(home, **env), cwd=REPO, timeout=120)
 
 
 def interrupted_cli_pull(server: LocalServer, settings: Any, sig: int) -> tuple[int, str]:

@@ -58,20 +58,59 @@ class Transport(Protocol):
     def open(self, url: str, headers: Mapping[str, str]) -> Response: ...
 
 
+def origin_of(url: str) -> tuple[str, str, int | None]:
+    parsed = urlparse(url)
+    return parsed.scheme.lower(), (parsed.hostname or "").lower(), parsed.port
+
+
+class _SameOriginAuthRedirects(urllib.request.HTTPRedirectHandler):
+    """urllib copies every ordinary header onto a redirected request, whatever its host. A Hub
+    token must not follow the Hub's redirect to its CDN (or to anywhere else a redirect points), so
+    Authorization travels as an "unredirected" header and is put back only when the redirect stays
+    on the origin it was sent to (a renamed repository redirects within the Hub)."""
+
+    def redirect_request(self, req, fp, code, msg, headers, newurl):  # type: ignore[no-untyped-def]
+        new = super().redirect_request(req, fp, code, msg, headers, newurl)
+        auth = req.unredirected_hdrs.get("Authorization")
+        if new is not None and auth and origin_of(newurl) == origin_of(req.full_url):
+            new.add_unredirected_header("Authorization", auth)
+        return new
+
+
 class UrllibTransport:
     """HTTP(S) through urllib: follows redirects (the Hub's resolve links redirect to a CDN; urllib
-    keeps the Range header on the redirected request), honours proxy environment variables."""
+    keeps the Range header on the redirected request, but not Authorization when the redirect
+    leaves the origin), honours proxy environment variables."""
 
     def __init__(self, timeout: float = 30.0):
         self.timeout = timeout
-        self._opener = urllib.request.build_opener()
+        self._opener = urllib.request.build_opener(_SameOriginAuthRedirects)
 
     def open(self, url: str, headers: Mapping[str, str]) -> Response:
-        request = urllib.request.Request(url, headers={"User-Agent": USER_AGENT, **headers})
+        plain = {k: v for k, v in headers.items() if k.lower() != "authorization"}
+        request = urllib.request.Request(url, headers={"User-Agent": USER_AGENT, **plain})
+        auth = next((v for k, v in headers.items() if k.lower() == "authorization"), None)
+        if auth:
+            request.add_unredirected_header("Authorization", auth)
         try:
             return self._opener.open(request, timeout=self.timeout)  # type: ignore[no-any-return]
         except urllib.error.HTTPError as e:
             return e  # type: ignore[return-value]  # carries status, headers and body like a response
+
+
+class BearerTransport:
+    """Adds `Authorization: Bearer <token>` to the requests for one origin (the Hub's, for gated
+    and private repositories) and to no other."""
+
+    def __init__(self, inner: Transport, origin_url: str, token: str):
+        self.inner = inner
+        self.origin = origin_of(origin_url)
+        self._header = f"Bearer {token}"
+
+    def open(self, url: str, headers: Mapping[str, str]) -> Response:
+        if origin_of(url) == self.origin:
+            headers = {**headers, "Authorization": self._header}
+        return self.inner.open(url, headers)
 
 
 @dataclass

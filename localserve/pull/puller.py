@@ -32,7 +32,7 @@ from ..errors import (
     NetworkError,
 )
 from ..store import InstalledModel, ModelStore, atomic_write_json, safe_component
-from .download import RetryPolicy, Transport, download_file, ensure_free_space, write_chunk
+from .download import BearerTransport, RetryPolicy, Transport, UrllibTransport, download_file, ensure_free_space, write_chunk
 from .events import Progress, emit
 from .sources import RemoteFile, extract_member, fetch_wheel, remove_tree, resolve_hf
 from .verify import facts_to_manifest, read_facts, sha256_file
@@ -130,6 +130,8 @@ class _Job:
     def __init__(self, entry: CatalogEntry, variant: Variant, store: ModelStore, settings: Settings,
                  progress: Progress, transport: Transport | None, retry: RetryPolicy | None):
         self.entry, self.variant, self.store, self.settings = entry, variant, store, settings
+        if settings.hf_token:  # gated and private Hub repositories; the token goes to the Hub only
+            transport = BearerTransport(transport or UrllibTransport(), settings.hf_endpoint, settings.hf_token)
         self.progress, self.transport, self.retry = progress, transport, retry
         self.directory = store.model_dir(entry.name, variant.tag)
 

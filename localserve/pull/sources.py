@@ -100,7 +100,9 @@ def resolve_hf(
     except HTTPStatusError as e:
         if e.status in (401, 403, 404):
             raise ModelNotFoundError(
-                f"hf.co/{repo}", message=f"hf.co/{repo} was not found on the Hub (or it is gated/private)"
+                f"hf.co/{repo}",
+                message=f"hf.co/{repo} was not found on the Hub, or it is gated or private (set HF_TOKEN to an "
+                "access token that may read it)",
             ) from None
         raise
     chosen = pick_gguf(_gguf_files(listing), quant, repo)
