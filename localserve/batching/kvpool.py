@@ -97,6 +97,8 @@ class KVPool:
         """Where the running sequences should sit: the window of consecutive running-range ids
         that needs the fewest moves (running ones outside it move in, parked ones inside move out)."""
         n = len(running_ids)
+        if n and max(running_ids) - min(running_ids) == n - 1 and max(running_ids) < self.n_running:
+            return range(min(running_ids), min(running_ids) + n)  # already there: the usual step
         inside = set(running_ids)
         parked = set(parked_ids)
         best, best_cost = 0, None
