@@ -121,6 +121,29 @@ async def test_per_sequence_streams_are_exact_with_shared_prefixes_and_holes(smo
         streams.close()
 
 
+async def test_sequences_moved_to_keep_ids_consecutive_continue_exactly(smollm2_gguf):
+    """When a request in the middle finishes first, the scheduler moves a running sequence's KV
+    stream to keep the running ids consecutive (kvpool.py); the moved sequence goes on with
+    exactly the tokens it gives alone."""
+    streams = LlamaCppBackend.load(smollm2_gguf, n_ctx=8 * 1024, n_seq_max=8, n_batch=256, n_threads=2,
+                                   kv_unified=False, flash_attention=False)
+    moves = []
+    real_move = streams.kv_move
+    streams.kv_move = lambda src, dst: (moves.append((src, dst)), real_move(src, dst))
+    try:
+        prompts = [chat(streams, f"Write a poem about {topic}.") for topic in ("the sea", "a fox", "autumn", "bread")]
+        lengths = [24, 3, 24, 6]
+        requests = lambda: [GenerationRequest(p, GREEDY, max_tokens=n, ignore_eos=True) for p, n in zip(prompts, lengths)]
+        with running_engine(streams, max_sequences=4, n_ctx_seq=1024, batch_tokens=256) as engine:
+            alone = [(await run(engine, r))[0] for r in requests()]
+            assert moves == []  # one request at a time moves nothing
+            together = await asyncio.gather(*(run(engine, r) for r in requests()))
+        assert moves  # the early finishers left holes below running sequences
+        assert [t for t, _, _ in together] == alone
+    finally:
+        streams.close()
+
+
 async def test_shared_prefix_is_served_from_cache_with_the_same_output(backend):
     prefix = "Here is a long document. " + " ".join(f"Fact {i}: the sky was clear on day {i}." for i in range(25))
     first = chat(backend, prefix + " Question: what was the weather on day 3?")
