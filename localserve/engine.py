@@ -47,6 +47,7 @@ class EngineStats:
     preemptions: int = 0
     parked: int = 0  # finished requests kept as prefix cache
     max_sequences: int = 0  # the running batch's capacity (occupancy = running / max_sequences)
+    kv_moves: int = 0  # sequences moved to keep the running ids consecutive (batching/kvpool.py)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -220,6 +221,7 @@ class Engine:
             preemptions=s.preemptions,
             parked=len(s.cache.parked),
             max_sequences=s.max_running,
+            kv_moves=s.pool.moves,
         )
 
     def active_requests(self) -> int:

@@ -138,6 +138,7 @@ async def test_sequences_moved_to_keep_ids_consecutive_continue_exactly(smollm2_
             alone = [(await run(engine, r))[0] for r in requests()]
             assert moves == []  # one request at a time moves nothing
             together = await asyncio.gather(*(run(engine, r) for r in requests()))
+            assert engine.stats().kv_moves == len(moves)
         assert moves  # the early finishers left holes below running sequences
         assert [t for t, _, _ in together] == alone
     finally:

@@ -183,6 +183,7 @@ def test_metrics(server):
         f'localserve_queue_depth{{lane="interactive",{model}}} 0.0',
         f"localserve_running_sequences{{{model}}}",
         f"localserve_kv_cells_total{{{model}}}",
+        f"localserve_kv_moves_total{{{model}}}",
         f'localserve_tokens_total{{kind="completion",{model}}}',
         "localserve_models_loaded 1.0",
     ]:

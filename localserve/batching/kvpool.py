@@ -49,6 +49,7 @@ class KVPool:
         self._free_parked = list(range(self.n_running, n_seq_ids))
         self._refs: dict[int, int] = {}
         self._cell_ids = itertools.count()
+        self.moves = 0  # KV moves to keep running ids consecutive (each a stream copy with streams)
 
     @property
     def used(self) -> int:
@@ -138,6 +139,7 @@ class KVPool:
         if dst < self.n_running and dst in self._free_running:
             self._take(dst)
         self.backend.kv_move(src, dst)  # cells and their counts go along unchanged
+        self.moves += 1
         holder.seq_id = dst
         self._give_back(src)
 

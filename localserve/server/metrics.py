@@ -44,6 +44,8 @@ class EngineCollector(Collector):
                                    labels=["model"])
         queries = CounterMetricFamily("localserve_prefix_cache_query_tokens", "Prompt tokens looked up in the prefix cache",
                                       labels=["model"])
+        moves = CounterMetricFamily("localserve_kv_moves", "Sequences whose KV moved to keep running ids consecutive",
+                                    labels=["model"])
         loaded = GaugeMetricFamily("localserve_models_loaded", "Models loaded")
         rows = [r for r in self.status() if r.get("state", "loaded") == "loaded"]
         loaded.add_metric([], len(rows))
@@ -63,7 +65,8 @@ class EngineCollector(Collector):
             tps.add_metric([model], _num(stats.get("tokens_per_s", 0)))
             hits.add_metric([model], _num(stats.get("prefix_cache_hits", 0)))
             queries.add_metric([model], _num(stats.get("prefix_cache_queries", 0)))
-        return [loaded, running, waiting, occupancy, kv_used, kv_total, tps, hits, queries]
+            moves.add_metric([model], _num(stats.get("kv_moves", 0)))
+        return [loaded, running, waiting, occupancy, kv_used, kv_total, tps, hits, queries, moves]
 
 
 def _num(value: Any) -> float:
