@@ -13,6 +13,11 @@ Prints a table, then as its last line one JSON object:
   interactive_ttft_under_load_ratio  TTFT of an interactive request while 16 batch-lane requests
                                      decode / its TTFT on an idle engine; target <= 1.5
   prefix_hit_ttft_ratio              TTFT with a 1,000-token prefix cached / uncached; target <= 0.25
+  interactive_itl_p95_ms             gaps between the tokens of 2 interactive streams while 6
+                                     batch-lane requests with ~400-token prompts arrive: the
+                                     product (batch prompts get a quarter of each step while the
+                                     interactive lane decodes) and, as "_whole_budget", the same
+                                     run with batch prompts allowed the whole step
 Each figure is the median (ratios) or best (throughput) of a few repeats: the machine is shared.
 """
 
@@ -32,6 +37,7 @@ sys.path.insert(0, str(REPO))
 from localserve.backends.llamacpp import LlamaCppBackend  # noqa: E402
 from localserve.backends.llamacpp_baseline import greedy_bare_loop  # noqa: E402
 from localserve.batching.limits import EngineLimits  # noqa: E402
+from localserve.batching import scheduler as scheduler_module  # noqa: E402
 from localserve.batching.params import GenerationRequest, SamplingParams  # noqa: E402
 from localserve.engine import Engine  # noqa: E402
 
@@ -127,6 +133,47 @@ async def interactive_under_load(backend: LlamaCppBackend) -> tuple[float, float
     return statistics.median(idle), statistics.median(loaded)
 
 
+async def interactive_itl_under_batch_prompts(backend: LlamaCppBackend, worse_lane_share: int) -> tuple[float, float]:
+    """(p95 gap between interactive tokens, seconds until the batch requests finished) while 6
+    batch-lane requests with ~400-token prompts arrive beside 2 decoding interactive streams."""
+    saved = scheduler_module._WORSE_LANE_SHARE
+    scheduler_module._WORSE_LANE_SHARE = worse_lane_share
+    engine = new_engine(backend, batch_tokens=256, max_sequences=8)
+    try:
+        chat = [engine.submit(GenerationRequest(prompt(backend, 600 + i, 8), GREEDY, max_tokens=100_000,
+                                                ignore_eos=True, lane="interactive")) for i in range(2)]
+        for stream in chat:
+            await stream.__anext__()  # both are decoding now
+        times: list[float] = []
+        done = asyncio.Event()
+
+        async def follow(stream) -> None:
+            async for event in stream:
+                if done.is_set():
+                    return
+                if event.token_ids:
+                    times.append(time.perf_counter())
+
+        followers = [asyncio.ensure_future(follow(s)) for s in chat]
+        t0 = time.perf_counter()
+        await asyncio.gather(*(
+            stream_times(engine, GenerationRequest(prompt(backend, 700 + i, 150), GREEDY, max_tokens=4, lane="batch"), t0)
+            for i in range(6)
+        ))
+        batch_s = time.perf_counter() - t0
+        done.set()
+    finally:
+        engine.shutdown()
+        scheduler_module._WORSE_LANE_SHARE = saved
+    await asyncio.gather(*followers, return_exceptions=True)
+    times.sort()
+    # Two streams: the gap of one stream is the time between its consecutive tokens, which with both
+    # decoding every step is the step time; pairs of arrivals in one step are ~0 apart, so take the
+    # gaps between steps (those above 1 ms).
+    gaps = [b - a for a, b in zip(times, times[1:]) if b - a > 0.001]
+    return statistics.quantiles(gaps, n=20)[-1], batch_s
+
+
 async def prefix_hit(backend: LlamaCppBackend) -> tuple[float, float, int]:
     """Median TTFT of prefix(1,000 tokens) + question, uncached vs with the prefix cached."""
     engine = new_engine(backend, batch_tokens=256, prefix_cache=True)
@@ -166,6 +213,8 @@ async def main() -> int:
         rows.append((batch, bare, engine))
     idle, loaded = await interactive_under_load(backend)
     miss, hit, cached = await prefix_hit(backend)
+    itl_share, batch_share = await interactive_itl_under_batch_prompts(backend, scheduler_module._WORSE_LANE_SHARE)
+    itl_whole, batch_whole = await interactive_itl_under_batch_prompts(backend, 1)
     backend.close()
 
     print(f"SmolLM2-135M Q4_1, {args.threads} threads, {N_SEQ_MAX} KV streams of {N_CTX_SEQ}, decode of {DECODE_TOKENS} tokens per sequence")
@@ -174,6 +223,9 @@ async def main() -> int:
         print(f"{batch:>5} | {bare:>10.1f} | {engine:>12.1f} | {engine / bare:>11.3f}")
     print(f"interactive TTFT: idle {idle * 1000:.1f} ms, under 16 batch requests {loaded * 1000:.1f} ms")
     print(f"prefix TTFT: uncached {miss * 1000:.1f} ms, {cached} tokens cached {hit * 1000:.1f} ms")
+    print(f"interactive ITL p95 while batch prompts arrive: {itl_share * 1000:.1f} ms (batch prompts get a "
+          f"quarter of each step; the batch requests took {batch_share:.1f} s) vs {itl_whole * 1000:.1f} ms "
+          f"(whole step; {batch_whole:.1f} s)")
     print(f"total {time.perf_counter() - t_start:.0f} s")
     b8 = next(r for r in rows if r[0] == 8)
     summary = {
@@ -186,6 +238,10 @@ async def main() -> int:
         "interactive_ttft_loaded_ms": round(loaded * 1000, 1),
         "prefix_ttft_uncached_ms": round(miss * 1000, 1),
         "prefix_ttft_cached_ms": round(hit * 1000, 1),
+        "interactive_itl_p95_ms": round(itl_share * 1000, 1),
+        "interactive_itl_p95_ms_whole_budget": round(itl_whole * 1000, 1),
+        "batch_requests_s": round(batch_share, 2),
+        "batch_requests_s_whole_budget": round(batch_whole, 2),
     }
     print(json.dumps(summary))
     return 0

@@ -117,6 +117,30 @@ def test_interactive_request_is_not_delayed_by_a_flood_of_batch_requests():
     h.assert_drained()
 
 
+def test_batch_prompts_take_a_small_share_of_steps_while_interactive_streams_decode():
+    rng = random.Random(10)
+    h = Harness(FakeBackend(n_ctx=8192, n_batch=64, n_seq_max=16), max_sequences=4)
+    chat = [h.submit(_prompt(rng, 10), max_tokens=40, ignore_eos=True, lane="interactive") for _ in range(2)]
+    while any(not r.tokens for r in chat):
+        h.step()  # both streams are decoding now
+    job = h.submit(_prompt(rng, 300), max_tokens=5, lane="batch")
+    same_lane = h.submit(_prompt(rng, 120), max_tokens=5, lane="interactive")
+    chunks, peer_chunks = [], []
+    while not job.tokens:
+        plan = h.step()
+        fed = dict((seq.request_id, n) for seq, n in plan.scheduled)
+        if any(fed.get(r.seq.request_id) == 1 for r in chat):  # an interactive stream decoded
+            chunks.append(fed.get(job.seq.request_id, 0))
+            peer_chunks.append(fed.get(same_lane.seq.request_id, 0))
+    # The batch job's prompt advances every step, 16 tokens (a quarter of the budget) at most;
+    # a prompt of the decoding lane itself is not held back.
+    assert chunks and max(chunks) <= 16 and sum(chunks) > 0
+    assert max(peer_chunks) > 16
+    h.run()
+    assert job.tokens == alone(job.seq.request.prompt_tokens, 5)
+    h.assert_drained()
+
+
 def test_a_steady_interactive_stream_does_not_starve_the_batch_lane():
     rng = random.Random(4)
     h = Harness(FakeBackend(n_ctx=4096, n_batch=32, n_seq_max=8), max_sequences=2, aging_steps=16)

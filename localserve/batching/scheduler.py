@@ -29,6 +29,8 @@ log = logging.getLogger(__name__)
 # A prefix hit that leaves at most this many of a parked entry's tokens unused takes the entry over
 # (the scheduler recomputes the last two prompt tokens anyway: PrefixCache.lookup).
 _ADOPT_SLACK = 2
+# Prompt tokens of lanes worse than a decoding one: at most this fraction of the step budget.
+_WORSE_LANE_SHARE = 4
 
 
 @dataclass(slots=True)
@@ -104,16 +106,26 @@ class Scheduler:
         # step: a step's length is its token count, and the top lane's first token should not
         # wait for a batch job's prompt chunk. Aging lifts old requests into the top rank too.
         top = self.key(prefillers[0])[0] if prefillers else 1
+        # While better lanes decode, worse lanes' prompt chunks get a small share of the step:
+        # a 240-token chunk of a batch job would hold every interactive stream's next token back
+        # by its whole prefill (0.6 s on a 2-core CPU).
+        best_decoding = min((self.key(s)[0] for s, _ in feeds), default=None)
+        worse_share = max(2, self.budget // _WORSE_LANE_SHARE)
         for seq in prefillers:
             if budget < 2:
                 break
-            if top <= 0 and self.key(seq)[0] > 0:
+            rank = self.key(seq)[0]
+            if top <= 0 and rank > 0:
                 continue
-            n = self._reserve(seq, self._chunk(seq.pending, budget), unscheduled, shrink=True)
+            worse = best_decoding is not None and rank > best_decoding
+            room = min(budget, worse_share) if worse else budget
+            n = self._reserve(seq, self._chunk(seq.pending, room), unscheduled, shrink=True)
             if n:
                 feeds.append((seq, n))
                 unscheduled.discard(id(seq))
                 budget -= n
+                if worse:
+                    worse_share -= n
         # Ids are final only now (finishes, preemptions and adoptions leave holes).
         block = self.pool.block([q.seq_id for q in self.running], list(self.cache.parked))
         self.cache.vacate(block)
