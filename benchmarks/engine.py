@@ -37,7 +37,6 @@ sys.path.insert(0, str(REPO))
 from localserve.backends.llamacpp import LlamaCppBackend  # noqa: E402
 from localserve.backends.llamacpp_baseline import greedy_bare_loop  # noqa: E402
 from localserve.batching.limits import EngineLimits  # noqa: E402
-from localserve.batching import scheduler as scheduler_module  # noqa: E402
 from localserve.batching.params import GenerationRequest, SamplingParams  # noqa: E402
 from localserve.engine import Engine  # noqa: E402
 
@@ -133,12 +132,14 @@ async def interactive_under_load(backend: LlamaCppBackend) -> tuple[float, float
     return statistics.median(idle), statistics.median(loaded)
 
 
-async def interactive_itl_under_batch_prompts(backend: LlamaCppBackend, worse_lane_share: int) -> tuple[float, float]:
+async def interactive_itl_under_batch_prompts(backend: LlamaCppBackend, worse_lane_share: int | None = None
+                                              ) -> tuple[float, float]:
     """(p95 gap between interactive tokens, seconds until the batch requests finished) while 6
-    batch-lane requests with ~400-token prompts arrive beside 2 decoding interactive streams."""
-    saved = scheduler_module._WORSE_LANE_SHARE
-    scheduler_module._WORSE_LANE_SHARE = worse_lane_share
+    batch-lane requests with ~400-token prompts arrive beside 2 decoding interactive streams; with
+    the scheduler's own share of the step for batch prompts, or `worse_lane_share` (1: no cap)."""
     engine = new_engine(backend, batch_tokens=256, max_sequences=8)
+    if worse_lane_share is not None:
+        engine.scheduler.worse_lane_share = worse_lane_share  # set before any request reaches the engine
     try:
         chat = [engine.submit(GenerationRequest(prompt(backend, 600 + i, 8), GREEDY, max_tokens=100_000,
                                                 ignore_eos=True, lane="interactive")) for i in range(2)]
@@ -164,7 +165,6 @@ async def interactive_itl_under_batch_prompts(backend: LlamaCppBackend, worse_la
         done.set()
     finally:
         engine.shutdown()
-        scheduler_module._WORSE_LANE_SHARE = saved
     await asyncio.gather(*followers, return_exceptions=True)
     times.sort()
     # Two streams: the gap of one stream is the time between its consecutive tokens, which with both
@@ -213,7 +213,7 @@ async def main() -> int:
         rows.append((batch, bare, engine))
     idle, loaded = await interactive_under_load(backend)
     miss, hit, cached = await prefix_hit(backend)
-    itl_share, batch_share = await interactive_itl_under_batch_prompts(backend, scheduler_module._WORSE_LANE_SHARE)
+    itl_share, batch_share = await interactive_itl_under_batch_prompts(backend)
     itl_whole, batch_whole = await interactive_itl_under_batch_prompts(backend, 1)
     backend.close()
 

@@ -118,7 +118,9 @@ class KVPool:
         moves = 0
         for holder in running:
             if holder.seq_id not in block:
-                self._move(holder, next(i for i in sorted(self._free_running) if i in block))
+                dst = min(i for i in self._free_running if i in block)
+                self._take(dst)
+                self._move(holder, dst)
                 moves += 1
         return moves
 
@@ -135,9 +137,8 @@ class KVPool:
         src.seq_id, src.cells = -1, []
 
     def _move(self, holder: KVHolder, dst: int) -> None:
+        """Move the holder to `dst`, an id the caller has already taken off the free lists."""
         src = holder.seq_id
-        if dst < self.n_running and dst in self._free_running:
-            self._take(dst)
         self.backend.kv_move(src, dst)  # cells and their counts go along unchanged
         self.moves += 1
         holder.seq_id = dst

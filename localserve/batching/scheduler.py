@@ -53,6 +53,7 @@ class Scheduler:
         self.budget = min(limits.batch_tokens, backend.n_batch)
         self.max_running = max(1, min(limits.max_sequences, backend.n_seq_max, self.budget))
         self.n_ubatch = getattr(backend, "n_ubatch", backend.n_batch) or backend.n_batch
+        self.worse_lane_share = _WORSE_LANE_SHARE  # benchmarks/engine.py compares it with 1 (no cap)
         self.pool = KVPool(backend, min(limits.n_ctx, backend.n_ctx), backend.n_seq_max, self.max_running)
         self.n_ctx_seq = min(limits.n_ctx_seq, self.pool.n_cells_seq)
         self.cache = PrefixCache(self.pool, limits.prefix_cache)
@@ -110,7 +111,7 @@ class Scheduler:
         # a 240-token chunk of a batch job would hold every interactive stream's next token back
         # by its whole prefill (0.6 s on a 2-core CPU).
         best_decoding = min((self.key(s)[0] for s, _ in feeds), default=None)
-        worse_share = max(2, self.budget // _WORSE_LANE_SHARE)
+        worse_share = max(2, self.budget // self.worse_lane_share)
         for seq in prefillers:
             if budget < 2:
                 break
