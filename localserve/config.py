@@ -60,6 +60,16 @@ class Settings:
     flash_attention: bool = False
     prefix_cache: bool = True  # keep finished requests' KV to serve later prompts sharing a prefix
     max_body_bytes: int = 8 * 1024 * 1024
+    # Pulls over the HTTP API run on their own thread pool of this size (429 beyond it), so model
+    # lookups and listings never wait behind slow downloads.
+    max_concurrent_pulls: int = 3
+    pull_stall_timeout: float = 60.0  # seconds without a byte before a download fails (resumable)
+    pull_lock_timeout: float = 60.0  # seconds a pull waits for another pull of the same model
+    # Hosts /api/pull may fetch from over http:// or at loopback/private addresses (a LAN mirror);
+    # every other host must be public and https, so clients cannot probe the local network.
+    pull_allow_http_hosts: tuple[str, ...] = ()
+    pull_min_free_disk: int = 64 * 1024 * 1024  # bytes a download always leaves free on the disk
+    partial_max_age_days: float = 7.0  # abandoned .partial downloads older than this are deleted
     log_level: str = "info"
     # Where each value came from, for `localserve config`.
     sources: dict[str, str] = field(default_factory=dict, compare=False, repr=False)
@@ -122,7 +132,7 @@ def _coerce(name: str, value: Any) -> Any:
     try:
         if name in ("home", "catalog"):
             return Path(os.path.expanduser(str(value))) if value not in (None, "") else None
-        if name == "cors_origins":
+        if isinstance(default, tuple):  # comma-separated in env and flags, a list in TOML
             items = value.split(",") if isinstance(value, str) else list(value)
             return tuple(s.strip() for s in items if s.strip())
         if name in _SECRETS:
