@@ -37,7 +37,7 @@ GGML_MAX_DIMS = 4
 # largest vocabularies are ~262k tokens) but low enough that a forged header cannot make us loop
 # for minutes or allocate gigabytes.
 MAX_METADATA = 1 << 16
-MAX_TENSORS = 1 << 20
+MAX_TENSORS = 1 << 16  # a tensor info takes >= 24 bytes of file but ~300 bytes of Python objects
 MAX_KEY_BYTES = 1 << 16
 MAX_STRING_BYTES = 1 << 24
 MAX_ARRAY_LEN = 1 << 26
@@ -48,6 +48,12 @@ MAX_ITEMS = 1 << 24
 # Arrays we actually keep in memory; longer ones (token lists, merges, scores) are skipped and only
 # their length is remembered.
 KEEP_ARRAY_LEN = 4096
+# Array items kept in memory over the whole header. Each kept item costs a list slot and often an
+# object (8-60 bytes) for as little as one byte of file, so without a total a header of nested
+# byte arrays made the parser hold ~8x the file's size; with it, what a header can make us hold
+# is a few MB beyond its strings' own bytes. Real models keep a few hundred items (per-layer
+# values); arrays past the total are skipped like long ones and reported as ArrayInfo.
+MAX_KEPT_ITEMS = 1 << 18
 
 _SCALAR_FORMATS = {
     GGUFValueType.UINT8: "B",
@@ -137,11 +143,19 @@ class _Reader:
         self.pos = 0
         self.endian = "<"
         self.items = 0
+        self.kept = 0
 
     def count(self, n: int) -> None:
         self.items += n
         if self.items > MAX_ITEMS:
             raise self.fail(f"metadata has more than {MAX_ITEMS} values; the header is corrupt")
+
+    def keep(self, n: int) -> bool:
+        """Whether an array of `n` items may be held in memory (charged against MAX_KEPT_ITEMS)."""
+        if n > KEEP_ARRAY_LEN or self.kept + n > MAX_KEPT_ITEMS:
+            return False
+        self.kept += n
+        return True
 
     def fail(self, what: str) -> GGUFError:
         return GGUFError(f"{self.label}: {what}")
@@ -204,7 +218,7 @@ def _read_value(r: _Reader, vtype: GGUFValueType, what: str, depth: int = 0) -> 
         raise r.fail(f"{what} claims {length} items, more than the file can hold (truncated or corrupt)")
     if item_type not in _SCALAR_FORMATS:
         r.count(length)
-    if length <= KEEP_ARRAY_LEN:
+    if r.keep(length):
         return [_read_value(r, item_type, what, depth + 1) for _ in range(length)]
     if item_type in _SCALAR_FORMATS:
         r.skip(length * struct.calcsize(_SCALAR_FORMATS[item_type]), what)
@@ -217,7 +231,7 @@ def _read_value(r: _Reader, vtype: GGUFValueType, what: str, depth: int = 0) -> 
     return ArrayInfo(int(item_type), length)
 
 
-@dataclass
+@dataclass(slots=True)
 class _Tensor:
     name: str
     n_elements: int

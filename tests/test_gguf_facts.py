@@ -5,6 +5,8 @@ from __future__ import annotations
 import dataclasses
 import json
 import struct
+import time
+import tracemalloc
 from pathlib import Path
 
 import numpy as np
@@ -191,6 +193,39 @@ def test_value_budget(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr("localserve.gguf_facts.MAX_ITEMS", 1000)
     many = _s("a") + struct.pack("<IIQ", 9, 8, 1001) + b"\0" * 8 * 1001
     expect_error(tmp_path, raw_gguf(many, 1), "more than 1000 values")
+
+
+def _nested_byte_arrays(outer: int, inner: int) -> bytes:
+    """One key holding `outer` arrays of `inner` uint8 each: one byte of file per kept item."""
+    one = struct.pack("<IQ", 0, inner) + b"\x07" * inner
+    return _s("n") + struct.pack("<IIQ", 9, 9, outer) + one * outer
+
+
+def test_nested_byte_arrays_hold_less_than_the_file(tmp_path: Path) -> None:
+    # 2048 x 2048 bytes: every array is short enough to keep, which used to mean 4M list slots
+    # (~8x the file). The kept total now stops at MAX_KEPT_ITEMS; later arrays keep their length.
+    path = tmp_path / "nested.gguf"
+    path.write_bytes(raw_gguf(_nested_byte_arrays(2048, 2048), 1))
+    tracemalloc.start()
+    try:
+        meta = read_gguf_metadata(path)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < path.stat().st_size
+    arrays = meta["n"]
+    assert len(arrays) == 2048
+    assert arrays[0] == [7] * 2048
+    assert arrays[-1] == ArrayInfo(0, 2048)
+    assert sum(isinstance(a, list) for a in arrays) == (1 << 18) // 2048 - 1  # the outer list's 2048 count too
+
+
+def test_nested_array_claiming_more_than_the_file_is_refused(tmp_path: Path) -> None:
+    # An inner array's length is checked against the bytes left, not just the outer one's.
+    forged = _s("n") + struct.pack("<IIQ", 9, 9, 2) + struct.pack("<IQ", 0, 1 << 40)
+    start = time.monotonic()
+    expect_error(tmp_path, raw_gguf(forged, 1), "more than the file can hold")
+    assert time.monotonic() - start < 5  # liveness: refused at once, without allocating or looping
 
 
 def test_tensor_extents_are_checked(tmp_path: Path) -> None:
