@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from .config import Settings
-from .errors import InvalidNameError, LocalserveError, ModelNotFoundError
+from .errors import InvalidNameError, LocalserveError, ModelNotFoundError, PullLockedError
 
 log = logging.getLogger(__name__)
 
@@ -93,11 +93,13 @@ class FileLock:
     """An exclusive inter-process lock on a file (fcntl on POSIX, msvcrt on Windows).
 
     The lock belongs to the open file description, so it is released by the OS if the holder dies
-    (a killed pull never leaves a stale lock behind, unlike pid files).
+    (a killed pull never leaves a stale lock behind, unlike pid files). `timeout` bounds the wait of
+    `with lock:` (PullLockedError after it), so a thread never waits forever behind a stuck holder.
     """
 
-    def __init__(self, path: Path):
+    def __init__(self, path: Path, timeout: float | None = None):
         self.path = path
+        self.timeout = timeout
         self._fd: int | None = None
 
     def acquire(self, blocking: bool = True, poll: float = 0.2, timeout: float | None = None) -> bool:
@@ -124,7 +126,9 @@ class FileLock:
             self._fd = None
 
     def __enter__(self) -> "FileLock":
-        self.acquire()
+        if not self.acquire(timeout=self.timeout):
+            raise PullLockedError(f"{self.path.stem.replace('@', ':')} is busy (another pull or removal of it is "
+                                  "in progress); try again when it finishes")
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -199,7 +203,8 @@ class ModelStore:
         return self.root / name_to_dir(name) / safe_component(tag, "tag")
 
     def lock(self, name: str, tag: str) -> FileLock:
-        return FileLock(self.root / LOCKS_DIR / f"{name_to_dir(name)}@{safe_component(tag, 'tag')}.lock")
+        return FileLock(self.root / LOCKS_DIR / f"{name_to_dir(name)}@{safe_component(tag, 'tag')}.lock",
+                        timeout=self.settings.pull_lock_timeout)
 
     def tmp_dir(self) -> Path:
         path = self.root / ".tmp"

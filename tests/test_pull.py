@@ -27,12 +27,16 @@ from localserve.errors import (
     DownloadError,
     GGUFError,
     HTTPStatusError,
+    InvalidRequestError,
     ModelNotFoundError,
     NetworkError,
+    PullLockedError,
 )
 from localserve.pull import PullEvent, RetryPolicy, pull_model
 from localserve.pull.download import UrllibTransport
-from localserve.pull.puller import claim_partial
+from localserve.pull.partials import sweep_stale_partials
+from localserve.pull.policy import UrlPolicy
+from localserve.pull.puller import claim_partial, link_tag
 from localserve.store import ModelStore
 
 REPO = Path(__file__).resolve().parent.parent
@@ -50,6 +54,10 @@ class Served:
     fail_statuses: list[int] = field(default_factory=list)  # answered first, one per request
     delay: float = 0.0  # seconds between 64 KiB chunks
     claimed_length: int | None = None  # a Content-Length to announce instead of the real one
+    stall_after: int | None = None  # send this many body bytes, then nothing until the client leaves
+    trickle: float = 0.0  # seconds between 1 KiB writes: a download that never ends in a test's time
+    accept_ranges: bool = True
+    unknown_length: bool = False  # no Content-Length: the body ends when the connection closes
 
 
 class LocalServer:
@@ -120,7 +128,8 @@ class LocalServer:
 
     async def serve_file(self, request: web.Request) -> web.StreamResponse:
         record: dict[str, Any] = {"path": request.path, "range": request.headers.get("Range"), "sent": 0,
-                                  "auth": request.headers.get("Authorization"), "host": request.host}
+                                  "auth": request.headers.get("Authorization"), "host": request.host,
+                                  "closed": threading.Event()}  # set when the client went away early
         self.log.append(record)
         spec = self.files.get(request.match_info["name"])
         if spec is None:
@@ -130,9 +139,9 @@ class LocalServer:
             record["status"] = spec.fail_statuses.pop(0)
             return web.Response(status=record["status"], text="try later")
         data, start, status = spec.data, 0, 200
-        headers = {"Accept-Ranges": "bytes"}
+        headers = {"Accept-Ranges": "bytes"} if spec.accept_ranges else {}
         range_header = request.headers.get("Range")
-        if range_header and not spec.ignore_range:
+        if range_header and not spec.ignore_range and spec.accept_ranges:
             start = int(range_header.split("=")[1].split("-")[0])
             if start >= len(data):
                 headers["Content-Range"] = f"bytes */{len(data)}"
@@ -140,15 +149,32 @@ class LocalServer:
             status = 206
             headers["Content-Range"] = f"bytes {start}-{len(data) - 1}/{len(data)}"
         record["status"] = status
-        headers["Content-Length"] = str(spec.claimed_length or len(data) - start)
+        if not spec.unknown_length:
+            headers["Content-Length"] = str(spec.claimed_length or len(data) - start)
         response = web.StreamResponse(status=status, headers=headers)
         await response.prepare(request)
+        try:
+            return await self._send_body(request, response, spec, record, start)
+        except ConnectionError:  # writing to a client that went away
+            record["closed"].set()
+            return response
+
+    async def _send_body(self, request: web.Request, response: web.StreamResponse, spec: Served,
+                         record: dict[str, Any], start: int) -> web.StreamResponse:
+        data = spec.data
         drop = spec.drop_after is not None and spec.drops > 0
         if drop:
             spec.drops -= 1
         position = start
         while position < len(data):
-            end = min(len(data), position + 64 * 1024)
+            if spec.stall_after is not None and position - start >= spec.stall_after:
+                while request.transport is not None and not request.transport.is_closing():
+                    await asyncio.sleep(0.02)  # silent, until the client gives up
+                record["closed"].set()
+                return response
+            end = min(len(data), position + (1024 if spec.trickle else 64 * 1024))
+            if spec.stall_after is not None:
+                end = min(end, start + spec.stall_after)
             if drop and end - start > spec.drop_after:  # type: ignore[operator]
                 end = start + spec.drop_after  # type: ignore[operator]
                 await response.write(data[position:end])
@@ -159,8 +185,8 @@ class LocalServer:
             await response.write(data[position:end])
             record["sent"] += end - position
             position = end
-            if spec.delay:
-                await asyncio.sleep(spec.delay)
+            if spec.delay or spec.trickle:
+                await asyncio.sleep(spec.delay or spec.trickle)
         await response.write_eof()
         return response
 
@@ -597,3 +623,157 @@ def test_pulling_a_model_added_in_place_returns_it(tmp_path, smollm2_gguf):
     assert pull_model("my-local", settings).path == added.path == smollm2_gguf.resolve()
     with pytest.raises(ModelNotFoundError, match="did you mean"):
         pull_model("my-locale", settings)
+
+
+# --- bounded pulls: stall timeout, lock timeout, link policy, link tags, partial clean-up ----------
+
+def test_a_stalled_download_fails_clearly_and_keeps_its_partial(tmp_path, server):
+    server.files["m.gguf"] = Served(PAYLOAD, stall_after=200_000)
+    settings = replace(make_settings(tmp_path, models={"m": entry(f"{server.url}/files/m.gguf")}),
+                       pull_stall_timeout=1.0)
+    with pytest.raises(NetworkError, match=r"m.gguf from 127.0.0.1 stalled: no data arrived for 1 s; pull again"):
+        pull_model("m", settings, retry=FAST_RETRY)
+    (request,) = server.requests_for("m.gguf")  # a stall is final, not retried
+    assert request["closed"].wait(5)  # we hung up on the silent server
+    partial = ModelStore(settings).model_dir("m", "Q4_0") / "m.gguf.partial"
+    assert partial.stat().st_size == 200_000
+
+    server.files["m.gguf"] = Served(PAYLOAD)
+    assert pull_model("m", settings, retry=FAST_RETRY).sha256 == PAYLOAD_SHA
+    assert server.requests_for("m.gguf")[-1]["range"] == "bytes=200000-"
+
+
+def test_lock_waits_are_bounded(tmp_path, server):
+    server.files["m.gguf"] = Served(PAYLOAD)
+    settings = replace(make_settings(tmp_path, models={"m": entry(f"{server.url}/files/m.gguf")}),
+                       pull_lock_timeout=0.5)
+    held = ModelStore(settings).lock("m", "Q4_0")  # what a stuck pull in another process holds
+    assert held.acquire(blocking=False)
+    try:
+        events: list[PullEvent] = []
+        with pytest.raises(PullLockedError, match="another pull of m:Q4_0 is in progress; try again"):
+            pull_model("m", settings, events.append, retry=FAST_RETRY)
+        assert any(e.status.startswith("waiting for another pull") for e in events)
+        with pytest.raises(PullLockedError, match="busy"):  # removal and `add` take the same bounded lock
+            with ModelStore(settings).lock("m", "Q4_0"):
+                pass
+    finally:
+        held.release()
+    assert server.requests_for("m.gguf") == []
+    assert pull_model("m", settings, retry=FAST_RETRY).sha256 == PAYLOAD_SHA
+
+
+@pytest.mark.parametrize("url", [
+    "http://example.com/x.gguf", "ftp://example.com/x.gguf", "https://localhost/x.gguf",
+    "https://127.0.0.1:8443/x.gguf", "https://10.1.2.3/x.gguf", "https://192.168.0.7/x.gguf",
+    "https://169.254.169.254/x.gguf", "https://[::1]/x.gguf", "https://[::ffff:127.0.0.1]/x.gguf",
+    "https://0.0.0.0/x.gguf", "https://[fd00::1]/x.gguf",
+])
+def test_link_policy_refuses_http_and_local_addresses(url):
+    with pytest.raises(InvalidRequestError) as info:
+        UrlPolicy().check_url(url)
+    assert "8443" not in info.value.message and info.value.param == "model"
+
+
+def test_link_policy_admits_https_to_public_hosts_and_the_users_hosts():
+    UrlPolicy().check_url("https://example.com/x.gguf")
+    UrlPolicy().check_url("https://93.184.216.34/x.gguf")
+    allowed = UrlPolicy.from_settings(replace(load_settings(environ={"LOCALSERVE_PULL_ALLOW_HTTP_HOSTS": "nas.lan, 127.0.0.1"},
+                                                            config_path=Path("/nonexistent/none.toml"))))
+    allowed.check_url("http://127.0.0.1:9000/x.gguf")
+    allowed.check_url("http://NAS.lan/x.gguf")
+    with pytest.raises(InvalidRequestError):
+        allowed.check_url("http://localhost:9000/x.gguf")
+
+
+def test_the_policy_checks_the_address_a_connection_reached(server):
+    # The link's scheme and name can look fine while the name resolves to a local address: the
+    # connection itself is checked, before a byte of the request is sent.
+    server.files["m.gguf"] = Served(PAYLOAD)
+    transport = UrllibTransport(policy=UrlPolicy())
+    with pytest.raises(InvalidRequestError, match="loopback, private or link-local"):
+        transport.open(f"{server.url}/files/m.gguf", {})
+    assert server.requests_for("m.gguf") == []
+    response = UrllibTransport(policy=UrlPolicy(frozenset({"127.0.0.1"}))).open(f"{server.url}/files/m.gguf", {})
+    assert response.status == 200
+    response.close()
+
+
+def test_network_errors_do_not_tell_which_ports_are_open(tmp_path):
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    with pytest.raises(NetworkError) as info:
+        pull_model(f"http://127.0.0.1:{port}/files/x.gguf", make_settings(tmp_path), retry=FAST_RETRY)
+    message = str(info.value)
+    assert "cannot reach 127.0.0.1" in message and str(port) not in message
+    assert "refused" not in message.lower() and "errno" not in message.lower()
+
+
+def test_two_links_with_the_same_file_name_do_not_collide(tmp_path, server):
+    from test_gguf_facts import write_tiny_llama
+
+    first = write_tiny_llama(tmp_path / "a.gguf", kv_heads=2).read_bytes()
+    second = write_tiny_llama(tmp_path / "b.gguf", kv_heads=4).read_bytes()
+    assert first != second
+    other = LocalServer().start()
+    try:
+        server.files["x.gguf"] = Served(first)
+        other.files["x.gguf"] = Served(second)
+        settings = make_settings(tmp_path)
+        a = pull_model(f"{server.url}/files/x.gguf", settings, retry=FAST_RETRY)
+        b = pull_model(f"{other.url}/files/x.gguf", settings, retry=FAST_RETRY)
+        assert (a.name, a.tag) == ("x", "latest")  # the first link keeps the plain name
+        assert b.name == "x" and b.tag == link_tag(f"{other.url}/files/x.gguf")
+        assert a.path.read_bytes() == first and b.path.read_bytes() == second
+        again = pull_model(f"{other.url}/files/x.gguf", settings, retry=FAST_RETRY)
+        assert again.path == b.path and len(other.requests_for("x.gguf")) == 1
+        assert pull_model(f"{server.url}/files/x.gguf", settings, retry=FAST_RETRY).path == a.path
+        assert sorted(m.ref for m in ModelStore(settings).list()) == sorted([a.ref, b.ref])
+    finally:
+        other.stop()
+
+
+def test_a_failed_download_the_server_cannot_resume_removes_its_partial(tmp_path, server):
+    # Every attempt restarts from byte 0 (no Range support): that is not progress, so the retries
+    # end, and the partial is deleted since nothing could continue it.
+    server.files["m.gguf"] = Served(PAYLOAD, accept_ranges=False, drop_after=500_000, drops=100)
+    settings = make_settings(tmp_path, models={"m": entry(f"{server.url}/files/m.gguf")})
+    with pytest.raises(NetworkError, match="after 4 tries"):
+        pull_model("m", settings, retry=FAST_RETRY)
+    assert len(server.requests_for("m.gguf")) == 4
+    assert_nothing_installed(settings)
+
+
+def test_free_disk_is_watched_while_a_body_of_unknown_length_arrives(tmp_path, server):
+    server.files["x.gguf"] = Served(PAYLOAD, unknown_length=True)
+    settings = replace(make_settings(tmp_path), pull_min_free_disk=10**15)  # no disk here keeps a petabyte free
+    with pytest.raises(DiskFullError, match="disk space ran low while downloading x.gguf"):
+        pull_model(f"{server.url}/files/x.gguf", settings, retry=FAST_RETRY)
+    partial = ModelStore(settings).model_dir("x", "latest") / "x.gguf.partial"
+    assert partial.stat().st_size <= 1024 * 1024  # stopped at the first chunk, kept for a resume
+
+
+def test_abandoned_partials_are_swept_on_pull(tmp_path, server):
+    server.files["m.gguf"] = Served(PAYLOAD)
+    settings = make_settings(tmp_path, models={"m": entry(f"{server.url}/files/m.gguf")})
+    store = ModelStore(settings)
+    old_dir, fresh_dir = store.model_dir("old", "latest"), store.model_dir("fresh", "latest")
+    for directory in (old_dir, fresh_dir):
+        directory.mkdir(parents=True)
+        claim_partial(directory / "w.gguf.partial", "https://example.com/w.gguf", None, None)
+        (directory / "w.gguf.partial").write_bytes(b"x" * 1000)
+    month_ago = time.time() - 30 * 86400
+    for path in old_dir.iterdir():
+        os.utime(path, (month_ago, month_ago))
+
+    pull_model("m", settings, retry=FAST_RETRY)
+
+    assert not old_dir.exists() and not old_dir.parent.exists()
+    assert sorted(p.name for p in fresh_dir.iterdir()) == ["w.gguf.partial", "w.gguf.partial.json"]
+    # A partial whose pull is running (its lock held) is left alone, however old.
+    for path in fresh_dir.iterdir():
+        os.utime(path, (month_ago, month_ago))
+    with store.lock("fresh", "latest"):
+        assert sweep_stale_partials(store.root, 7 * 86400) == []
+    assert len(sweep_stale_partials(store.root, 7 * 86400)) == 2 and not fresh_dir.exists()

