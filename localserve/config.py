@@ -60,6 +60,12 @@ class Settings:
     flash_attention: bool = False
     prefix_cache: bool = True  # keep finished requests' KV to serve later prompts sharing a prefix
     max_body_bytes: int = 8 * 1024 * 1024
+    # Seconds a client has to send a request body once its headers are in (408 after); 0 = no limit.
+    body_timeout: float = 30.0
+    # Seconds a connection may sit idle (from connect or its last response) before the headers of
+    # its next request are complete: keep-alive reuse, and the bound on a client that trickles
+    # headers to hold connections open (slowloris).
+    idle_timeout: float = 60.0
     # Pulls over the HTTP API run on their own thread pool of this size (429 beyond it), so model
     # lookups and listings never wait behind slow downloads.
     max_concurrent_pulls: int = 3

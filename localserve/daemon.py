@@ -286,8 +286,10 @@ async def _serve(settings: Settings, lock: DaemonLock, *, announce: bool) -> Non
     manager = ModelManager(settings)
     app = create_app(settings, manager)
     # shutdown_timeout: how long in-flight requests may finish after the listening socket closes;
-    # the rest are cancelled (their handlers close their engine streams).
-    runner = web.AppRunner(app, shutdown_timeout=settings.shutdown_timeout)
+    # the rest are cancelled (their handlers close their engine streams). keepalive_timeout is
+    # aiohttp's only clock on a connection before its request headers are complete (its default
+    # is an hour), so idle_timeout also bounds clients that trickle headers to hold connections.
+    runner = web.AppRunner(app, shutdown_timeout=settings.shutdown_timeout, keepalive_timeout=settings.idle_timeout)
     await runner.setup()
     try:
         site = web.TCPSite(runner, settings.host, settings.port)

@@ -65,7 +65,7 @@ class LiveServer:
     async def _start(self) -> None:
         self.manager = ModelManager(self.settings, loader=self.loader)
         app = create_app(self.settings, self.manager)
-        self.runner = web.AppRunner(app, shutdown_timeout=2.0)
+        self.runner = web.AppRunner(app, shutdown_timeout=2.0, keepalive_timeout=self.settings.idle_timeout)
         await self.runner.setup()
         sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         sock.bind(("127.0.0.1", 0))

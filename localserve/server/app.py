@@ -2,7 +2,8 @@
 
 Middleware order (outermost first): security (Host check, CORS preflight, API key) answers before
 anything is parsed; metrics counts every answer with its final status; errors turns exceptions
-into JSON bodies in the caller's dialect. CORS headers are added in on_response_prepare so that
+into JSON bodies in the caller's dialect; body limits refuse a declared oversize body (413)
+before any handler reads it. CORS headers are added in on_response_prepare so that
 streaming responses, whose headers leave before the handler returns, get them too.
 
 The app owns the manager it is given: on cleanup (server shutdown) the manager is closed, which
@@ -22,6 +23,7 @@ from ..config import Settings
 from ..errors import ConfigError
 from ..store import ModelStore
 from . import ollama_routes, openai_routes
+from .body import body_limits_middleware
 from .errors import error_middleware
 from .metrics import Metrics, handle_metrics, metrics_middleware
 from .security import WILDCARD_HOSTS, add_cors_headers, security_middleware
@@ -62,7 +64,7 @@ def create_app(settings: Settings, manager: Any) -> web.Application:
     metrics = Metrics(manager.status)
     app = web.Application(
         client_max_size=settings.max_body_bytes,
-        middlewares=[security_middleware(settings), metrics_middleware(metrics), error_middleware],
+        middlewares=[security_middleware(settings), metrics_middleware(metrics), error_middleware, body_limits_middleware],
     )
     app[SETTINGS_KEY] = settings
     app[MANAGER_KEY] = manager

@@ -19,6 +19,7 @@ from aiohttp import web
 
 from ..batching.params import LANES, Lane, SamplingParams
 from ..errors import ContextLengthExceededError, InvalidRequestError
+from .body import parse_json, read_body
 
 MAX_N = 8
 MAX_STOP = 4
@@ -133,19 +134,12 @@ class Body:
 
 
 async def read_json(request: web.Request) -> Body:
-    """The request body as a JSON object. Bodies over client_max_size are refused by aiohttp
-    (HTTPRequestEntityTooLarge -> 413) before they are buffered."""
-    raw = await request.read()
+    """The request body as a JSON object, read and parsed within the limits of server/body.py
+    (size, time, nesting depth, integer length): every failure is a 4xx, never a 500."""
+    raw = await read_body(request)
     if not raw.strip():
         raise invalid("request body is empty; expected a JSON object", None)
-    try:
-        data = json.loads(raw)
-    except UnicodeDecodeError:
-        raise invalid("request body is not UTF-8", None) from None
-    except json.JSONDecodeError as e:
-        raise invalid(f"request body is not valid JSON ({e.msg} at line {e.lineno} column {e.colno})", None) from None
-    except RecursionError:
-        raise invalid("request body is nested too deeply", None) from None
+    data = parse_json(raw)
     if not isinstance(data, dict):
         raise invalid(f"request body must be a JSON object, not {_type_name(data)}", None)
     return Body(data)
