@@ -1,7 +1,9 @@
 """A deterministic stand-in for the llama.cpp backend, for scheduler and engine unit tests.
 
-It keeps a real model of llama.cpp's unified KV cache: n_ctx cells, each holding one (sequence
-set, position) entry, shared between sequences by kv_copy and freed when no sequence holds them.
+It declares its Capabilities explicitly (constructor arguments), and behaves as declared: with
+prefix_sharing "share" it keeps a real model of a unified KV cache: n_ctx cells, each holding one
+(sequence set, position) entry, shared between sequences by kv_copy and freed when no sequence
+holds them; with "copy" each id has a stream of n_ctx // n_seq_max cells and kv_copy copies.
 decode() enforces llama.cpp's rules (at most n_batch tokens, seq ids in range, positions that
 continue each sequence exactly) and fails with KVFullError when cells run out, keeping nothing.
 
@@ -21,7 +23,9 @@ import threading
 import time
 from typing import Sequence
 
-from localserve.backends.base import Backend, BatchToken, KVFullError, ModelInfo, SampledToken, Sampler
+from localserve.backends.base import (
+    Backend, BatchToken, Capabilities, KVFullError, ModelInfo, PrefixSharing, SampledToken, Sampler,
+)
 from localserve.batching.params import SamplingParams, TokenLogprob
 from localserve.errors import BackendError
 
@@ -53,7 +57,11 @@ class FakeBackend(Backend):
         eog_every: int = 0,
         step_time: float = 0.0,
         token_time: float = 0.0,
-        kv_unified: bool = True,
+        prefix_sharing: PrefixSharing = "share",
+        consecutive_ids: bool = True,
+        micro_batch: int | None = None,
+        min_chunk: int = 2,
+        min_recompute: int = 2,
     ):
         self.n_ctx = n_ctx
         self.n_batch = n_batch
@@ -62,10 +70,26 @@ class FakeBackend(Backend):
         self.eog_every = eog_every  # 0 = greedy output never ends by itself
         self.step_time = step_time  # simulated compute per decode call, plus per token
         self.token_time = token_time
-        # False: like llama.cpp's per-sequence streams, each id holds at most n_ctx // n_seq_max
-        # cells and kv_copy copies them.
-        self.kv_unified = kv_unified
-        self.n_ctx_seq = n_ctx if kv_unified else n_ctx // n_seq_max
+        # The defaults are the rules the scheduler applied before backends declared them (two-token
+        # chunks and recompute, consecutive ids, one pass per decode), so the tests written
+        # against those rules keep testing them; tests of other rules pass their own.
+        self._capabilities = Capabilities(
+            max_batch_tokens=n_batch,
+            kv_cells=n_ctx,
+            kv_cells_per_seq=n_ctx if prefix_sharing == "share" else n_ctx // n_seq_max,
+            max_seqs=n_seq_max,
+            prefix_sharing=prefix_sharing,
+            consecutive_ids=consecutive_ids,
+            micro_batch=micro_batch or n_batch,
+            min_chunk=min_chunk,
+            min_recompute=min_recompute,
+            # Its sampler ignores grammars (it only refuses the text "invalid", so engine tests can
+            # see a sampler that fails at creation): it constrains nothing.
+            constraints=frozenset(),
+            embeddings=True,
+        )
+        self.shares_cells = prefix_sharing == "share"
+        self.n_ctx_seq = self._capabilities.kv_cells_per_seq
         self.info = ModelInfo(
             name="fake", architecture="fake", n_ctx_train=n_ctx, n_vocab=n_vocab, n_embd=8,
             n_params=0, chat_template=None, bos_token=None, eos_token=None,
@@ -92,6 +116,10 @@ class FakeBackend(Backend):
         return {s for s, cells in self._seqs.items() if cells}
 
     # --- Backend ---------------------------------------------------------------------------
+    @property
+    def capabilities(self) -> Capabilities:
+        return self._capabilities
+
     def decode(self, batch: Sequence[BatchToken]) -> None:
         if self.thread is None:
             self.thread = threading.current_thread()
@@ -112,7 +140,7 @@ class FakeBackend(Backend):
             raise KVFullError("injected")
         if len(self._refs) + len(batch) > self.n_ctx:
             raise KVFullError(f"no room for {len(batch)} tokens")
-        if not self.kv_unified and any(p > self.n_ctx_seq for p in next_pos.values()):
+        if not self.shares_cells and any(p > self.n_ctx_seq for p in next_pos.values()):
             raise KVFullError("a sequence outgrew its stream")
         if self.fail_when and self.fail_when(batch):
             raise BackendError("injected failure")  # like llama.cpp's backend: positions rolled back
@@ -159,7 +187,7 @@ class FakeBackend(Backend):
         cells = self._seqs.get(src, [])
         assert p1 <= len(cells), f"copy of {p1} positions from a sequence holding {len(cells)}"
         cells = cells if p1 < 0 else cells[:p1]  # p1 < 0: to the end, as in llama.cpp
-        if not self.kv_unified:
+        if not self.shares_cells:
             copies = []
             for cell in cells:
                 new = next(self._cells)

@@ -178,7 +178,7 @@ def test_prefix_cache_reuses_a_finished_requests_prefix():
 
 def test_next_chat_turn_takes_over_the_parked_conversation_without_a_copy():
     rng = random.Random(8)
-    h = Harness(FakeBackend(n_ctx=4096, n_batch=64, kv_unified=False), max_sequences=4)
+    h = Harness(FakeBackend(n_ctx=4096, n_batch=64, prefix_sharing="copy"), max_sequences=4)
     copies = []
     real_copy = h.backend.kv_copy
     h.backend.kv_copy = lambda *a: (copies.append(a), real_copy(*a))
@@ -199,7 +199,7 @@ def test_next_chat_turn_takes_over_the_parked_conversation_without_a_copy():
 
 def test_parked_entries_on_running_ids_move_up_when_the_ids_are_needed():
     rng = random.Random(9)
-    h = Harness(FakeBackend(n_ctx=8192, n_batch=64, n_seq_max=8, kv_unified=False), max_sequences=4)
+    h = Harness(FakeBackend(n_ctx=8192, n_batch=64, n_seq_max=8, prefix_sharing="copy"), max_sequences=4)
     done = [h.submit(_prompt(rng, 20 + i), max_tokens=4) for i in range(4)]
     h.run()
     assert len(h.sched.cache.parked) == 4 and min(h.sched.cache.parked) < 4  # parked in place
@@ -326,7 +326,7 @@ def test_random_schedules_lose_nothing_and_leak_nothing(seed):
         n_batch=rng.choice([8, 16, 64]),
         n_seq_max=rng.choice([2, 4, 9]),
         eog_every=rng.choice([0, 7, 50]),
-        kv_unified=rng.random() < 0.7,
+        prefix_sharing="share" if rng.random() < 0.7 else "copy",
     )
     h = Harness(
         backend,
@@ -390,7 +390,7 @@ def test_queue_timeout_finishes_requests_that_never_started():
 def test_per_sequence_streams_copy_prefixes_and_cap_each_sequence():
     rng = random.Random(7)
     system = _prompt(rng, 60)
-    h = Harness(FakeBackend(n_ctx=1024, n_batch=64, n_seq_max=8, kv_unified=False), max_sequences=4)
+    h = Harness(FakeBackend(n_ctx=1024, n_batch=64, n_seq_max=8, prefix_sharing="copy"), max_sequences=4)
     assert h.sched.n_ctx_seq == 128  # each sequence's own stream
     a = h.submit(system + [1], max_tokens=20)
     for _ in range(3):

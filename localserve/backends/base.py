@@ -4,13 +4,17 @@ A batch is a flat list of tokens of different sequences side by side (no padding
 each with its sequence id, its position and whether its logits are wanted. After `decode`, the
 rows that wanted logits can be sampled by their index in that batch -- only until the next decode,
 because backends (llama.cpp) keep the logits of the last call only.
+
+Everything the scheduler must know about a backend's limits and rules is declared in its
+`Capabilities` (docs/architecture.md, "The Backend contract"): the scheduler reads that object and
+no other member, so a second backend states its own rules instead of inheriting llama.cpp's.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any, Literal, Sequence
 
 from ..batching.params import SamplingParams, TokenLogprob
 from ..errors import BackendError
@@ -19,6 +23,62 @@ from ..errors import BackendError
 class KVFullError(BackendError):
     """decode found no room in the KV cache; nothing of the batch was kept. The scheduler must free
     cells (preempt) or shrink the batch and retry."""
+
+
+PrefixSharing = Literal["share", "copy"]
+PREFIX_SHARING: tuple[PrefixSharing, ...] = ("share", "copy")
+
+
+@dataclass(frozen=True, slots=True)
+class Capabilities:
+    """What the scheduler must know about a loaded backend; fixed for its lifetime."""
+
+    max_batch_tokens: int  # tokens per decode call, a hard cap (llama.cpp aborts the process past it)
+    kv_cells: int  # KV cells of all sequences together
+    kv_cells_per_seq: int  # cells one sequence may hold: the whole pool, or its own stream
+    max_seqs: int  # sequence ids are 0 .. max_seqs-1
+    # "share": kv_copy makes a prefix's cells part of the destination too (counted once, freed when
+    # no sequence holds them); "copy": the destination gets copies in its own cells.
+    prefix_sharing: PrefixSharing
+    # True: sequences are computed in one pass only when their ids are consecutive (llama.cpp's
+    # splitter with per-sequence streams), so the scheduler keeps the running ones on a block of
+    # consecutive ids and moves stragglers in with kv_move (batching/kvpool.py).
+    consecutive_ids: bool
+    # The backend computes a decode in micro-batches of this many tokens (max_batch_tokens: one).
+    micro_batch: int
+    # Fewest prompt tokens of one sequence that may be computed together: a prompt chunk, the rest
+    # it leaves for later, and a chunk's share of a micro-batch are never smaller (except a whole
+    # prompt shorter than this). llama.cpp: 2, since a lone row takes other matmul kernels (GEMV,
+    # not GEMM) that round differently, and the answer would depend on how the prompt was cut.
+    min_chunk: int = 1
+    # Prompt tokens a prefix-cache hit never covers: at least 1 (the last token's logits are needed);
+    # llama.cpp: 2, so the rest is never one lone row either (prefix_cache.PrefixCache.lookup).
+    min_recompute: int = 1
+    constraints: frozenset[str] = frozenset()  # constrained-decoding kinds new_sampler accepts
+    embeddings: bool = False  # whether embed() works
+
+    def __post_init__(self) -> None:
+        for name in ("max_batch_tokens", "kv_cells", "kv_cells_per_seq", "max_seqs", "micro_batch",
+                     "min_chunk", "min_recompute"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"Capabilities.{name} must be at least 1 (got {getattr(self, name)})")
+        if self.kv_cells_per_seq > self.kv_cells:
+            raise ValueError("Capabilities.kv_cells_per_seq exceeds kv_cells")
+        if not self.min_chunk <= self.micro_batch <= self.max_batch_tokens:
+            raise ValueError("Capabilities need min_chunk <= micro_batch <= max_batch_tokens")
+        if self.prefix_sharing not in PREFIX_SHARING:
+            raise ValueError(f"Capabilities.prefix_sharing must be one of {PREFIX_SHARING}")
+
+    def chunk(self, pending: int, budget: int) -> int:
+        """How many of a sequence's `pending` prompt tokens to compute in a step with `budget`
+        tokens left: as many as fit, cut so that neither the rest nor the chunk's last
+        micro-batch holds fewer than `min_chunk` tokens; 0 when no such cut fits now."""
+        floor = min(self.min_chunk, pending)  # a shorter prompt goes whole
+        for n in range(min(pending, budget), floor - 1, -1):
+            rest, tail = pending - n, n % self.micro_batch
+            if (rest == 0 or rest >= floor) and (tail == 0 or tail >= floor):
+                return n
+        return 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,17 +124,16 @@ class Sampler(ABC):
 
 
 class Backend(ABC):
-    # KV cells of all sequences together (one shared pool, or per-sequence streams: `kv_unified`).
-    # llama.cpp reports no count of used cells, so the scheduler keeps the books: one cell per token
-    # decoded for a sequence, cells shared through kv_copy count once, a cell is free when no
-    # sequence holds it (batching/kvpool.py).
-    n_ctx: int
-    n_batch: int  # hard cap of tokens per decode call: never exceed it (llama.cpp aborts the process)
-    # llama.cpp computes a decode in micro-batches of at most this many tokens (scheduler.py keeps
-    # prompt chunks from leaving one token alone in a micro-batch).
-    n_ubatch: int
-    n_seq_max: int  # sequence ids are 0 .. n_seq_max-1
+    # llama.cpp reports no count of used cells, so the scheduler keeps the books from the declared
+    # capabilities: one cell per token decoded for a sequence, cells shared through kv_copy count
+    # once, a cell is free when no sequence holds it (batching/kvpool.py).
     info: ModelInfo
+
+    @property
+    @abstractmethod
+    def capabilities(self) -> Capabilities:
+        """The limits and rules the scheduler plans by. Abstract, so a backend that declares none
+        cannot be instantiated rather than run under some other backend's defaults."""
 
     # --- compute -------------------------------------------------------------------------
     @abstractmethod
@@ -82,7 +141,7 @@ class Backend(ABC):
         """Run one packed batch.
 
         Raises ValueError before running anything for a batch that breaks the rules (empty, more
-        than n_batch tokens, sequence or token ids out of range); KVFullError when there is no room
+        than capabilities.max_batch_tokens tokens, sequence or token ids out of range); KVFullError when there is no room
         (nothing kept); BackendError when the compute failed (the batch's positions are rolled back,
         so every sequence is as it was before the call)."""
 
@@ -101,14 +160,13 @@ class Backend(ABC):
 
     @abstractmethod
     def kv_copy(self, src: int, dst: int, p0: int, p1: int) -> None:
-        """Make positions [p0, p1) of `src` part of `dst` too (cells shared, not duplicated, where
-        the backend can; a backend with `kv_unified = False` copies them into dst's own stream).
+        """Make positions [p0, p1) of `src` part of `dst` too: cells shared, not duplicated, or
+        copied into dst's own cells, as capabilities.prefix_sharing says.
         `dst` should hold nothing in that range (kv_remove it first)."""
 
     def kv_move(self, src: int, dst: int) -> None:
         """Move everything `src` holds to the empty id `dst`; `src` is left empty. The scheduler
-        moves sequences to keep the running ones on consecutive ids (llama.cpp batches only those
-        together, see batching/kvpool.py)."""
+        moves sequences only for a backend that declares `consecutive_ids` (batching/kvpool.py)."""
         self.kv_copy(src, dst, 0, -1)
         self.kv_remove(src, 0, -1)
 

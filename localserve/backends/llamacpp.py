@@ -28,7 +28,7 @@ import numpy as np
 
 from ..batching.params import SamplingParams
 from ..errors import BackendError, GGUFError, InvalidRequestError, ModelNotFoundError
-from .base import Backend, BatchToken, KVFullError, ModelInfo
+from .base import Backend, BatchToken, Capabilities, KVFullError, ModelInfo
 from .llamacpp_batch import PackedBatch, stream_groups
 from .llamacpp_embed import EmbeddingContext
 from .llamacpp_runtime import ensure_runtime, error_count, last_error_since
@@ -63,11 +63,11 @@ def _free_native(model, ctx, embedder_box: list) -> None:
 
 class LlamaCppBackend(Backend):
     exact_attention = False  # see load()
-    kv_unified = True  # see load()
 
-    def __init__(self, model, ctx, path: Path, *, n_threads: int) -> None:
+    def __init__(self, model, ctx, path: Path, *, n_threads: int, kv_unified: bool) -> None:
         self.model = model
         self.ctx = ctx
+        self.kv_unified = kv_unified  # what the context was created with (load)
         self.vocab = llama_cpp.llama_model_get_vocab(model)
         self.memory = llama_cpp.llama_get_memory(ctx)
         self.n_ctx = llama_cpp.llama_n_ctx(ctx)
@@ -95,6 +95,32 @@ class LlamaCppBackend(Backend):
         self._closed = False
         self._finalizer = weakref.finalize(self, _free_native, model, ctx, self._embedder_box)
         self.info = self._read_info(path)
+        self._capabilities = self._read_capabilities()
+
+    @property
+    def capabilities(self) -> Capabilities:
+        return self._capabilities
+
+    def _read_capabilities(self) -> Capabilities:
+        """The scheduler's rules for this context, from its parameters."""
+        return Capabilities(
+            max_batch_tokens=self.n_batch,
+            kv_cells=self.n_ctx,
+            kv_cells_per_seq=self.n_ctx_seq,
+            max_seqs=self.n_seq_max,
+            # A unified pool shares a copied prefix's cells; with streams seq_cp copies the stream.
+            prefix_sharing="share" if self.kv_unified else "copy",
+            # With streams llama.cpp's splitter (split_equal) batches only consecutive ids together:
+            # other ids cost a pass over the weights each (batching/kvpool.py has the numbers).
+            consecutive_ids=not self.kv_unified,
+            micro_batch=self.n_ubatch,
+            # A lone prompt row of a sequence in a micro-batch takes the GEMV kernels, which round
+            # differently from a GEMM over several rows (stream_groups): two keep answers exact.
+            min_chunk=min(2, self.n_ubatch),
+            min_recompute=2,
+            constraints=frozenset({"gbnf", "json_schema"}),  # grammar.py compiles schemas to GBNF
+            embeddings=True,  # a second, pooling context on first use (llamacpp_embed.py)
+        )
 
     # --- lifecycle ------------------------------------------------------------------------
     @classmethod
@@ -178,9 +204,8 @@ class LlamaCppBackend(Backend):
         if not ctx:
             llama_cpp.llama_model_free(model)
             raise BackendError(f"could not create a context for {path.name!r} (n_ctx={n_ctx}; out of memory?)")
-        backend = cls(model, ctx, path, n_threads=n_threads)
+        backend = cls(model, ctx, path, n_threads=n_threads, kv_unified=kv_unified)
         backend.exact_attention = exact_attention
-        backend.kv_unified = kv_unified
         if embeddings:
             backend._embedder()
         return backend

@@ -1,22 +1,24 @@
 """Accounting of the backend's KV cache: sequence ids and cells, shared cells counted once.
 
-The product's default (llama.cpp with kv_unified=False) gives each sequence its own stream of
-`n_ctx_seq` cells, so outputs do not depend on what else is in the cache. There a prefix copy
-really copies: it is counted as new cells, and no sequence may outgrow its stream.
+How the cache behaves comes from the backend's declared Capabilities. With prefix_sharing "copy"
+(the product's default: llama.cpp with a stream of `kv_cells_per_seq` cells per sequence, so
+outputs do not depend on what else is in the cache) a prefix copy really copies: it is counted as
+new cells, and no sequence may outgrow its stream.
 
-With one unified pool (kv_unified=True, and backends without streams) all sequences share n_ctx
-cells; `kv_copy` makes a prefix of one sequence part of another without duplicating cells, and a
-cell is free again only when no sequence holds it. We mirror that exactly with a reference count
-per cell id, so admission decisions match what llama.cpp will accept (counting a shared system
-prompt once per request would refuse requests that fit, and counting it once but freeing it with
-its first owner would over-admit).
+With "share" (llama.cpp's unified pool) all sequences share the cells; `kv_copy` makes a prefix of
+one sequence part of another without duplicating cells, and a cell is free again only when no
+sequence holds it. We mirror that exactly with a reference count per cell id, so admission
+decisions match what the backend will accept (counting a shared system prompt once per request
+would refuse requests that fit, and counting it once but freeing it with its first owner would
+over-admit).
 
 Sequence ids come in two ranges: [0, n_running) for running sequences and the ids above for
-parked prefix-cache entries. With per-sequence streams llama.cpp puts only sequences with
-consecutive ids into one micro-batch (its splitter requires it), so eight decoding sequences on
-ids 0..7 cost one pass over the weights per step and on ids 0, 2, .., 14 eight (measured on
-SmolLM2, 2 threads: 40 vs 79 ms per step). The scheduler therefore keeps the running sequences on
-consecutive ids: `block` picks where, `gather` moves the stragglers in. A finished sequence is
+parked prefix-cache entries. A backend that declares `consecutive_ids` computes sequences in one
+pass only on consecutive ids: llama.cpp with per-sequence streams puts only those into one
+micro-batch (its splitter requires it), so eight decoding sequences on ids 0..7 cost one pass over
+the weights per step and on ids 0, 2, .., 14 eight (measured on SmolLM2, 2 threads: 40 vs 79 ms
+per step). For such a backend the scheduler keeps the running sequences on consecutive ids: `block`
+picks where, `gather` moves the stragglers in. A finished sequence is
 parked where it is, so a follow-up request (the next chat turn) can take its id over without
 copying anything; it is moved above the running range only when its id is needed
 (`move_to_parked`).
@@ -38,11 +40,12 @@ class KVHolder(Protocol):
 
 class KVPool:
     def __init__(self, backend: Backend, n_cells: int, n_seq_ids: int, n_running: int | None = None):
+        caps = backend.capabilities
         self.backend = backend
         self.n_cells = n_cells
-        self.shared = getattr(backend, "kv_unified", True)  # kv_copy shares cells (one pool)
+        self.shared = caps.prefix_sharing == "share"  # kv_copy shares cells (one pool)
         # Cells one sequence may hold: the whole pool, or its own stream.
-        self.n_cells_seq = n_cells if self.shared else min(n_cells, getattr(backend, "n_ctx_seq", n_cells))
+        self.n_cells_seq = min(n_cells, caps.kv_cells_per_seq)
         self.n_running = min(n_running or n_seq_ids, n_seq_ids)
         # Min-heaps: the lowest free id is handed out first.
         self._free_running = list(range(self.n_running))

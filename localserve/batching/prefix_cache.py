@@ -7,8 +7,9 @@ is copied. Any other hit copies the prefix with `kv_copy` into the request's own
 per-sequence KV streams (the default) that copies cells, in a unified pool it shares them and
 costs no memory -- and the entry stays whole for the next request with the same system prompt.
 Entries sitting on ids the running sequences need are moved above them (kvpool.py says why).
-Matching is exact on token ids, and at least two prompt tokens are always computed (see
-`lookup`), so a hit never changes the output -- only how many prompt tokens have to be computed.
+Matching is exact on token ids, and at least the backend's `min_recompute` prompt tokens are always
+computed (two for llama.cpp, see `lookup`), so a hit never changes the output -- only how many
+prompt tokens have to be computed.
 """
 
 from __future__ import annotations
@@ -58,9 +59,10 @@ def common_prefix(a: Seq[int], b: Seq[int], limit: int) -> int:
 
 
 class PrefixCache:
-    def __init__(self, pool: KVPool, enabled: bool = True):
+    def __init__(self, pool: KVPool, enabled: bool = True, min_recompute: int = 1):
         self.pool = pool
         self.enabled = enabled
+        self.min_recompute = max(1, min_recompute)  # the last prompt token's logits are always needed
         self.parked: OrderedDict[int, CachedPrefix] = OrderedDict()  # seq_id -> entry, LRU first
         self.hits = 0  # prompt tokens served from the cache
         self.queries = 0  # prompt tokens looked up
@@ -125,13 +127,14 @@ class PrefixCache:
     def lookup(self, tokens: list[int], running: Iterable) -> tuple[object | None, int]:
         """The resident holder with the longest common prefix with `tokens`, and its length.
 
-        At most all but the last two prompt tokens: the last one's logits are needed, and a prompt
-        token computed as the only row of its sequence in a micro-batch goes through other matmul
-        kernels than a chunk of several (llamacpp_batch.stream_groups), so a one-token rest could
-        give another answer than the same prompt computed without the cache."""
+        At most all but the last `min_recompute` prompt tokens (Capabilities): the last one's logits
+        are needed, and on llama.cpp (2) a prompt token computed as the only row of its sequence in
+        a micro-batch goes through other matmul kernels than a chunk of several
+        (llamacpp_batch.stream_groups), so a one-token rest could give another answer than the
+        same prompt computed without the cache."""
         if not self.enabled:
             return None, 0
-        limit = len(tokens) - 2
+        limit = len(tokens) - self.min_recompute
         best, best_n = None, MIN_HIT - 1
         for holder in (*self.parked.values(), *running):
             if holder.seq_id < 0 or not holder.num_computed:

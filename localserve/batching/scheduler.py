@@ -1,6 +1,7 @@
 """The continuous-batching scheduler: which tokens of which sequences go into the next step.
 
-Each step has one token budget (<= backend.n_batch, so one backend.decode per step). Running
+Each step has one token budget (<= the backend's max_batch_tokens, so one backend.decode per step).
+Everything it knows about the backend comes from `backend.capabilities` (backends/base.py). Running
 sequences with one pending token (decoding) go first, best lane first; then prompt chunks of
 admitted sequences fill the rest, so a 4k-token prompt is spread over several steps instead of
 freezing every stream for one long step. Waiting requests are admitted by KV capacity; when the
@@ -16,7 +17,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
-from ..backends.base import Backend, BatchToken, KVFullError, SampledToken
+from ..backends.base import Backend, BatchToken, Capabilities, KVFullError, SampledToken
 from ..errors import BackendError, LocalserveError
 from .kvpool import KVPool
 from .lanes import LaneQueues, priority_key
@@ -26,9 +27,6 @@ from .sequence import Sequence, Status
 
 log = logging.getLogger(__name__)
 
-# A prefix hit that leaves at most this many of a parked entry's tokens unused takes the entry over
-# (the scheduler recomputes the last two prompt tokens anyway: PrefixCache.lookup).
-_ADOPT_SLACK = 2
 # Prompt tokens of lanes worse than a decoding one: at most this fraction of the step budget.
 _WORSE_LANE_SHARE = 4
 
@@ -49,14 +47,17 @@ class Scheduler:
         limits: EngineLimits,
         on_dequeue: Callable[[Sequence], None] | None = None,
     ):
+        caps = backend.capabilities
+        if not isinstance(caps, Capabilities):
+            raise TypeError(f"{type(backend).__name__}.capabilities must be a Capabilities, not {type(caps).__name__}")
         self.backend = backend
-        self.budget = min(limits.batch_tokens, backend.n_batch)
-        self.max_running = max(1, min(limits.max_sequences, backend.n_seq_max, self.budget))
-        self.n_ubatch = getattr(backend, "n_ubatch", backend.n_batch) or backend.n_batch
+        self.caps = caps
+        self.budget = min(limits.batch_tokens, caps.max_batch_tokens)
+        self.max_running = max(1, min(limits.max_sequences, caps.max_seqs, self.budget))
         self.worse_lane_share = _WORSE_LANE_SHARE  # benchmarks/engine.py compares it with 1 (no cap)
-        self.pool = KVPool(backend, min(limits.n_ctx, backend.n_ctx), backend.n_seq_max, self.max_running)
+        self.pool = KVPool(backend, min(limits.n_ctx, caps.kv_cells), caps.max_seqs, self.max_running)
         self.n_ctx_seq = min(limits.n_ctx_seq, self.pool.n_cells_seq)
-        self.cache = PrefixCache(self.pool, limits.prefix_cache)
+        self.cache = PrefixCache(self.pool, limits.prefix_cache, caps.min_recompute)
         self.lanes = LaneQueues(limits.aging_steps)
         self.aging_steps = limits.aging_steps
         self.queue_timeout = limits.queue_timeout
@@ -111,41 +112,33 @@ class Scheduler:
         # a 240-token chunk of a batch job would hold every interactive stream's next token back
         # by its whole prefill (0.6 s on a 2-core CPU).
         best_decoding = min((self.key(s)[0] for s, _ in feeds), default=None)
-        worse_share = max(2, self.budget // self.worse_lane_share)
+        min_chunk = self.caps.min_chunk
+        worse_share = max(min_chunk, self.budget // self.worse_lane_share)
         for seq in prefillers:
-            if budget < 2:
+            if budget < min_chunk:
                 break
             rank = self.key(seq)[0]
             if top <= 0 and rank > 0:
                 continue
             worse = best_decoding is not None and rank > best_decoding
             room = min(budget, worse_share) if worse else budget
-            n = self._reserve(seq, self._chunk(seq.pending, room), unscheduled, shrink=True)
+            n = self._reserve(seq, self.caps.chunk(seq.pending, room), unscheduled, shrink=True)
             if n:
                 feeds.append((seq, n))
                 unscheduled.discard(id(seq))
                 budget -= n
                 if worse:
                     worse_share -= n
-        # Ids are final only now (finishes, preemptions and adoptions leave holes).
-        block = self.pool.block([q.seq_id for q in self.running], list(self.cache.parked))
-        self.cache.vacate(block)
-        self.pool.gather(self.running, block)
+        if self.caps.consecutive_ids:
+            # Ids are final only now (finishes, preemptions and adoptions leave holes).
+            block = self.pool.block([q.seq_id for q in self.running], list(self.cache.parked))
+            self.cache.vacate(block)
+            self.pool.gather(self.running, block)
         plan = StepPlan()
         for seq, n in feeds:
             if seq.status is Status.RUNNING:
                 self._feed(plan, seq, n)
         return plan
-
-    def _chunk(self, pending: int, budget: int) -> int:
-        """The prompt tokens of one sequence to feed this step: as many as fit, but never so that a
-        single prompt token is left for a later step or for a micro-batch of its own (llama.cpp
-        computes a lone row with other kernels, which round differently: see
-        llamacpp_batch.stream_groups); 0 when that leaves nothing to feed now."""
-        for n in range(min(pending, budget), 1, -1):
-            if (n == pending or pending - n >= 2) and n % self.n_ubatch != 1:
-                return n
-        return 0
 
     def run_step(self) -> StepPlan:
         """One step: schedule, decode, sample, postprocess."""
@@ -304,8 +297,9 @@ class Scheduler:
         source, n_hit = self.cache.lookup(seq.tokens, self.running)
         entry = source if isinstance(source, CachedPrefix) else None
         # A prompt that extends the whole entry (a chat's next turn, a preempted request coming
-        # back: it loses the last tokens it computes again anyway) takes the entry's id: no copy.
-        adopt = entry is not None and len(entry.tokens) - n_hit <= _ADOPT_SLACK
+        # back: it loses only the last tokens it must compute again anyway, at most min_recompute)
+        # takes the entry's id: no copy.
+        adopt = entry is not None and len(entry.tokens) - n_hit <= self.caps.min_recompute
         if not adopt and not self.pool.free_running_ids:
             if not self.cache.vacate_one(keep=entry):
                 return False
@@ -359,7 +353,7 @@ class Scheduler:
 
     def _preempt(self, seq: Sequence, park: bool) -> None:
         """Back to the front of its lane; its KV is parked as cache (re-admission adopts it and
-        recomputes only the last two tokens) or dropped (recomputed: prompt and generated tokens
+        recomputes only the last min_recompute tokens) or dropped (recomputed: prompt and generated tokens
         are re-fed)."""
         self.running.remove(seq)
         self._park_or_release(seq, park)
