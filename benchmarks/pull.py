@@ -7,7 +7,7 @@ Serves a random payload from a local aiohttp server and times `pull_model` of it
 finished file. With --drop-every-mb N the server cuts the connection every N MB, so the figure
 includes the resume cost (a new request with Range per drop).
 
-Figures, not assertions: tests never time anything (DESIGN.md).
+Figures, not assertions: tests never time anything (docs/architecture.md).
 """
 
 from __future__ import annotations

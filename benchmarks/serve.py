@@ -14,7 +14,7 @@ same prompts), at a fixed concurrency or with Poisson arrivals (--request-rate),
 percentiles and errors. Output tokens are counted from `usage` when the server sends it in the
 stream, else one per content chunk (llama-cpp-python's server sends one chunk per token).
 
-Figures, not assertions: tests never time anything (DESIGN.md).
+Figures, not assertions: tests never time anything (docs/architecture.md).
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """A small synchronous HTTP client over the daemon, for CLI commands (run, ps, stop).
 
-The CLI reaches the daemon only over HTTP (DESIGN.md). Synchronous on purpose: Ctrl-C lands as a
+The CLI reaches the daemon only over HTTP (docs/architecture.md). Synchronous on purpose: Ctrl-C lands as a
 KeyboardInterrupt in the read loop, the generator's `finally` closes the socket, and the server sees
 the disconnect and cancels the request at its next step -- no event loop to unwind in a terminal.
 """

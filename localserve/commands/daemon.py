@@ -1,6 +1,6 @@
 """`serve`, `stop`, `ps`, `run`: the commands around the daemon.
 
-`serve` is the daemon; the others reach it over HTTP only (DESIGN.md), starting it in the
+`serve` is the daemon; the others reach it over HTTP only (docs/architecture.md), starting it in the
 background when this home has none running.
 """
 
