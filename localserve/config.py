@@ -26,7 +26,7 @@ APP_NAME = "localserve"
 # Ollama uses 11434, LM Studio 1234, llama-server 8080: stay clear of all three.
 DEFAULT_PORT = 11480
 DEFAULT_MODEL = "smollm2-135m"
-DEFAULT_CORS_ORIGINS = ("http://localhost", "http://127.0.0.1", "vscode-webview://", "vscode-file://")
+DEFAULT_CORS_ORIGINS = ("http://localhost", "http://127.0.0.1", "http://[::1]", "vscode-webview://", "vscode-file://")
 
 
 @dataclass
@@ -66,6 +66,14 @@ class Settings:
     # its next request are complete: keep-alive reuse, and the bound on a client that trickles
     # headers to hold connections open (slowloris).
     idle_timeout: float = 60.0
+    # Tokens of all inputs of one embeddings request together (OpenAI's limit is 300k). Memory is
+    # not what bounds it (a request's token lists take ~40 bytes a token, ~12 MB at this cap, and
+    # the embeddings context holds one group of inputs at a time); time is: it runs between
+    # generation steps, so a big request slows chats a little but for long.
+    max_embed_tokens: int = 300_000
+    # Seconds a streaming response may stay blocked on a client that reads nothing before the
+    # connection is dropped and its sequence freed (server/generation.guard_disconnect); 0 = never.
+    stream_write_timeout: float = 30.0
     # Pulls over the HTTP API run on their own thread pool of this size (429 beyond it), so model
     # lookups and listings never wait behind slow downloads.
     max_concurrent_pulls: int = 3

@@ -5,11 +5,18 @@ from __future__ import annotations
 
 import pytest
 
-from localserve.config import replace
+from localserve.config import DEFAULT_CORS_ORIGINS, replace
 from localserve.errors import ConfigError
 from localserve.models import ModelManager
 from localserve.server import create_app
-from localserve.server.security import is_local_host, origin_allowed, split_host
+from localserve.server.security import (
+    MAX_HEADER_NAME_LEN,
+    MAX_PREFLIGHT_HEADERS,
+    is_local_host,
+    origin_allowed,
+    requested_headers,
+    split_host,
+)
 
 from server_harness import LiveServer, raw_http, server_settings
 
@@ -71,14 +78,107 @@ def test_cross_site_simple_post_is_refused(server):
     assert status == 403 and "Access-Control-Allow-Origin" not in headers
 
 
-def test_cors_preflight(server):
-    pre = {"Access-Control-Request-Method": "POST", "Access-Control-Request-Headers": "content-type,authorization"}
-    status, headers, _ = server.request("OPTIONS", "/v1/chat/completions", headers={"Origin": "http://localhost:5173", **pre})
+# What the official `openai` npm package makes Chromium ask for: lowercase and sorted, as browsers send it.
+SDK_HEADERS = ("authorization,content-type,x-stainless-arch,x-stainless-lang,x-stainless-os,"
+               "x-stainless-package-version,x-stainless-retry-count,x-stainless-runtime,"
+               "x-stainless-runtime-version,x-stainless-timeout")
+
+
+def preflight(server, origin: str, request_headers: str | None = SDK_HEADERS) -> tuple[int, dict[str, str], bytes]:
+    pre = {"Origin": origin, "Access-Control-Request-Method": "POST"}
+    if request_headers is not None:
+        pre["Access-Control-Request-Headers"] = request_headers
+    return server.request("OPTIONS", "/v1/chat/completions", headers=pre)
+
+
+def assert_no_grant(headers: dict[str, str]) -> None:
+    for name in ("Access-Control-Allow-Origin", "Access-Control-Allow-Methods", "Access-Control-Allow-Headers",
+                 "Access-Control-Allow-Credentials"):
+        assert name not in headers, name
+
+
+@pytest.mark.parametrize("origin", ["http://localhost:5173", "http://127.0.0.1", "http://[::1]", "http://[::1]:8080",
+                                    "vscode-webview://abc123"])
+def test_cors_preflight_echoes_the_requested_headers(server, origin):
+    status, headers, _ = preflight(server, origin)
     assert status == 204
-    assert headers["Access-Control-Allow-Origin"] == "http://localhost:5173"
-    assert "POST" in headers["Access-Control-Allow-Methods"] and "Authorization" in headers["Access-Control-Allow-Headers"]
-    status, headers, _ = server.request("OPTIONS", "/v1/chat/completions", headers={"Origin": "https://evil.example", **pre})
-    assert "Access-Control-Allow-Origin" not in headers and "Access-Control-Allow-Methods" not in headers
+    assert headers["Access-Control-Allow-Origin"] == origin
+    assert [h.strip() for h in headers["Access-Control-Allow-Headers"].split(",")] == SDK_HEADERS.split(",")
+    assert {"GET", "POST", "DELETE"} <= {m.strip() for m in headers["Access-Control-Allow-Methods"].split(",")}
+    assert int(headers["Access-Control-Max-Age"]) > 0
+    vary = {v.strip() for v in headers["Vary"].split(",")}
+    assert {"Origin", "Access-Control-Request-Headers"} <= vary
+    assert "Access-Control-Allow-Credentials" not in headers
+
+
+def test_cors_preflight_without_request_headers(server):
+    status, headers, _ = preflight(server, "http://localhost:3000", None)
+    assert status == 204 and headers["Access-Control-Allow-Origin"] == "http://localhost:3000"
+    assert "Access-Control-Allow-Headers" not in headers
+    # Empty list items are legal (RFC 9110 asks recipients to skip them).
+    status, headers, _ = preflight(server, "http://localhost:3000", " content-type, ,authorization,")
+    assert status == 204 and headers["Access-Control-Allow-Headers"] == "content-type, authorization"
+
+
+@pytest.mark.parametrize("origin", ["https://evil.example", "http://localhost.evil.example", "http://[::2]",
+                                    "http://[::1].evil.example", "https://[::1]", "null"])
+def test_cors_preflight_from_a_foreign_origin_grants_nothing(server, origin):
+    status, headers, data = preflight(server, origin)
+    assert status == 403 and b"origin_not_allowed" in data
+    assert_no_grant(headers)
+
+
+@pytest.mark.parametrize("request_headers", [
+    "content-type, x bad",                      # a space inside a name
+    "content-type;authorization",               # not comma-separated
+    "x-stainless-os, x(y)",                     # a separator character
+    "x-" + "a" * 200,                           # longer than any real header name
+    ",".join(f"x-h{i}" for i in range(65)),      # more names than any client sends
+    "authorization, x-\"quoted\"",
+])
+def test_cors_preflight_with_malformed_header_names_is_refused(server, request_headers):
+    status, headers, data = preflight(server, "http://localhost:5173", request_headers)
+    assert status == 403 and b"headers_not_allowed" in data
+    assert_no_grant(headers)
+
+
+def test_cors_preflight_with_non_ascii_header_name_is_refused(server):
+    # urllib cannot send these bytes; a raw request can (and a hostile client would).
+    answer = raw_http(server.port, b"OPTIONS /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+                      b"Origin: http://localhost:1\r\nAccess-Control-Request-Method: POST\r\n"
+                      b"Access-Control-Request-Headers: x-\xc3\xa9t\xc3\xa9\r\nConnection: close\r\n\r\n")
+    head, _, body = answer.partition(b"\r\n\r\n")
+    assert head.split()[1] == b"403" and b"headers_not_allowed" in body
+    assert b"access-control-allow" not in head.lower()
+
+
+def test_ipv6_loopback_page_is_served(server):
+    for origin in ["http://[::1]", "http://[::1]:5173"]:
+        status, headers, _ = server.request("GET", "/v1/models", headers={"Origin": origin})
+        assert status == 200 and headers["Access-Control-Allow-Origin"] == origin
+
+
+def test_every_answer_varies_on_origin(server):
+    status, headers, _ = server.request("GET", "/v1/models")
+    assert status == 200 and "Origin" in headers["Vary"] and "Access-Control-Allow-Origin" not in headers
+
+
+def test_wildcard_allow_list_still_names_the_origin(tmp_path):
+    with LiveServer(server_settings(tmp_path, cors_origins=("*",))) as live:
+        status, headers, _ = preflight(live, "https://anything.example")
+        assert status == 204 and headers["Access-Control-Allow-Origin"] == "https://anything.example"
+        assert "Access-Control-Allow-Credentials" not in headers
+
+
+def test_requested_headers_parser():
+    assert requested_headers("") == []
+    assert requested_headers("X-Stainless-OS , Authorization") == ["X-Stainless-OS", "Authorization"]
+    assert requested_headers("a" * MAX_HEADER_NAME_LEN) == ["a" * MAX_HEADER_NAME_LEN]
+    assert requested_headers("a" * (MAX_HEADER_NAME_LEN + 1)) is None
+    assert requested_headers(",".join(["x"] * MAX_PREFLIGHT_HEADERS)) is not None
+    assert requested_headers(",".join(["x"] * (MAX_PREFLIGHT_HEADERS + 1))) is None
+    for bad in ["a b", "a:b", "a/b", "a\tb", "é", "a\x00"]:
+        assert requested_headers(bad) is None, bad
 
 
 def test_streaming_responses_get_cors_headers_too(server):
@@ -128,3 +228,5 @@ def test_helpers():
     assert origin_allowed("http://localhost:8080", ["http://localhost"])
     assert not origin_allowed("http://localhost:80x", ["http://localhost"])
     assert not origin_allowed("http://localhost@evil.example", ["http://localhost"])
+    assert origin_allowed("http://[::1]:8080", DEFAULT_CORS_ORIGINS) and origin_allowed("http://[::1]", DEFAULT_CORS_ORIGINS)
+    assert not origin_allowed("http://[::1]:80x", DEFAULT_CORS_ORIGINS)

@@ -8,12 +8,20 @@ CORS is granted only to origins on the allow-list (localhost pages and editor we
 request from any other web origin is refused outright (CSRF: a cross-site form POST needs no CORS
 to have side effects); and an
 API key, when configured, is compared in constant time so its bytes cannot be guessed by timing.
+
+Preflights: an allowed origin gets back exactly the header names it asked for, because browser SDKs
+send headers no fixed list foresees (the `openai` npm package sends eight `X-Stainless-*` ones).
+A list that is not a list of header names (RFC 9110 tokens, at most MAX_PREFLIGHT_HEADERS of at
+most MAX_HEADER_NAME_LEN characters) is refused with 403 and no grant, as a foreign origin's
+preflight is. The grant always names the origin, never `*`, and never includes
+Access-Control-Allow-Credentials: the API key travels in a header, which needs no credentials mode.
 """
 
 from __future__ import annotations
 
 import hmac
 import ipaddress
+import re
 from typing import Iterable
 
 from aiohttp import web
@@ -27,7 +35,11 @@ from .state import SETTINGS_KEY
 KEY_EXEMPT_PATHS = frozenset({"/health"})
 WILDCARD_HOSTS = frozenset({"0.0.0.0", "::", ""})
 ALLOWED_METHODS = "GET, POST, DELETE, OPTIONS"
-ALLOWED_HEADERS = "Authorization, Content-Type, X-Api-Key, X-Priority, X-Requested-With, OpenAI-Organization, OpenAI-Project"
+# A field name is an RFC 9110 token; the bounds are far above what any client sends (the openai
+# SDK asks for about ten) and keep a hostile list from being echoed back at length.
+HEADER_NAME = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
+MAX_PREFLIGHT_HEADERS = 64
+MAX_HEADER_NAME_LEN = 128
 
 
 def split_host(host_header: str) -> str:
@@ -73,6 +85,51 @@ def origin_allowed(origin: str, allow_list: Iterable[str]) -> bool:
     return False
 
 
+def requested_headers(value: str) -> list[str] | None:
+    """The names in an Access-Control-Request-Headers value, or None when it is not a sane list of
+    header names. Empty items are skipped, as RFC 9110 asks of list recipients."""
+    names = [name.strip() for name in value.split(",")]
+    names = [name for name in names if name]
+    if len(names) > MAX_PREFLIGHT_HEADERS:
+        return None
+    if any(len(name) > MAX_HEADER_NAME_LEN or not HEADER_NAME.fullmatch(name) for name in names):
+        return None
+    return names
+
+
+def is_preflight(request: web.Request) -> bool:
+    headers = request.headers
+    return request.method == "OPTIONS" and bool(headers.get("Origin")) and bool(headers.get("Access-Control-Request-Method"))
+
+
+def origin_refused(request: web.Request) -> web.Response:
+    return error_response(
+        request, 403, "origin not allowed (add it to cors_origins to let that page use the API)",
+        "permission_error", code="origin_not_allowed",
+    )
+
+
+def preflight_response(request: web.Request, allowed_origin: bool) -> web.Response:
+    """The answer to a CORS preflight; the Access-Control-Allow-Origin grant itself is added by
+    add_cors_headers, like on every other response."""
+    if not allowed_origin:
+        return origin_refused(request)
+    names = requested_headers(request.headers.get("Access-Control-Request-Headers", ""))
+    if names is None:
+        return error_response(
+            request, 403, "preflight refused: Access-Control-Request-Headers is not a list of header names",
+            "permission_error", code="headers_not_allowed",
+        )
+    response = web.Response(status=204)
+    response.headers["Access-Control-Allow-Methods"] = ALLOWED_METHODS
+    if names:
+        response.headers["Access-Control-Allow-Headers"] = ", ".join(names)
+    response.headers["Access-Control-Max-Age"] = "600"
+    # The answer depends on these request headers: a cache must not hand it to another preflight.
+    response.headers["Vary"] = "Access-Control-Request-Headers, Access-Control-Request-Method"
+    return response
+
+
 def presented_key(request: web.Request) -> str | None:
     auth = request.headers.get("Authorization", "")
     if auth[:7].lower() == "bearer ":
@@ -102,22 +159,14 @@ def security_middleware(settings: Settings):
             )
         origin = request.headers.get("Origin")
         allowed_origin = origin is None or origin_allowed(origin, settings.cors_origins)
-        if request.method == "OPTIONS" and origin and request.headers.get("Access-Control-Request-Method"):
+        if is_preflight(request):
             # A preflight: answered here, without the key (browsers never send credentials on it).
-            response = web.Response(status=204)
-            if allowed_origin:
-                response.headers["Access-Control-Allow-Methods"] = ALLOWED_METHODS
-                response.headers["Access-Control-Allow-Headers"] = ALLOWED_HEADERS
-                response.headers["Access-Control-Max-Age"] = "600"
-            return response
+            return preflight_response(request, allowed_origin)
         if not allowed_origin:
             # Withholding CORS only hides the answer from a foreign page; a "simple" cross-site POST
             # (text/plain body, no preflight) would still run: generate, pull or delete models.
             # Browsers always send Origin on such requests, non-browser clients do not.
-            return error_response(
-                request, 403, "origin not allowed (add it to cors_origins to let that page use the API)",
-                "permission_error", code="origin_not_allowed",
-            )
+            return origin_refused(request)
         if settings.api_key and request.path not in KEY_EXEMPT_PATHS:
             if not key_matches(presented_key(request), settings.api_key):
                 return error_response(
@@ -134,9 +183,13 @@ async def add_cors_headers(request: web.Request, response: web.StreamResponse) -
     headers go out (a middleware would be too late for an SSE response it did not create)."""
     origin = request.headers.get("Origin")
     settings: Settings = request.app[SETTINGS_KEY]
-    if origin and origin_allowed(origin, settings.cors_origins):
+    # Every answer depends on Origin (granted, refused, or none asked), so every one says so: a
+    # cache must not serve one origin's answer to another.
+    vary = response.headers.get("Vary")
+    response.headers["Vary"] = f"{vary}, Origin" if vary else "Origin"
+    # A refused preflight (any answer but the 204) gets no grant, whoever asked.
+    refused_preflight = is_preflight(request) and response.status != 204
+    if origin and not refused_preflight and origin_allowed(origin, settings.cors_origins):
         response.headers["Access-Control-Allow-Origin"] = origin
         response.headers["Access-Control-Expose-Headers"] = "Retry-After"
-        vary = response.headers.get("Vary")
-        response.headers["Vary"] = f"{vary}, Origin" if vary else "Origin"
 
