@@ -22,7 +22,7 @@ from .. import __version__
 from ..config import Settings
 from ..errors import ConfigError
 from ..store import ModelStore
-from . import ollama_routes, openai_routes
+from . import ollama_routes, openai_routes, pull_routes
 from .body import body_limits_middleware
 from .errors import error_middleware
 from .metrics import Metrics, handle_metrics, metrics_middleware
@@ -77,6 +77,8 @@ def create_app(settings: Settings, manager: Any) -> web.Application:
     app.router.add_get("/metrics", handle_metrics)
     app.add_routes(openai_routes.routes)
     app.add_routes(ollama_routes.routes)
+    app.add_routes(pull_routes.routes)
+    app.cleanup_ctx.append(pull_routes.pull_slots)
     app.cleanup_ctx.append(_manager_lifecycle)
     return app
 

@@ -36,7 +36,7 @@ from .generation import (
     submit_all,
     tokenize_async,
 )
-from .state import MANAGER_KEY, METRICS_KEY, SETTINGS_KEY, STORE_KEY
+from .state import MANAGER_KEY, METRICS_KEY, STORE_KEY
 from .templates import ChatTemplate
 from .tools import ToolCallStream, parse_tool_calls
 from .validation import (
@@ -430,71 +430,6 @@ async def delete(request: web.Request) -> web.Response:
     await request.app[MANAGER_KEY].unload(model.ref)
     await asyncio.to_thread(store.remove, model.ref)
     return web.Response(status=200)
-
-
-class _PullAborted(Exception):
-    """Raised inside the pull thread's progress callback when the client went away."""
-
-
-@routes.post("/api/pull")
-async def pull(request: web.Request) -> web.StreamResponse:
-    from ..pull import pull_model
-
-    body = await read_json(request)
-    ref = model_name(body)
-    stream = body.get_bool("stream", True)
-    settings = request.app[SETTINGS_KEY]
-    loop = asyncio.get_running_loop()
-    events: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
-    aborted = False
-
-    def progress(event: Any) -> None:
-        if aborted:
-            raise _PullAborted()  # stops the download; the .partial file stays for a later resume
-        loop.call_soon_threadsafe(events.put_nowait, event.to_dict())
-
-    task = asyncio.ensure_future(asyncio.to_thread(pull_model, ref, settings, progress))
-    try:
-        if not stream:
-            await guard_disconnect(request, asyncio.shield(task))
-            return web.json_response({"status": "success"})
-        response: web.StreamResponse | None = None
-        last = None
-        while True:
-            getter = asyncio.ensure_future(events.get())
-            done, _ = await asyncio.wait({getter, task}, return_when=asyncio.FIRST_COMPLETED)
-            if getter not in done:
-                getter.cancel()
-                if events.empty():
-                    break
-                continue
-            item = getter.result()
-            if response is None:  # first event: the name resolved, so errors from here on go in-stream
-                response = await open_ndjson(request)
-            line = {"status": item.get("status", "")}
-            if item.get("part") is not None:
-                line["digest"] = item["part"]
-            for key in ("total", "completed"):
-                if item.get(key) is not None:
-                    line[key] = item[key]
-            await send_line(response, line)
-            last = line["status"]
-        try:
-            task.result()
-        except LocalserveError as e:
-            if response is None:
-                raise
-            await send_line(response, {"error": e.message if e.http_status != 500 else "internal server error"})
-            return response
-        if response is None:
-            response = await open_ndjson(request)
-        if last != "success":
-            await send_line(response, {"status": "success"})
-        return response
-    except (ConnectionResetError, ClientGone):
-        return web.Response(status=499)
-    finally:
-        aborted = True
 
 
 @routes.get("/api/version")
