@@ -46,7 +46,7 @@ class OpenPull:
         self.first = json.loads(self.response.readline())
 
     def close(self) -> None:
-        self.conn.sock.close() if self.conn.sock else None
+        """Hang up mid-stream, as a client that quits does."""
         self.response.close()
         self.conn.close()
 
