@@ -22,9 +22,10 @@ from urllib.parse import urlparse
 from ..config import Settings
 from ..errors import InvalidRequestError
 
-HTTP_REFUSED = ("pulls over http:// are refused; use an https:// link, or add the host to "
+# Worded without "refused" or "connect": a client must not confuse a policy answer with a port probe.
+HTTP_REFUSED = ("pulls over http:// are not allowed; use an https:// link, or add the host to "
                 "pull_allow_http_hosts")
-LOCAL_REFUSED = ("pulls from loopback, private or link-local addresses are refused; add the host to "
+LOCAL_REFUSED = ("pulls from loopback, private or link-local addresses are not allowed; add the host to "
                  "pull_allow_http_hosts to allow it")
 
 
