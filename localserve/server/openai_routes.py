@@ -357,11 +357,14 @@ class _Reply:
                     if k is not None and event.logprobs:
                         lps = completion_logprobs(event.logprobs, k, offsets[i])
                         offsets[i] += sum(len(lp.text) for lp in event.logprobs)
-                    reason = finish_reason(event.finish_reason) if event.finish_reason else None
-                    if event.text or lps or reason:
+                    if event.text or lps:
                         await send_sse(response, self.chunk(obj, [
-                            {"index": i, "text": event.text, "logprobs": lps, "finish_reason": reason}]))
-                    if reason:
+                            {"index": i, "text": event.text, "logprobs": lps, "finish_reason": None}]))
+                    if event.finish_reason:
+                        # Its own chunk with empty text, as llama-server sends it: clients that read
+                        # text only while finish_reason is null lose no token.
+                        await send_sse(response, self.chunk(obj, [{"index": i, "text": "", "logprobs": None,
+                                                                    "finish_reason": finish_reason(event.finish_reason)}]))
                         usages[i] = event.usage
             except StreamFailed as e:
                 await send_sse_error(response, str(e))
