@@ -17,7 +17,7 @@ import logging
 import threading
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Callable
+from typing import Callable, Generator
 
 from .backends.base import Backend
 from .batching.limits import EngineLimits
@@ -30,6 +30,11 @@ log = logging.getLogger(__name__)
 
 _RATE_WINDOW_S = 10.0  # tokens/s and completions/s are measured over this much recent time
 
+# Events a stream may hold unread before the engine stops its sequence. A reading client takes
+# each step's event within milliseconds; one that stops reading (while the server's socket buffers
+# fill up) would otherwise keep its sequence decoding into an unbounded queue. 1024 steps are tens
+# of seconds of a fast model's output: far beyond any reader that is merely slow.
+STREAM_BUFFER_EVENTS = 1024
 
 @dataclass
 class EngineStats:
@@ -49,6 +54,7 @@ class EngineStats:
     max_sequences: int = 0  # the running batch's capacity (occupancy = running / max_sequences)
     kv_moves: int = 0  # sequences moved to keep the running ids consecutive (batching/kvpool.py)
 
+    cancelled: int = 0  # requests that ended "cancelled" (client gone, stopped reading, shutdown)
     def to_dict(self) -> dict:
         return asdict(self)
 
@@ -63,6 +69,7 @@ class RequestStream:
         self._queue: asyncio.Queue[GenerationEvent] = asyncio.Queue()
         self._done = False
 
+        self.overflowed = False  # cancelled because its reader fell STREAM_BUFFER_EVENTS behind
     @property
     def request_id(self) -> str:
         return self._seq.request_id
@@ -75,7 +82,14 @@ class RequestStream:
 
     def _put(self, event: GenerationEvent) -> None:
         self._queue.put_nowait(event)
+        # Events are never dropped (the stream's text must stay whole); a reader this far behind
+        # has its sequence cancelled instead, and the "cancelled" finish still arrives.
 
+        if event.finish_reason is None and self._queue.qsize() > self._engine.stream_buffer_events:
+            if not self.overflowed:
+                log.info("request %s: %d events unread, cancelling it", self.request_id, self._queue.qsize())
+            self.overflowed = True
+            self.cancel()
     def __aiter__(self) -> "RequestStream":
         return self
 
@@ -119,7 +133,17 @@ class _Rates:
 
 
 class Engine:
+@dataclass
+class _EmbedJob:
+    steps: Generator[bool, None, list[list[float]]]
+    future: concurrent.futures.Future
+    started: bool = False
+    cancelled: bool = False  # set from the event loop when the caller goes away
+
+
     def __init__(self, backend: Backend, limits: EngineLimits, name: str = ""):
+    stream_buffer_events = STREAM_BUFFER_EVENTS
+
         self._backend = backend
         self.limits = limits
         self.name = name or backend.info.name
@@ -128,6 +152,7 @@ class Engine:
         self._inbox: collections.deque[Sequence] = collections.deque()
         self._jobs: collections.deque[tuple[Callable[[], object], concurrent.futures.Future]] = collections.deque()
         self._queued = dict.fromkeys(LANES, 0)  # submitted, not yet started (bounded per lane)
+        self._embeds: collections.deque[_EmbedJob] = collections.deque()
         self._queued_lock = threading.Lock()
         self._active: dict[str, Sequence] = {}
         self._token_bytes_cache: dict[int, bytes] = {}
@@ -137,6 +162,7 @@ class Engine:
         self._stopped = threading.Event()
         self._busy = False
 
+        self._n_cancelled = 0
     # --- public API ------------------------------------------------------------------------
     @property
     def backend(self) -> Backend:
@@ -186,7 +212,9 @@ class Engine:
             self._wake()
 
     async def embed(self, inputs: list[list[int]]) -> list[list[float]]:
-        """backend.embed on the engine thread, between steps, so it never races a decode."""
+        """The inputs' vectors, computed on the engine thread one decode at a time between
+        generation steps (see _advance_embed), so a huge request neither races a decode nor holds
+        up the running streams. Cancelling the awaiting task stops the work at the next decode."""
         if not inputs or any(not tokens for tokens in inputs):
             raise InvalidRequestError("every embedding input needs at least one token", param="input")
         for tokens in inputs:
@@ -195,7 +223,17 @@ class Engine:
                     f"an input has {len(tokens)} tokens; this model embeds at most {self.n_ctx_per_seq}",
                     param="input",
                 )
-        return await asyncio.wrap_future(self._run_job(lambda: self._backend.embed(inputs)))
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        if self._stopping or self._thread is None:
+            raise OverloadedError("the model is not running; retry shortly")
+        job = _EmbedJob(self._backend.embed_steps(inputs), future)
+        self._embeds.append(job)
+        self._wake()
+        try:
+            return await asyncio.wrap_future(future)
+        finally:
+            job.cancelled = True  # no-op once finished; otherwise the engine drops the rest
+            self._wake()
 
     def tokenize(self, text: str, add_special: bool = True) -> list[int]:
         return self._backend.tokenize(text, add_special=add_special)
@@ -239,11 +277,13 @@ class Engine:
             self._drain_on_stop()  # never started: finish what was submitted right here
 
     # --- engine thread ---------------------------------------------------------------------
+            cancelled=self._n_cancelled,
     def _run(self) -> None:
         try:
             while True:
                 with self._cond:
-                    while not (self._stopping or self._inbox or self._jobs or self.scheduler.has_work()):
+                    while not (self._stopping or self._inbox or self._jobs or self._embeds
+                               or self.scheduler.has_work()):
                         self._busy = False
                         self._cond.wait()
                     if self._stopping:
@@ -269,6 +309,8 @@ class Engine:
         except Exception:  # a scheduler bug must not kill the engine: fail this step's requests
             log.exception("engine step failed")
             self.scheduler.fail_running("internal error while scheduling this request")
+                    if self._embeds:
+                        self._advance_embed()
         self._deliver()
         if plan is not None and plan.batch:
             t1 = time.monotonic()
@@ -305,6 +347,7 @@ class Engine:
 
     def _run_jobs(self) -> None:
         while self._jobs:
+                self._n_cancelled += event.finish_reason == "cancelled"
             fn, future = self._jobs.popleft()
             if future.set_running_or_notify_cancel():
                 try:
@@ -329,6 +372,33 @@ class Engine:
             _, future = self._jobs.popleft()
             if future.set_running_or_notify_cancel():
                 future.set_exception(OverloadedError("the model was unloaded"))
+    def _advance_embed(self) -> None:
+        """One decode of the oldest embeddings job. Jobs take turns where their generator says the
+        backend holds nothing of them, so a small request is not stuck behind a huge one."""
+        job = self._embeds[0]
+        if not job.started:
+            job.started = True
+            if not job.future.set_running_or_notify_cancel():  # its caller left before it began
+                job.cancelled = True
+        if job.cancelled:
+            self._embeds.popleft()
+            job.steps.close()  # clears the backend's embeddings state
+            if job.future.running():
+                job.future.set_exception(asyncio.CancelledError())
+            return
+        try:
+            may_switch = next(job.steps)
+        except StopIteration as done:
+            self._embeds.popleft()
+            job.future.set_result(done.value)
+            return
+        except Exception as e:  # noqa: BLE001 - the caller's error (bad input, backend failure)
+            self._embeds.popleft()
+            job.future.set_exception(e)
+            return
+        if may_switch and len(self._embeds) > 1:
+            self._embeds.rotate(-1)
+
         self._busy = False
         self._stopped.set()
 
@@ -346,6 +416,11 @@ class Engine:
                 f"the prompt has {n} tokens but this model's context holds {self.n_ctx_per_seq} "
                 "tokens of prompt and completion together",
                 param="prompt",
+        while self._embeds:
+            job = self._embeds.popleft()
+            job.steps.close()
+            if job.started or job.future.set_running_or_notify_cancel():
+                job.future.set_exception(OverloadedError("the model was unloaded"))
             )
         if request.max_tokens < 1:
             raise InvalidRequestError("max_tokens must be at least 1", param="max_tokens")

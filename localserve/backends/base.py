@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import Any, Literal, Sequence
+from typing import Any, Generator, Literal, Sequence
 
 from ..batching.params import SamplingParams, TokenLogprob
 from ..errors import BackendError
@@ -152,6 +152,15 @@ class Backend(ABC):
     @abstractmethod
     def embed(self, inputs: Sequence[Sequence[int]]) -> list[list[float]]:
         """One pooled, L2-normalised vector per input, several inputs per decode."""
+
+    def embed_steps(self, inputs: Sequence[Sequence[int]]) -> Generator[bool, None, list[list[float]]]:
+        """`embed` in bounded pieces, for the engine thread to interleave with generation steps:
+        each `next()` does at most one decode and yields True where another embed_steps run may
+        go next (nothing of this one is left in the backend's state), False mid-way; the vectors
+        are the generator's return value. This default does everything in one piece."""
+        vectors = self.embed(inputs)
+        yield True
+        return vectors
 
     # --- KV cache, per sequence ----------------------------------------------------------
     @abstractmethod

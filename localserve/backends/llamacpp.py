@@ -21,7 +21,7 @@ import re
 import threading
 import weakref
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Generator, Sequence
 
 import llama_cpp
 import numpy as np
@@ -317,6 +317,12 @@ class LlamaCppBackend(Backend):
         if not inputs:
             return []
         return self._embedder().embed(inputs)
+
+    def embed_steps(self, inputs: Sequence[Sequence[int]]) -> Generator[bool, None, list[list[float]]]:
+        self._check_open()
+        if not inputs:
+            return []
+        return (yield from self._embedder().embed_steps(inputs))
 
     def _embedder(self) -> EmbeddingContext:
         with self._embedder_lock:

@@ -12,7 +12,7 @@ wrongly, and MEAN with n_seq_max > 1 aborted context creation for some models in
 from __future__ import annotations
 
 import threading
-from typing import Sequence
+from typing import Generator, Iterator, Sequence
 
 import llama_cpp
 import numpy as np
@@ -59,6 +59,39 @@ class EmbeddingContext:
             self.ctx = None
 
     def embed(self, inputs: Sequence[Sequence[int]]) -> list[list[float]]:
+        steps = self.embed_steps(inputs)
+        while True:
+            try:
+                next(steps)
+            except StopIteration as done:
+                return done.value
+
+    def embed_steps(self, inputs: Sequence[Sequence[int]]) -> Generator[bool, None, list[list[float]]]:
+        """The vectors of `inputs`, one decode (at most n_batch tokens) per `next()`, so the engine
+        can run generation steps in between. Yields True after each group of inputs, when the
+        context holds nothing of this call (another call may run next), False within a group (its
+        KV cells are still needed: nothing else may use this context before the next `next()`).
+        Closing the generator early clears the context."""
+        self._check_inputs(inputs)
+        sums = np.zeros((len(inputs), self.n_embd), dtype=np.float64)
+        for group in self._groups(inputs):
+            # Held only within a group: between groups the context is clean and may be shared.
+            with self._lock:
+                if not self.ctx:
+                    raise BackendError("the embeddings context is closed")
+                try:
+                    llama_cpp.llama_memory_clear(self._mem, True)
+                    for _ in self._run_group(inputs, group, sums):
+                        yield False
+                finally:
+                    llama_cpp.llama_memory_clear(self._mem, True)
+            yield True
+        counts = np.array([len(t) for t in inputs], dtype=np.float64)[:, None]
+        means = sums / counts
+        norms = np.linalg.norm(means, axis=1, keepdims=True)
+        return (means / np.maximum(norms, 1e-12)).tolist()
+
+    def _check_inputs(self, inputs: Sequence[Sequence[int]]) -> None:
         for i, tokens in enumerate(inputs):
             if len(tokens) == 0:
                 raise InvalidRequestError(f"input {i} is empty", param="input")
@@ -69,16 +102,6 @@ class EmbeddingContext:
                 )
             if min(tokens) < 0 or max(tokens) >= self.n_vocab:
                 raise InvalidRequestError(f"input {i} has a token id outside the vocabulary", param="input")
-        sums = np.zeros((len(inputs), self.n_embd), dtype=np.float64)
-        with self._lock:
-            if not self.ctx:
-                raise BackendError("the embeddings context is closed")
-            for group in self._groups(inputs):
-                self._run_group(inputs, group, sums)
-        counts = np.array([len(t) for t in inputs], dtype=np.float64)[:, None]
-        means = sums / counts
-        norms = np.linalg.norm(means, axis=1, keepdims=True)
-        return (means / np.maximum(norms, 1e-12)).tolist()
 
     def _groups(self, inputs: Sequence[Sequence[int]]) -> list[list[int]]:
         """Input indices that fit the KV cells and sequence ids of the context together."""
@@ -95,9 +118,9 @@ class EmbeddingContext:
             groups.append(current)
         return groups
 
-    def _run_group(self, inputs: Sequence[Sequence[int]], group: list[int], sums: np.ndarray) -> None:
-        """Stream the group's tokens through n_batch-sized decodes, summing each input's token rows."""
-        llama_cpp.llama_memory_clear(self._mem, True)
+    def _run_group(self, inputs: Sequence[Sequence[int]], group: list[int], sums: np.ndarray) -> Iterator[None]:
+        """Stream the group's tokens through n_batch-sized decodes, summing each input's token rows;
+        yields after each decode."""
         # (input index, seq id, next position) of the inputs not fully decoded yet, in order.
         pending = [(idx, seq, 0) for seq, idx in enumerate(group)]
         while pending:
@@ -115,7 +138,6 @@ class EmbeddingContext:
                     still.append((idx, seq, pos + max(take, 0)))
             rc = llama_cpp.llama_decode(self.ctx, self._batch.struct)
             if rc != 0:
-                llama_cpp.llama_memory_clear(self._mem, True)
                 raise BackendError(f"embedding decode failed (code {rc})")
             ptr = llama_cpp.llama_get_embeddings(self.ctx)
             if not ptr:
@@ -124,4 +146,4 @@ class EmbeddingContext:
             for idx, start, end in owners:
                 sums[idx] += rows[start:end].sum(axis=0, dtype=np.float64)
             pending = still
-        llama_cpp.llama_memory_clear(self._mem, True)
+            yield

@@ -5,12 +5,17 @@ was built with handler_cancellation=True; a write to the gone client raises Conn
 but during a long prefill nothing is written. So every generation runs under `guard_disconnect`,
 which polls the transport and cancels the work within DISCONNECT_POLL_S, and every stream is
 cancelled in a `finally`: the engine drops the sequence at its next step and frees its KV cells.
+A client that stays connected but stops reading is dropped the same way once writing to it has
+been blocked for settings.stream_write_timeout (and the engine itself stops a sequence whose
+stream holds engine.STREAM_BUFFER_EVENTS unread events).
 """
 
 from __future__ import annotations
 
 import asyncio
 import copy
+import logging
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Awaitable, Sequence, TypeVar
@@ -20,9 +25,11 @@ from aiohttp import web
 from ..batching.params import GenerationEvent, GenerationRequest, TokenLogprob, Usage
 from ..errors import BackendError, ContextLengthExceededError, InvalidRequestError
 from .errors import ClientGone
+from .state import SETTINGS_KEY
 from .templates import ChatTemplate
 
 DISCONNECT_POLL_S = 0.1
+log = logging.getLogger(__name__)
 LONG_PROMPT_CHARS = 20_000  # tokenize longer texts in a thread so the event loop keeps serving
 T = TypeVar("T")
 
@@ -58,13 +65,44 @@ def check_tokens(tokens: list[int], n_vocab: int, param: str) -> list[int]:
     return tokens
 
 
-async def embed_inputs(engine: Any, inputs: Sequence[str | list[int]], *, truncate: bool, param: str) -> list[list[int]]:
-    """Token lists for `inputs`, each within the model's context (cut when `truncate`)."""
+async def embed_inputs(engine: Any, inputs: Sequence[str | list[int]], *, truncate: bool, param: str,
+                       max_tokens: int) -> list[list[int]]:
+    """Token lists for `inputs`, each within the model's context (cut when `truncate`), refused
+    (400) as soon as their running total passes `max_tokens` (settings.max_embed_tokens): the
+    texts after that point are never tokenized and nothing is embedded. Long texts are tokenized
+    in a worker thread so the event loop keeps serving."""
+    if sum(len(item) for item in inputs if isinstance(item, str)) <= LONG_PROMPT_CHARS:
+        return _embed_tokens(engine, inputs, truncate, param, max_tokens, None)
+    stop = threading.Event()
+    try:
+        return await asyncio.to_thread(_embed_tokens, engine, inputs, truncate, param, max_tokens, stop)
+    finally:
+        stop.set()  # a cancelled request (client gone) stops the thread before its next input
+
+
+async def embed_request(request: web.Request, engine: Any, inputs: Sequence[str | list[int]], *,
+                        truncate: bool, param: str) -> tuple[list[list[int]], list[list[float]]]:
+    """(token lists, vectors) of one embeddings request; a client that leaves stops both the
+    tokenizing and the embedding of its remaining inputs."""
+    max_tokens = request.app[SETTINGS_KEY].max_embed_tokens
+
+    async def work() -> tuple[list[list[int]], list[list[float]]]:
+        token_lists = await embed_inputs(engine, inputs, truncate=truncate, param=param, max_tokens=max_tokens)
+        return token_lists, await engine.embed(token_lists)
+
+    return await guard_disconnect(request, work())
+
+
+def _embed_tokens(engine: Any, inputs: Sequence[str | list[int]], truncate: bool, param: str,
+                  max_tokens: int, stop: threading.Event | None) -> list[list[int]]:
     n_ctx = engine.n_ctx_per_seq
     n_vocab = engine.backend.info.n_vocab
     out = []
+    total = 0
     for item in inputs:
-        tokens = await tokenize_async(engine, item) if isinstance(item, str) else check_tokens(item, n_vocab, param)
+        if stop is not None and stop.is_set():
+            raise ClientGone()
+        tokens = tokenize_prompt(engine, item) if isinstance(item, str) else check_tokens(item, n_vocab, param)
         if not tokens:
             raise InvalidRequestError(f"'{param}' produced no tokens", param=param)
         if len(tokens) > n_ctx:
@@ -72,6 +110,11 @@ async def embed_inputs(engine: Any, inputs: Sequence[str | list[int]], *, trunca
                 raise ContextLengthExceededError(
                     f"an input has {len(tokens)} tokens; this model embeds at most {n_ctx}", param=param)
             tokens = tokens[:n_ctx]
+        total += len(tokens)
+        if total > max_tokens:
+            raise InvalidRequestError(
+                f"'{param}' holds more than {max_tokens} tokens in all; at most {max_tokens} per request "
+                "(setting max_embed_tokens)", param=param)
         out.append(tokens)
     return out
 
@@ -141,15 +184,38 @@ def _client_gone(request: web.Request) -> bool:
     return transport is None or transport.is_closing()
 
 
+def _writes_blocked(request: web.Request) -> bool:
+    """True while the transport's buffer is over its high-water mark: the client is not reading
+    what we already sent (aiohttp's write() is then waiting for a drain that never comes)."""
+    protocol = request.protocol
+    return bool(protocol is not None and getattr(protocol, "writing_paused", False))
+
+
 async def guard_disconnect(request: web.Request, work: Awaitable[T]) -> T:
-    """Run `work`; cancel it if the client disconnects first (then raise ClientGone)."""
+    """Run `work`; cancel it if the client disconnects first, or stops reading for
+    settings.stream_write_timeout seconds (then the connection is dropped), and raise ClientGone."""
     task = asyncio.ensure_future(work)
+    write_timeout = request.app[SETTINGS_KEY].stream_write_timeout
+    blocked_since: float | None = None
     try:
         while True:
             done, _ = await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
             if done:
                 return task.result()
-            if _client_gone(request):
+            gone = _client_gone(request)
+            if not gone and _writes_blocked(request):
+                now = time.monotonic()
+                blocked_since = blocked_since if blocked_since is not None else now
+                if write_timeout and now - blocked_since >= write_timeout:
+                    log.info("%s: the client read nothing for %.0f s; dropping it", request.path, write_timeout)
+                    # abort, not close: close() would wait to flush a buffer nobody reads, and
+                    # the pending write (and aiohttp's final write_eof) would wait with it.
+                    if request.transport is not None:
+                        request.transport.abort()
+                    gone = True
+            else:
+                blocked_since = None
+            if gone:
                 task.cancel()
                 await asyncio.gather(task, return_exceptions=True)
                 raise ClientGone()

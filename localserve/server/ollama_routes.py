@@ -28,7 +28,7 @@ from .generation import (
     chat_template,
     check_tokens,
     collect,
-    embed_inputs,
+    embed_request,
     guard_disconnect,
     is_token_list,
     merge,
@@ -313,8 +313,7 @@ async def embed(request: web.Request) -> web.Response:
     clock = Clock()
     async with request.app[MANAGER_KEY].use(model, keep_alive=keep_alive) as loaded:
         clock.mark_loaded()
-        token_lists = await embed_inputs(loaded.engine, inputs, truncate=truncate, param="input")
-        vectors = await guard_disconnect(request, loaded.engine.embed(token_lists))
+        token_lists, vectors = await embed_request(request, loaded.engine, inputs, truncate=truncate, param="input")
     return web.json_response({
         "model": loaded.name, "embeddings": vectors, "total_duration": clock.since_start_ns(),
         "load_duration": clock.load_ns(), "prompt_eval_count": sum(len(t) for t in token_lists),
@@ -327,8 +326,7 @@ async def embeddings_legacy(request: web.Request) -> web.Response:
     model = model_name(body)
     prompt = _embed_inputs(body.raw("prompt"), "prompt")[0]
     async with request.app[MANAGER_KEY].use(model, keep_alive=parse_keep_alive(body.raw("keep_alive"))) as loaded:
-        token_lists = await embed_inputs(loaded.engine, [prompt], truncate=True, param="prompt")
-        (vector,) = await guard_disconnect(request, loaded.engine.embed(token_lists))
+        _, (vector,) = await embed_request(request, loaded.engine, [prompt], truncate=True, param="prompt")
     return web.json_response({"embedding": vector}, dumps=json_dumps)
 
 

@@ -31,7 +31,7 @@ from .generation import (
     chat_template,
     check_tokens,
     collect,
-    embed_inputs,
+    embed_request,
     guard_disconnect,
     is_token_list,
     merge,
