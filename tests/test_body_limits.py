@@ -9,6 +9,8 @@ import socket
 import time
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from localserve.server.body import MAX_INT_DIGITS, MAX_JSON_DEPTH, json_depth
 from server_harness import LiveServer, server_settings
@@ -113,6 +115,35 @@ def test_json_depth_counts_only_structure() -> None:
     assert json_depth(b"[" * 1000 + b"]" * 1000) == 1000
     assert json_depth(b'["' + b"[" * 1000 + b'"]') == 1
     assert json_depth(b"") == 0
+    assert json_depth(b'["\\\\", ["\\\\\\"]"]]') == 2  # escaped backslashes, then an escaped quote
+
+
+def _depth(value: object) -> int:
+    if isinstance(value, dict):
+        value = list(value.values())
+    return 1 + max(map(_depth, value), default=0) if isinstance(value, list) else 0
+
+
+_TRICKY = st.text(alphabet='[]{}"\\ax', max_size=6)
+_JSON = st.recursive(st.none() | st.integers() | _TRICKY,
+                     lambda inner: st.lists(inner, max_size=3) | st.dictionaries(_TRICKY, inner, max_size=3),
+                     max_leaves=30)
+
+
+@settings(max_examples=300, deadline=None)
+@given(value=_JSON)
+def test_json_depth_matches_the_parsed_depth(value: object) -> None:
+    assert json_depth(json.dumps(value).encode()) == _depth(value)
+
+
+@pytest.mark.parametrize("path", [OPENAI, OLLAMA])
+def test_unterminated_escaped_quotes_are_refused_quickly(server: LiveServer, path: str) -> None:
+    # A string scanner that retried an unterminated string from every later quote took minutes here.
+    raw = b'{"model": "' + b'\\"' * 400_000
+    start = time.monotonic()
+    status, _, body = server.request("POST", path, raw=raw)
+    assert status == 400 and time.monotonic() - start < 5  # liveness bound, not a benchmark
+    assert "not valid JSON" in assert_error_shape(path, body)
 
 
 @pytest.mark.parametrize("path", [OPENAI, OLLAMA])

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import re
 from typing import Any
 
 import numpy as np
@@ -33,11 +32,7 @@ from .state import SETTINGS_KEY
 
 MAX_JSON_DEPTH = 128
 MAX_INT_DIGITS = 256
-
-# A JSON string, escapes included (the unrolled form keeps `re` from backtracking per character).
-_JSON_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"', re.DOTALL)
-_NOT_BRACKETS = bytes(b for b in range(256) if b not in b"[]{}")
-
+_BRACKETS = np.frombuffer(b"[]{}", dtype=np.uint8)
 
 class BodyTooLargeError(InvalidRequestError):
     http_status = 413
@@ -85,15 +80,19 @@ async def read_body(request: web.Request) -> bytes:
 
 
 def json_depth(raw: bytes) -> int:
-    """The deepest nesting of arrays and objects in `raw`, counted without recursion: strings are
-    cut out, the brackets left over become +1/-1 steps, and the deepest point is their running
-    sum's maximum (vectorised, so an 8 MB body of brackets takes milliseconds, not seconds)."""
-    brackets = _JSON_STRING.sub(b"", raw).translate(None, _NOT_BRACKETS)
-    if not brackets:
+    """The deepest nesting of arrays and objects in `raw`, counted without recursion or regular
+    expressions (a regex over strings retries an unterminated one from every later quote: minutes
+    for a few hundred kB of `\\"`), in a few linear passes that take milliseconds for 8 MB."""
+    # Escaped backslashes first (pairs from the left, as a JSON reader takes them), then escaped
+    # quotes: every quote left opens or closes a string.
+    text = raw.replace(b"\\\\", b"__").replace(b'\\"', b"__")
+    codes = np.frombuffer(text, dtype=np.uint8)
+    inside = np.bitwise_xor.accumulate(codes == 0x22)  # True from an opening quote to its closing one
+    brackets = codes[~inside & np.isin(codes, _BRACKETS)]
+    if not brackets.size:
         return 0
-    codes = np.frombuffer(brackets, dtype=np.uint8)
     # '[' 0x5B and '{' 0x7B have bit 1 set, ']' 0x5D and '}' 0x7D do not.
-    steps = ((codes >> 1) & 1).astype(np.int8) * 2 - 1
+    steps = ((brackets >> 1) & 1).astype(np.int8) * 2 - 1
     return int(np.cumsum(steps, dtype=np.int32).max())
 
 
