@@ -29,12 +29,12 @@ from .errors import ContextLengthExceededError, InvalidRequestError, OverloadedE
 log = logging.getLogger(__name__)
 
 _RATE_WINDOW_S = 10.0  # tokens/s and completions/s are measured over this much recent time
-
 # Events a stream may hold unread before the engine stops its sequence. A reading client takes
 # each step's event within milliseconds; one that stops reading (while the server's socket buffers
 # fill up) would otherwise keep its sequence decoding into an unbounded queue. 1024 steps are tens
 # of seconds of a fast model's output: far beyond any reader that is merely slow.
 STREAM_BUFFER_EVENTS = 1024
+
 
 @dataclass
 class EngineStats:
@@ -53,8 +53,8 @@ class EngineStats:
     parked: int = 0  # finished requests kept as prefix cache
     max_sequences: int = 0  # the running batch's capacity (occupancy = running / max_sequences)
     kv_moves: int = 0  # sequences moved to keep the running ids consecutive (batching/kvpool.py)
-
     cancelled: int = 0  # requests that ended "cancelled" (client gone, stopped reading, shutdown)
+
     def to_dict(self) -> dict:
         return asdict(self)
 
@@ -68,8 +68,8 @@ class RequestStream:
         self.loop = loop
         self._queue: asyncio.Queue[GenerationEvent] = asyncio.Queue()
         self._done = False
-
         self.overflowed = False  # cancelled because its reader fell STREAM_BUFFER_EVENTS behind
+
     @property
     def request_id(self) -> str:
         return self._seq.request_id
@@ -81,15 +81,15 @@ class RequestStream:
         self._engine._wake()
 
     def _put(self, event: GenerationEvent) -> None:
-        self._queue.put_nowait(event)
         # Events are never dropped (the stream's text must stay whole); a reader this far behind
         # has its sequence cancelled instead, and the "cancelled" finish still arrives.
-
+        self._queue.put_nowait(event)
         if event.finish_reason is None and self._queue.qsize() > self._engine.stream_buffer_events:
             if not self.overflowed:
                 log.info("request %s: %d events unread, cancelling it", self.request_id, self._queue.qsize())
             self.overflowed = True
             self.cancel()
+
     def __aiter__(self) -> "RequestStream":
         return self
 
@@ -132,7 +132,6 @@ class _Rates:
         return len(self._finishes) / _RATE_WINDOW_S
 
 
-class Engine:
 @dataclass
 class _EmbedJob:
     steps: Generator[bool, None, list[list[float]]]
@@ -141,9 +140,10 @@ class _EmbedJob:
     cancelled: bool = False  # set from the event loop when the caller goes away
 
 
-    def __init__(self, backend: Backend, limits: EngineLimits, name: str = ""):
+class Engine:
     stream_buffer_events = STREAM_BUFFER_EVENTS
 
+    def __init__(self, backend: Backend, limits: EngineLimits, name: str = ""):
         self._backend = backend
         self.limits = limits
         self.name = name or backend.info.name
@@ -151,8 +151,8 @@ class _EmbedJob:
         self._cond = threading.Condition()
         self._inbox: collections.deque[Sequence] = collections.deque()
         self._jobs: collections.deque[tuple[Callable[[], object], concurrent.futures.Future]] = collections.deque()
-        self._queued = dict.fromkeys(LANES, 0)  # submitted, not yet started (bounded per lane)
         self._embeds: collections.deque[_EmbedJob] = collections.deque()
+        self._queued = dict.fromkeys(LANES, 0)  # submitted, not yet started (bounded per lane)
         self._queued_lock = threading.Lock()
         self._active: dict[str, Sequence] = {}
         self._token_bytes_cache: dict[int, bytes] = {}
@@ -161,8 +161,8 @@ class _EmbedJob:
         self._stopping = False
         self._stopped = threading.Event()
         self._busy = False
-
         self._n_cancelled = 0
+
     # --- public API ------------------------------------------------------------------------
     @property
     def backend(self) -> Backend:
@@ -260,6 +260,7 @@ class _EmbedJob:
             parked=len(s.cache.parked),
             max_sequences=s.max_running,
             kv_moves=s.pool.moves,
+            cancelled=self._n_cancelled,
         )
 
     def active_requests(self) -> int:
@@ -277,7 +278,6 @@ class _EmbedJob:
             self._drain_on_stop()  # never started: finish what was submitted right here
 
     # --- engine thread ---------------------------------------------------------------------
-            cancelled=self._n_cancelled,
     def _run(self) -> None:
         try:
             while True:
@@ -292,6 +292,8 @@ class _EmbedJob:
                 try:
                     self._take_inbox()
                     self._run_jobs()
+                    if self._embeds:
+                        self._advance_embed()
                     if self.scheduler.has_work():
                         self._step()
                 except Exception:  # a bug in delivery must not leave every stream hanging
@@ -309,8 +311,6 @@ class _EmbedJob:
         except Exception:  # a scheduler bug must not kill the engine: fail this step's requests
             log.exception("engine step failed")
             self.scheduler.fail_running("internal error while scheduling this request")
-                    if self._embeds:
-                        self._advance_embed()
         self._deliver()
         if plan is not None and plan.batch:
             t1 = time.monotonic()
@@ -330,6 +330,7 @@ class _EmbedJob:
                 continue
             if event.finish_reason is not None:
                 n_finished += 1
+                self._n_cancelled += event.finish_reason == "cancelled"
                 self._active.pop(seq.request_id, None)
             by_loop.setdefault(seq.stream.loop, []).append((seq.stream, event))
         if n_finished:
@@ -347,7 +348,6 @@ class _EmbedJob:
 
     def _run_jobs(self) -> None:
         while self._jobs:
-                self._n_cancelled += event.finish_reason == "cancelled"
             fn, future = self._jobs.popleft()
             if future.set_running_or_notify_cancel():
                 try:
@@ -355,23 +355,6 @@ class _EmbedJob:
                 except BaseException as e:
                     future.set_exception(e)
 
-    def _run_job(self, fn: Callable[[], object]) -> concurrent.futures.Future:
-        future: concurrent.futures.Future = concurrent.futures.Future()
-        if self._stopping or self._thread is None:
-            future.set_exception(OverloadedError("the model is not running; retry shortly"))
-            return future
-        self._jobs.append((fn, future))
-        self._wake()
-        return future
-
-    def _drain_on_stop(self) -> None:
-        self._take_inbox()
-        self.scheduler.finish_all("cancelled")
-        self._deliver()
-        while self._jobs:
-            _, future = self._jobs.popleft()
-            if future.set_running_or_notify_cancel():
-                future.set_exception(OverloadedError("the model was unloaded"))
     def _advance_embed(self) -> None:
         """One decode of the oldest embeddings job. Jobs take turns where their generator says the
         backend holds nothing of them, so a small request is not stuck behind a huge one."""
@@ -399,6 +382,28 @@ class _EmbedJob:
         if may_switch and len(self._embeds) > 1:
             self._embeds.rotate(-1)
 
+    def _run_job(self, fn: Callable[[], object]) -> concurrent.futures.Future:
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        if self._stopping or self._thread is None:
+            future.set_exception(OverloadedError("the model is not running; retry shortly"))
+            return future
+        self._jobs.append((fn, future))
+        self._wake()
+        return future
+
+    def _drain_on_stop(self) -> None:
+        self._take_inbox()
+        self.scheduler.finish_all("cancelled")
+        self._deliver()
+        while self._jobs:
+            _, future = self._jobs.popleft()
+            if future.set_running_or_notify_cancel():
+                future.set_exception(OverloadedError("the model was unloaded"))
+        while self._embeds:
+            job = self._embeds.popleft()
+            job.steps.close()
+            if job.started or job.future.set_running_or_notify_cancel():
+                job.future.set_exception(OverloadedError("the model was unloaded"))
         self._busy = False
         self._stopped.set()
 
@@ -416,11 +421,6 @@ class _EmbedJob:
                 f"the prompt has {n} tokens but this model's context holds {self.n_ctx_per_seq} "
                 "tokens of prompt and completion together",
                 param="prompt",
-        while self._embeds:
-            job = self._embeds.popleft()
-            job.steps.close()
-            if job.started or job.future.set_running_or_notify_cancel():
-                job.future.set_exception(OverloadedError("the model was unloaded"))
             )
         if request.max_tokens < 1:
             raise InvalidRequestError("max_tokens must be at least 1", param="max_tokens")

@@ -459,8 +459,7 @@ async def embeddings(request: web.Request) -> web.Response:
         n_embd = engine.backend.info.n_embd
         if dimensions is not None and dimensions != n_embd:
             raise invalid(f"'dimensions' must be {n_embd} for this model (no reduction supported)", "dimensions")
-        token_lists = await embed_inputs(engine, inputs, truncate=False, param="input")
-        vectors = await guard_disconnect(request, engine.embed(token_lists))
+        token_lists, vectors = await embed_request(request, engine, inputs, truncate=False, param="input")
     n_tokens = sum(len(t) for t in token_lists)
     data = []
     for i, vector in enumerate(vectors):
