@@ -3,11 +3,14 @@ rendered in the sandbox as transformers renders them."""
 
 from __future__ import annotations
 
+import asyncio
+import time
+
 import pytest
 
 from localserve.errors import InvalidRequestError
 from localserve.gguf_facts import read_gguf_facts
-from localserve.server.templates import CHATML_TEMPLATE, ChatTemplate
+from localserve.server.templates import CHATML_TEMPLATE, RENDER_TIME_LIMIT_S, ChatTemplate
 from localserve.server.validation import parse_messages
 
 # Qwen2.5-Instruct's tokenizer_config.json chat_template (the tools part as published), recorded.
@@ -168,3 +171,61 @@ def test_messages_are_normalised():
         with pytest.raises(InvalidRequestError) as e:
             parse_messages(bad)
         assert e.value.param == param
+
+
+# --- render limits: hostile templates from a pulled GGUF -------------------------------------------
+HOSTILE = {
+    "huge range": "{% for i in range(10**9) %}x{% endfor %}",
+    "nested loops printing": "{% for i in range(100000) %}{% for j in range(100000) %}x{% endfor %}{% endfor %}",
+    "nested loops silent": "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}",
+    "loops over a string": "{% for i in 'x' * 100000 %}{% for j in 'x' * 100000 %}{% endfor %}{% endfor %}",
+    "string times 10**9": "{{ 'x' * 10**9 }}",
+    "huge power": "{{ 10 ** 100000000 }}",
+    "ljust": "{{ 'x'.ljust(10**9) }}",
+    "center filter": "{{ 'x' | center(10**9) }}",
+    "format width": "{{ '{:>1000000000}'.format('x') }}",
+    "percent width": "{{ '%1000000000s' % 'x' }}",
+    "doubling with ~": "{% set ns = namespace(s='x') %}{% for i in range(60) %}{% set ns.s = ns.s ~ ns.s %}{% endfor %}",
+    "doubling with +": "{% set ns = namespace(s='x') %}{% for i in range(60) %}{% set ns.s = ns.s + ns.s %}{% endfor %}",
+    "joined list": "{{ (['x' * 1000000] * 100) | join }}",
+    "endless recursion": "{% macro f(n) %}{{ f(n + 1) }}{% endmacro %}{{ f(0) }}",
+}
+
+
+@pytest.mark.parametrize("name", HOSTILE)
+async def test_hostile_template_is_a_400_naming_the_model(name):
+    template = ChatTemplate.for_model(HOSTILE[name], None, None, model="evil:q4")
+    t0 = time.monotonic()
+    with pytest.raises(InvalidRequestError) as e:
+        await template.render_async([{"role": "user", "content": "x"}])
+    assert time.monotonic() - t0 < RENDER_TIME_LIMIT_S + 5  # liveness: the render stopped itself
+    assert e.value.http_status == 400 and e.value.param == "messages"
+    assert e.value.message.startswith("the chat template of evil:q4 ")
+    assert "Traceback" not in e.value.message and "jinja" not in e.value.message.lower()
+
+
+async def test_render_runs_off_the_event_loop():
+    template = ChatTemplate.for_model(HOSTILE["nested loops silent"], None, None)
+    render = asyncio.ensure_future(template.render_async([{"role": "user", "content": "x"}]))
+    ticks = 0
+    while not render.done():
+        await asyncio.sleep(0.01)
+        ticks += 1
+    with pytest.raises(InvalidRequestError):
+        render.result()
+    assert ticks >= 20  # the loop kept running during the (>= 2 s) render, not blocked by it
+
+
+async def test_real_templates_render_the_same_through_the_limits(smollm2):
+    messages = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello!"},
+                {"role": "user", "content": "Weather?"}]
+    assert await smollm2.render_async(messages) == smollm2.render(messages) == (
+        "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n"
+        "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\nHello!<|im_end|>\n"
+        "<|im_start|>user\nWeather?<|im_end|>\n<|im_start|>assistant\n")
+    # What loops over checked iterators must still offer: loop.length/last, filters on ranges, `~`.
+    source = ("{% for m in messages %}{{ loop.index }}/{{ loop.length }}{{ m.role[0] }}{% if loop.last %}!{% endif %}"
+              "{% endfor %}{{ range(3) | list }}{{ 'a' ~ 'b' }}{{ '%s-%d' % ('x', 2) }}{{ '{}'.format(7) }}")
+    assert await ChatTemplate.for_model(source, None, None).render_async(messages) == "1/3u2/3a3/3u![0, 1, 2]abx-27"
+    big = "y" * (1 << 20)  # a megabyte message is no reason to refuse
+    assert big in await smollm2.render_async([{"role": "user", "content": big}])

@@ -36,7 +36,7 @@ T = TypeVar("T")
 
 def chat_template(engine: Any) -> ChatTemplate:
     info = engine.backend.info
-    return ChatTemplate.for_model(info.chat_template, info.bos_token, info.eos_token)
+    return ChatTemplate.for_model(info.chat_template, info.bos_token, info.eos_token, getattr(engine, "name", ""))
 
 
 def tokenize_prompt(engine: Any, text: str, template: ChatTemplate | None = None, *,

@@ -201,7 +201,7 @@ async def generate(request: web.Request) -> web.StreamResponse:
         else:
             template = chat_template(engine)
             messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
-            text = template.render(messages)
+            text = await template.render_async(messages)
         # A continuation of `context`: the earlier turn already began with BOS.
         earlier = check_tokens(context, engine.backend.info.n_vocab, "context") if context else []
         tokens = earlier + await tokenize_async(engine, text, template, add_special=not context)
@@ -252,7 +252,8 @@ async def chat(request: web.Request) -> web.StreamResponse:
         engine = loaded.engine
         name = loaded.name
         template = chat_template(engine)
-        tokens = await tokenize_async(engine, template.render(messages, tools=tools or None), template)
+        prompt = await template.render_async(messages, tools=tools or None)
+        tokens = await tokenize_async(engine, prompt, template)
         req = build_request(body, request, engine, tokens, interactive=stream)
         streams = submit_all(engine, [req])
         try:

@@ -218,7 +218,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     async with request.app[MANAGER_KEY].use(opts.model, keep_alive=opts.keep_alive) as loaded:
         engine = loaded.engine
         template = chat_template(engine)
-        prompt = template.render(messages, tools=active_tools or None)
+        prompt = await template.render_async(messages, tools=active_tools or None)
         tokens = await tokenize_async(engine, prompt, template)
         base = build_request(body, opts, engine, tokens, param="messages")
         if forced:

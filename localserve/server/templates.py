@@ -11,22 +11,47 @@ which changes the prompt the model was trained on).
 Templates that know `tools` get them as HF passes them; for templates that do not, the tools are
 described in a system message that asks for Hermes-style `<tool_call>` output, which tools.py
 parses back.
+
+The sandbox keeps a template from reaching Python's internals, not from running forever or
+building a gigabyte string (`{% for i in range(10**5) %}{% for j in range(10**5) %}...`,
+`{{ 'x' * 10**9 }}`). So templates render in worker threads (`render_async`), under a deadline and
+an output-size limit (RENDER_TIME_LIMIT_S, MAX_RENDER_CHARS) that the template's own code checks:
+every loop iterates through a checking iterator (the parse tree is rewritten so), and calls,
+filters, `*`, `**`, `+`, `%` and `~` refuse results (or arguments asking for results) over the
+size limit. A thread cannot be killed from outside; these checks are how a runaway render ends.
 """
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
+import functools
 import json
+import re
+import threading
+import time
 from dataclasses import dataclass
 from datetime import datetime
 from functools import lru_cache
 from typing import Any
 
 import jinja2
-from jinja2 import meta
+from jinja2 import meta, nodes
+from jinja2.compiler import CodeGenerator, Frame
 from jinja2.ext import loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-from ..errors import InvalidRequestError
+from ..errors import InvalidRequestError, OverloadedError
+
+# A real template renders in milliseconds; even 8 MB of messages take well under a second.
+RENDER_TIME_LIMIT_S = 2.0
+# Twice the default body limit: a prompt is the messages plus the template's framing, and anything
+# near this is far beyond any model's context anyway.
+MAX_RENDER_CHARS = 16 * 1024 * 1024
+_MAX_INT_BITS = 1 << 16  # `**` results beyond this many bits are refused (10**19728 or so)
+_RENDER_WORKERS = 4  # threads rendering at once, for all models together
+_CHECK_EVERY = 256  # loop iterations between deadline checks (time.monotonic is not free)
+_BIG_FORMAT_WIDTH = re.compile(r"\d{8,}")  # a width/precision in str.format asking for > MAX_RENDER_CHARS
 
 # ChatML: what SmolLM, Qwen and many fine-tunes use; the fallback for a GGUF without a template.
 CHATML_TEMPLATE = (
@@ -61,13 +86,124 @@ def _strftime_now(fmt: str) -> str:
     return datetime.now().strftime(fmt)
 
 
+class RenderLimit(Exception):
+    """A render ran past RENDER_TIME_LIMIT_S or built more than MAX_RENDER_CHARS."""
+
+
+class _Deadline(threading.local):
+    at: float = float("inf")  # per worker thread: each render sets its own
+
+
+_DEADLINE = _Deadline()
+
+
+def _check_time() -> None:
+    if time.monotonic() > _DEADLINE.at:
+        raise RenderLimit(f"took longer than {RENDER_TIME_LIMIT_S:g} s")
+
+
+def _check_size(value: Any) -> Any:
+    if isinstance(value, (str, list, tuple, dict)) and len(value) > MAX_RENDER_CHARS:
+        raise RenderLimit(f"built a value of more than {MAX_RENDER_CHARS} items")
+    return value
+
+
+def _check_args(args: Any) -> None:
+    """Refuse an argument that asks for a huge result (`'x'.ljust(10**9)`, `center(10**9)`)
+    before the result is allocated."""
+    for arg in args:
+        if isinstance(arg, int) and abs(arg) > MAX_RENDER_CHARS:
+            raise RenderLimit(f"asked for a size over {MAX_RENDER_CHARS}")
+
+
+def _bounded_iter(iterable: Any) -> Any:
+    """Every `{% for %}` iterates through this (see _BoundedSandbox._parse): the one place a loop
+    with no calls and no output in its body can be stopped."""
+    for i, item in enumerate(iterable):
+        if i % _CHECK_EVERY == 0:
+            _check_time()
+        yield item
+
+
+def _bounded_filter(fn: Any) -> Any:
+    @functools.wraps(fn)  # keeps jinja's pass_context/pass_environment markers
+    def bounded(*args: Any, **kwargs: Any) -> Any:
+        _check_time()
+        _check_args(args[1:])
+        _check_args(kwargs.values())
+        return _check_size(fn(*args, **kwargs))
+
+    return bounded
+
+
+class _BoundedCodeGenerator(CodeGenerator):
+    def visit_Concat(self, node: nodes.Concat, frame: Frame) -> None:
+        # `a ~ b` compiles to a join the sandbox never sees; a template doubling a string with it
+        # would reach gigabytes in 30 steps.
+        self.write("environment.bounded(")
+        super().visit_Concat(node, frame)
+        self.write(")")
+
+
+class _BoundedSandbox(ImmutableSandboxedEnvironment):
+    intercepted_binops = frozenset({"*", "**", "+", "%"})
+    code_generator_class = _BoundedCodeGenerator
+
+    def _parse(self, source: str, name: str | None, filename: str | None) -> nodes.Template:
+        tree = super()._parse(source, name, filename)
+        for loop in tree.find_all(nodes.For):
+            loop.iter = nodes.Filter(loop.iter, "_bounded_iter", [], [], None, None, lineno=loop.lineno)
+        return tree
+
+    @staticmethod
+    def bounded(value: Any) -> Any:
+        _check_time()
+        return _check_size(value)
+
+    def call(__self, __context: Any, __obj: Any, *args: Any, **kwargs: Any) -> Any:  # noqa: N805 - jinja's signature
+        _check_time()
+        _check_args(args)
+        _check_args(kwargs.values())
+        # The sandbox hands templates str.format wrapped (its own safe formatter); the format
+        # string is the wrapped method's __self__.
+        fmt = getattr(getattr(__obj, "__wrapped__", __obj), "__self__", None)
+        if isinstance(fmt, str) and getattr(__obj, "__name__", "") in ("format", "format_map") \
+                and _BIG_FORMAT_WIDTH.search(fmt):
+            raise RenderLimit(f"asked for a size over {MAX_RENDER_CHARS}")
+        return _check_size(super().call(__context, __obj, *args, **kwargs))
+
+    def call_binop(self, context: Any, operator: str, left: Any, right: Any) -> Any:
+        _check_time()
+        if operator == "*":
+            for seq, n in ((left, right), (right, left)):
+                if isinstance(seq, (str, list, tuple)) and isinstance(n, int) and len(seq) * n > MAX_RENDER_CHARS:
+                    raise RenderLimit(f"built a value of more than {MAX_RENDER_CHARS} items")
+        elif operator == "**":
+            if isinstance(left, int) and isinstance(right, int) and right > 0 \
+                    and max(left.bit_length(), 1) * right > _MAX_INT_BITS:
+                raise RenderLimit("computed a power too large")
+        elif operator == "%":
+            _check_args(right if isinstance(right, tuple) else (right,))
+            if isinstance(left, str) and _BIG_FORMAT_WIDTH.search(left):
+                raise RenderLimit(f"asked for a size over {MAX_RENDER_CHARS}")
+        elif operator == "+" and isinstance(left, (str, list, tuple)) and isinstance(right, (str, list, tuple)):
+            if len(left) + len(right) > MAX_RENDER_CHARS:  # checked before the sum is built
+                raise RenderLimit(f"built a value of more than {MAX_RENDER_CHARS} items")
+        return _check_size(super().call_binop(context, operator, left, right))
+
+
 def _environment() -> ImmutableSandboxedEnvironment:
     # trim_blocks/lstrip_blocks as transformers sets them: templates are written for those settings.
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
+    env = _BoundedSandbox(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
     env.filters["tojson"] = _tojson
+    env.filters = {name: _bounded_filter(fn) for name, fn in env.filters.items()}
+    env.filters["_bounded_iter"] = _bounded_iter
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = _strftime_now
     return env
+
+
+_EXECUTOR = concurrent.futures.ThreadPoolExecutor(_RENDER_WORKERS, thread_name_prefix="chat-template")
 
 
 _ENV = _environment()
@@ -90,20 +226,40 @@ class ChatTemplate:
     bos_token: str = ""
     eos_token: str = ""
     is_fallback: bool = False
+    model: str = ""  # named in errors: a broken or hostile template is that model file's fault
+
+    @property
+    def _name(self) -> str:
+        return f"the chat template of {self.model}" if self.model else "the model's chat template"
 
     @classmethod
-    def for_model(cls, chat_template: str | None, bos_token: str | None, eos_token: str | None) -> "ChatTemplate":
+    def for_model(cls, chat_template: str | None, bos_token: str | None, eos_token: str | None,
+                  model: str = "") -> "ChatTemplate":
         if chat_template and chat_template.strip():
-            return cls(chat_template, bos_token or "", eos_token or "")
-        return cls(CHATML_TEMPLATE, bos_token or "", eos_token or "", is_fallback=True)
+            return cls(chat_template, bos_token or "", eos_token or "", model=model)
+        return cls(CHATML_TEMPLATE, bos_token or "", eos_token or "", is_fallback=True, model=model)
 
     @property
     def supports_tools(self) -> bool:
         return "tools" in _compile(self.source)[1]
 
+    async def render_async(self, messages: list[dict[str, Any]], **kwargs: Any) -> str:
+        """`render` in a worker thread, so the event loop never runs template code. The render stops
+        itself at its deadline; the wait here has a margin on top for a render stuck in one long
+        C-level step, which is then left to finish in its thread."""
+        future = _EXECUTOR.submit(self.render, messages, **kwargs)
+        try:
+            return await asyncio.wait_for(asyncio.wrap_future(future), RENDER_TIME_LIMIT_S * 2)
+        except asyncio.TimeoutError:
+            if future.cancel():  # never started: every worker is busy with other renders
+                raise OverloadedError("too many chat templates are rendering; retry shortly", retry_after=1.0) from None
+            raise InvalidRequestError(
+                f"{self._name} took longer than {RENDER_TIME_LIMIT_S:g} s to render", param="messages") from None
+
     def render(self, messages: list[dict[str, Any]], *, tools: list[dict[str, Any]] | None = None,
                add_generation_prompt: bool = True, **extra: Any) -> str:
-        """The prompt text for `messages`. Raises InvalidRequestError when the template refuses them."""
+        """The prompt text for `messages`, within RENDER_TIME_LIMIT_S and MAX_RENDER_CHARS.
+        Raises InvalidRequestError when the template refuses them or exceeds a limit."""
         template, _ = _compile(self.source)
         if tools and not self.supports_tools:
             messages = with_tool_system_prompt(messages, tools)
@@ -117,12 +273,34 @@ class ChatTemplate:
         )
         if tools:
             context["tools"] = tools
+        _DEADLINE.at = time.monotonic() + RENDER_TIME_LIMIT_S
         try:
-            return template.render(**context)
+            return _bounded_output(template.generate(**context))
         except TemplateRaised as e:
-            raise InvalidRequestError(f"the model's chat template rejected the messages: {e}", param="messages") from None
+            raise InvalidRequestError(f"{self._name} rejected the messages: {e}", param="messages") from None
+        except RenderLimit as e:
+            raise InvalidRequestError(f"{self._name} {e} rendering these messages", param="messages") from None
+        except (RecursionError, MemoryError, OverflowError):
+            raise InvalidRequestError(f"{self._name} exceeded the render limits on these messages",
+                                      param="messages") from None
         except (jinja2.TemplateError, TypeError, ValueError, KeyError, IndexError, AttributeError) as e:
-            raise InvalidRequestError(f"the model's chat template failed on these messages: {e}", param="messages") from None
+            raise InvalidRequestError(f"{self._name} failed on these messages: {e}", param="messages") from None
+        finally:
+            _DEADLINE.at = float("inf")
+
+
+def _bounded_output(pieces: Any) -> str:
+    """Join a render's output pieces, stopping once past the deadline or MAX_RENDER_CHARS (a loop
+    that only prints is stopped here)."""
+    out: list[str] = []
+    total = 0
+    for piece in pieces:
+        total += len(piece)
+        if total > MAX_RENDER_CHARS:
+            raise RenderLimit(f"produced more than {MAX_RENDER_CHARS} characters")
+        _check_time()
+        out.append(piece)
+    return "".join(out)
 
 
 def with_tool_system_prompt(messages: list[dict[str, Any]], tools: list[dict[str, Any]]) -> list[dict[str, Any]]:
