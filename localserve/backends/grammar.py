@@ -2,6 +2,8 @@
 
 The schema compiler is llama-cpp-python's port of llama.cpp's json-schema-to-grammar; we call it
 rather than maintain our own. `{}` (OpenAI's `response_format: json_object`) means "any JSON object".
+Every schema and grammar passes schema_bounds first, and a compiled grammar again: both the
+compiler and llama.cpp's parser amplify their input, and the parser can overflow the C stack.
 """
 
 from __future__ import annotations
@@ -13,11 +15,12 @@ from llama_cpp.llama_grammar import JSON_GBNF, json_schema_to_gbnf
 
 from ..batching.params import SamplingParams
 from ..errors import InvalidRequestError
+from ..schema_bounds import MAX_COMPILED_GRAMMAR_CHARS, check_grammar, check_schema
 
 # JSON_GBNF's root is `object`: exactly "any JSON object".
 ANY_JSON_OBJECT_GBNF = JSON_GBNF
 
-MAX_GRAMMAR_CHARS = 256 * 1024  # a grammar is parsed on every request; bound the work one body can cause
+_MAX_CACHED_SCHEMA_CHARS = 64 * 1024  # the cache keeps its keys: 64 bodies' worth of schema is too much
 
 
 def grammar_text(params: SamplingParams) -> str | None:
@@ -27,26 +30,32 @@ def grammar_text(params: SamplingParams) -> str | None:
     if params.grammar is not None:
         if not params.grammar.strip():
             raise InvalidRequestError("grammar is empty", param="grammar")
-        if len(params.grammar) > MAX_GRAMMAR_CHARS:
-            raise InvalidRequestError("grammar is too long", param="grammar")
+        check_grammar(params.grammar, "grammar")
         return params.grammar
     if params.json_schema is not None:
+        param = params.constraint_param
         if not isinstance(params.json_schema, dict):
-            raise InvalidRequestError("JSON schema must be an object", param="response_format")
+            raise InvalidRequestError("JSON schema must be an object", param=param)
         if not params.json_schema:
             return ANY_JSON_OBJECT_GBNF
+        check_schema(params.json_schema, param)  # before json.dumps and the compiler, which recurse
         try:
             text = json.dumps(params.json_schema)  # key order kept: it is the output property order
         except (TypeError, ValueError):
-            raise InvalidRequestError("JSON schema is not serialisable JSON", param="response_format") from None
-        return _compile_schema(text)
+            raise InvalidRequestError("JSON schema is not serialisable JSON", param=param) from None
+        compile_ = _compile_cached if len(text) <= _MAX_CACHED_SCHEMA_CHARS else _compile_schema
+        return compile_(text, param)
     return None
 
 
-@functools.lru_cache(maxsize=64)
-def _compile_schema(schema_json: str) -> str:
-    # Clients tend to send the same schema with every request; compiling is pure, so cache it.
+def _compile_schema(schema_json: str, param: str) -> str:
     try:
-        return json_schema_to_gbnf(schema_json)
+        gbnf = json_schema_to_gbnf(schema_json)
     except Exception as e:  # noqa: BLE001 - the converter raises bare Exception/KeyError/ValueError/...
-        raise InvalidRequestError(f"unsupported JSON schema: {e}", param="response_format") from None
+        raise InvalidRequestError(f"unsupported JSON schema: {e}", param=param) from None
+    check_grammar(gbnf, param, max_chars=MAX_COMPILED_GRAMMAR_CHARS)
+    return gbnf
+
+
+# Clients tend to send the same schema with every request; compiling is pure, so cache it.
+_compile_cached = functools.lru_cache(maxsize=64)(_compile_schema)

@@ -29,6 +29,7 @@ import numpy as np
 from ..batching.params import SamplingParams, TokenLogprob
 from ..errors import BackendError, InvalidRequestError
 from .base import SampledToken, Sampler
+from . import sampler_thread
 from .grammar import grammar_text
 from .llamacpp_runtime import error_count, last_error_since, native_stderr_captured
 
@@ -103,19 +104,26 @@ class _Chain:
 _PARSE_ERROR = "parse: error parsing grammar: "
 
 
-def _grammar_sampler(backend: LlamaCppBackend, grammar: str):
-    errors_before = error_count()
+def _parse_grammar(backend: LlamaCppBackend, grammar: str) -> tuple[object, str]:
     with native_stderr_captured() as captured:
         g = llama_cpp.llama_sampler_init_grammar(backend.vocab, grammar.encode("utf-8"), b"root")
+    return g, captured[0]
+
+
+def _grammar_sampler(backend: LlamaCppBackend, grammar: str, param: str):
+    errors_before = error_count()
+    # llama.cpp's parser recurses per nested group: parse on a big-stack thread (sampler_thread),
+    # whatever thread builds this sampler. schema_bounds keeps the depth far below a crash anyway.
+    g, stderr_text = sampler_thread.run(_parse_grammar, backend, grammar)
     reason = ""
-    for line in captured[0].splitlines():
+    for line in stderr_text.splitlines():
         if line.startswith(_PARSE_ERROR) and not reason:
             reason = line[len(_PARSE_ERROR):].strip()
         elif line.strip():
             log.debug("native stderr during grammar parsing: %s", line)
     if not g:
         reason = reason or last_error_since(errors_before).removeprefix("llama_grammar_init_impl: ")
-        raise InvalidRequestError("invalid grammar" + (f": {reason}" if reason else ""), param="grammar")
+        raise InvalidRequestError("invalid grammar" + (f": {reason}" if reason else ""), param=param)
     return g
 
 
@@ -198,7 +206,8 @@ class LlamaCppSampler(Sampler):
         owned: list = []
         self._finalizer = weakref.finalize(self, _free_all, owned)
         if grammar is not None:
-            self._grammar = _grammar_sampler(backend, grammar)
+            param = "grammar" if params.grammar is not None else params.constraint_param
+            self._grammar = _grammar_sampler(backend, grammar, param)
             owned.append(self._grammar)
         self._chain, penalties = _build_chain(backend, params)
         owned.append(self._chain)

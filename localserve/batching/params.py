@@ -32,6 +32,7 @@ class SamplingParams:
     logit_bias: dict[int, float] = field(default_factory=dict)
     grammar: str | None = None  # GBNF text
     json_schema: dict | None = None  # compiled to GBNF by the backend; {} = any JSON object
+    constraint_param: str = "response_format"  # the request field json_schema came from, named in errors
     logprobs: int | None = None  # None = off; N = chosen token's logprob plus N top alternatives
 
     @property
