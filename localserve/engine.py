@@ -19,7 +19,8 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Callable, Generator
 
-from .backends.base import Backend
+from .backends import sampler_thread
+from .backends.base import Backend, Sampler
 from .batching.limits import EngineLimits
 from .batching.params import LANES, GenerationEvent, GenerationRequest
 from .batching.scheduler import Scheduler
@@ -177,8 +178,9 @@ class Engine:
             self._thread = threading.Thread(target=self._run, name=f"engine-{self.name}", daemon=True)
             self._thread.start()
 
-    def submit(self, request: GenerationRequest) -> RequestStream:
-        """Queue a request; call from the asyncio loop that will consume the stream."""
+    def submit(self, request: GenerationRequest, sampler: Sampler | None = None) -> RequestStream:
+        """Queue a request; call from the asyncio loop that will consume the stream. `sampler`:
+        one already built for it (submit_async)."""
         if self._stopping:
             raise OverloadedError("the model is unloading; retry shortly", retry_after=1.0)
         self._validate(request)
@@ -193,7 +195,7 @@ class Engine:
         try:
             # Built here, not on the engine thread, so a bad grammar or schema is the caller's
             # 400 at once rather than an "error" finish later.
-            sampler = self._backend.new_sampler(request.sampling, request.prompt_tokens)
+            sampler = sampler or self._backend.new_sampler(request.sampling, request.prompt_tokens)
         except BaseException:
             self._dequeued_lane(lane)
             raise
@@ -204,6 +206,21 @@ class Engine:
         self._inbox.append(seq)
         self._wake()
         return stream
+
+    async def submit_async(self, request: GenerationRequest) -> RequestStream:
+        """submit, with a constrained request's sampler built on a sampler thread: compiling a
+        schema and parsing its grammar must not stall the event loop every client shares."""
+        sampling = request.sampling
+        if sampling.grammar is None and sampling.json_schema is None:
+            return self.submit(request)
+        self._validate(request)  # cheap refusals first, before any grammar work
+        sampler = await asyncio.wrap_future(
+            sampler_thread.submit(self._backend.new_sampler, sampling, request.prompt_tokens))
+        try:
+            return self.submit(request, sampler)
+        except BaseException:
+            sampler.close()  # refused (queue full, unloading): free its native grammar now
+            raise
 
     def cancel(self, request_id: str) -> None:
         seq = self._active.get(request_id)

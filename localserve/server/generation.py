@@ -119,13 +119,13 @@ def _embed_tokens(engine: Any, inputs: Sequence[str | list[int]], truncate: bool
     return out
 
 
-def submit_all(engine: Any, requests: Sequence[GenerationRequest]) -> list[Any]:
+async def submit_all(engine: Any, requests: Sequence[GenerationRequest]) -> list[Any]:
     """Submit every choice, or none: if the lane fills up halfway, the ones already queued are
     cancelled so a refused request leaves nothing behind."""
     streams: list[Any] = []
     try:
         for request in requests:
-            streams.append(engine.submit(request))
+            streams.append(await engine.submit_async(request))
     except BaseException:
         cancel_all(streams)
         raise

@@ -86,6 +86,7 @@ def build_request(body: Body, request: web.Request, engine: Any, tokens: list[in
     options.get_int("num_ctx", None, lo=1, hi=1 << 24)  # validated; the context is fixed when the model loads
     sampling = sampling_from(options, n_vocab=n_vocab, seed=parse_seed(options), names=_OLLAMA_NAMES)
     sampling.json_schema = parse_json_format(body.raw("format"), "format")
+    sampling.constraint_param = "format"
     num_predict = options.get_int("num_predict", None, lo=-2, hi=(1 << 63) - 1)
     requested = None if num_predict is None or num_predict <= 0 else num_predict  # -1 / -2: to the context's end
     return GenerationRequest(
@@ -206,7 +207,7 @@ async def generate(request: web.Request) -> web.StreamResponse:
         earlier = check_tokens(context, engine.backend.info.n_vocab, "context") if context else []
         tokens = earlier + await tokenize_async(engine, text, template, add_special=not context)
         req = build_request(body, request, engine, tokens, interactive=False)
-        streams = submit_all(engine, [req])
+        streams = await submit_all(engine, [req])
         try:
             if stream:
                 generated: list[int] = []
@@ -255,7 +256,7 @@ async def chat(request: web.Request) -> web.StreamResponse:
         prompt = await template.render_async(messages, tools=tools or None)
         tokens = await tokenize_async(engine, prompt, template)
         req = build_request(body, request, engine, tokens, interactive=stream)
-        streams = submit_all(engine, [req])
+        streams = await submit_all(engine, [req])
         try:
             if stream:
                 calls_filter = ToolCallStream(tools) if tools else None

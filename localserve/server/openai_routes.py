@@ -24,6 +24,7 @@ from aiohttp import web
 
 from .. import __version__
 from ..batching.params import GenerationEvent, GenerationRequest, Lane, TokenLogprob
+from ..schema_bounds import check_schema
 from .errors import ClientGone, json_dumps, openai_error_body
 from .generation import (
     UsageTotals,
@@ -213,6 +214,8 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     forced = tools if tool_choice == "required" else [tool_choice] if isinstance(tool_choice, dict) else None
     if forced and opts.json_schema is not None:
         raise invalid("'response_format' cannot be combined with a forced 'tool_choice'", "response_format")
+    if forced:
+        check_schema(forced_call_schema(forced), "tools")  # refused before any model load
     sampling_from(body, n_vocab=1 << 20, seed=None)  # fail fast on bad sampling fields, before any model load
 
     async with request.app[MANAGER_KEY].use(opts.model, keep_alive=opts.keep_alive) as loaded:
@@ -223,7 +226,8 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
         base = build_request(body, opts, engine, tokens, param="messages")
         if forced:
             base.sampling.json_schema = forced_call_schema(forced)
-        streams = submit_all(engine, [with_seed_offset(base, i) for i in range(opts.n)])
+            base.sampling.constraint_param = "tools"
+        streams = await submit_all(engine, [with_seed_offset(base, i) for i in range(opts.n)])
         ctx = _Reply(request, loaded.name, opts, active_tools, prefix="chatcmpl")
         try:
             if opts.stream:
@@ -419,7 +423,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
             base = build_request(body, opts, engine, tokens, param="prompt")
             requests.extend(with_seed_offset(base, i) for i in range(opts.n))
         echoes = [p if echo and isinstance(p, str) else "" for p in prompts]
-        streams = submit_all(engine, requests)
+        streams = await submit_all(engine, requests)
         ctx = _Reply(request, loaded.name, opts, [], prefix="cmpl")
         try:
             if opts.stream:

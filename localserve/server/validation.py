@@ -20,6 +20,7 @@ from aiohttp import web
 from ..batching.params import LANES, Lane, SamplingParams
 from ..errors import ContextLengthExceededError, InvalidRequestError
 from .body import parse_json, read_body
+from ..schema_bounds import check_schema
 
 MAX_N = 8
 MAX_STOP = 4
@@ -200,7 +201,15 @@ def parse_logit_bias(value: Any, n_vocab: int, param: str = "logit_bias") -> dic
 
 
 def parse_json_format(value: Any, param: str) -> dict | None:
-    """OpenAI `response_format` or Ollama `format` -> SamplingParams.json_schema ({} = any object)."""
+    """OpenAI `response_format` or Ollama `format` -> SamplingParams.json_schema ({} = any object),
+    within schema_bounds (checked here too, so a refusal comes before any model load)."""
+    schema = _json_format(value, param)
+    if schema:
+        check_schema(schema, param)
+    return schema
+
+
+def _json_format(value: Any, param: str) -> dict | None:
     if value is None or value == "":
         return None
     if value == "json":  # Ollama
