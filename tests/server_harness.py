@@ -14,8 +14,9 @@ import socket
 import threading
 import urllib.error
 import urllib.request
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Coroutine
+from typing import Any, Coroutine, Iterator
 
 from aiohttp import web
 
@@ -37,6 +38,15 @@ def server_settings(home: Path, **changes: Any) -> Settings:
 def install_model(settings: Settings, gguf: Path) -> None:
     """Register the real model in place in a test home (no copy; the test home is thrown away)."""
     ModelStore(settings).register_local(gguf, MODEL, MODEL_TAG)
+
+
+@contextmanager
+def model_server(home: Path, gguf: Path, **changes: Any) -> Iterator["LiveServer"]:
+    """A LiveServer on a fresh home with the real model installed (the usual module fixture)."""
+    settings = server_settings(home, **changes)
+    install_model(settings, gguf)
+    with LiveServer(settings) as live:
+        yield live
 
 
 class LiveServer:

@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from server_harness import MODEL, LiveServer, install_model, server_settings
+from server_harness import MODEL, LiveServer, model_server
 
 pytestmark = pytest.mark.model
 PROMPT = "The three primary colors are"
@@ -23,9 +23,7 @@ MESSAGES = [{"role": "user", "content": "What is the capital of France?"}]
 
 @pytest.fixture(scope="module")
 def server(smollm2_gguf, tmp_path_factory):
-    settings = server_settings(tmp_path_factory.mktemp("home"))
-    install_model(settings, smollm2_gguf)
-    with LiveServer(settings) as live:
+    with model_server(tmp_path_factory.mktemp("home"), smollm2_gguf) as live:
         yield live
 
 
