@@ -37,7 +37,7 @@ sys.path.insert(0, str(REPO))
 from localserve.backends.llamacpp import LlamaCppBackend  # noqa: E402
 from localserve.backends.llamacpp_baseline import greedy_bare_loop  # noqa: E402
 from localserve.batching.limits import EngineLimits  # noqa: E402
-from localserve.batching.params import GenerationRequest, SamplingParams  # noqa: E402
+from localserve.requests import GenerationRequest, SamplingParams  # noqa: E402
 from localserve.engine import Engine  # noqa: E402
 
 # Where the test suite's fixture pulls the model (through our own puller).

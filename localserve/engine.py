@@ -22,7 +22,7 @@ from typing import Callable, Generator
 from .backends import sampler_thread
 from .backends.base import Backend, Sampler
 from .batching.limits import EngineLimits
-from .batching.params import LANES, GenerationEvent, GenerationRequest
+from .requests import LANES, GenerationEvent, GenerationRequest
 from .batching.scheduler import Scheduler
 from .batching.sequence import Sequence
 from .errors import ContextLengthExceededError, InvalidRequestError, OverloadedError, QueueFullError

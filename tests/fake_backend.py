@@ -26,7 +26,7 @@ from typing import Sequence
 from localserve.backends.base import (
     Backend, BatchToken, Capabilities, KVFullError, ModelInfo, PrefixSharing, SampledToken, Sampler,
 )
-from localserve.batching.params import SamplingParams, TokenLogprob
+from localserve.requests import SamplingParams, TokenLogprob
 from localserve.errors import BackendError
 
 EOG = 0

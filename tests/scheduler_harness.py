@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from localserve.batching.limits import EngineLimits
-from localserve.batching.params import GenerationRequest, SamplingParams
+from localserve.requests import GenerationRequest, SamplingParams
 from localserve.batching.scheduler import Scheduler
 from localserve.batching.sequence import Sequence, Status
 

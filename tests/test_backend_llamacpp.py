@@ -11,7 +11,7 @@ import pytest
 from localserve.backends.base import BatchToken, KVFullError
 from localserve.backends.llamacpp import LlamaCppBackend
 from localserve.backends.llamacpp_baseline import greedy_bare_loop
-from localserve.batching.params import SamplingParams
+from localserve.requests import SamplingParams
 from localserve.errors import (
     BackendError,
     ContextLengthExceededError,

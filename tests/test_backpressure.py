@@ -13,7 +13,7 @@ import pytest
 
 from fake_backend import FakeBackend
 from localserve.batching.limits import EngineLimits
-from localserve.batching.params import GenerationRequest, SamplingParams
+from localserve.requests import GenerationRequest, SamplingParams
 from localserve.engine import Engine
 from server_harness import MODEL, LiveServer, install_model, server_settings
 

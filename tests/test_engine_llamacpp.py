@@ -12,7 +12,7 @@ import pytest
 
 from localserve.backends.llamacpp import LlamaCppBackend
 from localserve.batching.limits import EngineLimits
-from localserve.batching.params import GenerationRequest, SamplingParams
+from localserve.requests import GenerationRequest, SamplingParams
 from localserve.engine import Engine
 
 pytestmark = pytest.mark.model

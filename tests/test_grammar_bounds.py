@@ -10,7 +10,7 @@ import pytest
 
 from localserve import schema_bounds
 from localserve.backends.grammar import ANY_JSON_OBJECT_GBNF, grammar_text
-from localserve.batching.params import SamplingParams
+from localserve.requests import SamplingParams
 from localserve.errors import InvalidRequestError
 from localserve.schema_bounds import (
     BOUND_KEYWORDS,

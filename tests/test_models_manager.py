@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from localserve.batching.params import GenerationRequest, SamplingParams
+from localserve.requests import GenerationRequest, SamplingParams
 from localserve.config import Settings, load_settings
 from localserve.errors import BackendError, GGUFError, ModelNotFoundError, OverloadedError
 from localserve.models import ModelManager, load_engine, plan_model

@@ -10,7 +10,7 @@ import pytest
 
 from localserve.backends.base import BatchToken
 from localserve.backends.grammar import grammar_text
-from localserve.batching.params import SamplingParams
+from localserve.requests import SamplingParams
 from localserve.errors import InvalidRequestError
 from llamacpp_helpers import generate, load, prompt_batch, text_of
 

@@ -16,7 +16,7 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Any, Generator, Literal, Sequence
 
-from ..batching.params import SamplingParams, TokenLogprob
+from ..requests import SamplingParams, TokenLogprob
 from ..errors import BackendError
 
 

@@ -13,7 +13,7 @@ import json
 
 from llama_cpp.llama_grammar import JSON_GBNF, json_schema_to_gbnf
 
-from ..batching.params import SamplingParams
+from ..requests import SamplingParams
 from ..errors import InvalidRequestError
 from ..schema_bounds import MAX_COMPILED_GRAMMAR_CHARS, check_grammar, check_schema
 

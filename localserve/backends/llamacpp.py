@@ -26,7 +26,7 @@ from typing import Any, Generator, Sequence
 import llama_cpp
 import numpy as np
 
-from ..batching.params import SamplingParams
+from ..requests import SamplingParams
 from ..errors import BackendError, GGUFError, InvalidRequestError, ModelNotFoundError
 from .base import Backend, BatchToken, Capabilities, KVFullError, ModelInfo
 from .llamacpp_batch import PackedBatch, stream_groups

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Sequence
 import llama_cpp
 import numpy as np
 
-from ..batching.params import SamplingParams, TokenLogprob
+from ..requests import SamplingParams, TokenLogprob
 from ..errors import BackendError, InvalidRequestError
 from .base import SampledToken, Sampler
 from . import sampler_thread

@@ -11,12 +11,10 @@ from __future__ import annotations
 from collections import deque
 from typing import TYPE_CHECKING, Iterator
 
-from .params import LANES
+from ..requests import LANES
 
 if TYPE_CHECKING:
     from .sequence import Sequence
-
-LANE_RANK = {lane: rank for rank, lane in enumerate(LANES)}  # 0 = highest priority
 
 
 def priority_key(seq: "Sequence", step: int, aging_steps: int) -> tuple[int, int]:

@@ -15,8 +15,7 @@ import time
 from typing import Callable
 
 from ..backends.base import SampledToken, Sampler
-from .lanes import LANE_RANK
-from .params import FinishReason, GenerationEvent, GenerationRequest, TokenLogprob, Usage
+from ..requests import LANE_RANK, FinishReason, GenerationEvent, GenerationRequest, TokenLogprob, Usage
 from .text import Detokenizer
 
 _order = itertools.count()

@@ -13,7 +13,7 @@ import time
 from contextlib import closing
 from typing import Any
 
-from ..batching.params import LANES
+from ..requests import LANES
 from ..client import DaemonClient
 from ..config import Settings
 from ..daemon import ensure_daemon, find_daemon, run_daemon, stop_daemon

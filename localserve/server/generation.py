@@ -22,7 +22,7 @@ from typing import Any, AsyncIterator, Awaitable, Sequence, TypeVar
 
 from aiohttp import web
 
-from ..batching.params import GenerationEvent, GenerationRequest, TokenLogprob, Usage
+from ..requests import GenerationEvent, GenerationRequest, TokenLogprob, Usage
 from ..errors import BackendError, ContextLengthExceededError, InvalidRequestError
 from .errors import ClientGone
 from .state import SETTINGS_KEY
@@ -238,7 +238,7 @@ class Choice:
 
 def raise_if_failed(event: GenerationEvent) -> None:
     if event.finish_reason == "error":
-        # The engine's message is written to be safe to show (params.GenerationEvent.error).
+        # The engine's message is written to be safe to show (requests.GenerationEvent.error).
         raise BackendError(event.error or "generation failed")
 
 

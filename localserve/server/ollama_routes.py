@@ -19,7 +19,7 @@ from typing import Any, Callable
 from aiohttp import web
 
 from .. import __version__
-from ..batching.params import GenerationRequest
+from ..requests import GenerationRequest
 from ..errors import LocalserveError
 from .errors import ClientGone, json_dumps
 from .generation import (

@@ -23,7 +23,7 @@ from typing import Any, Sequence
 from aiohttp import web
 
 from .. import __version__
-from ..batching.params import GenerationEvent, GenerationRequest, Lane, TokenLogprob
+from ..requests import GenerationEvent, GenerationRequest, Lane, TokenLogprob
 from ..schema_bounds import check_schema
 from .errors import ClientGone, json_dumps, openai_error_body
 from .generation import (

@@ -17,7 +17,7 @@ from typing import Any, Iterable
 
 from aiohttp import web
 
-from ..batching.params import LANES, Lane, SamplingParams
+from ..requests import LANES, Lane, SamplingParams
 from ..errors import ContextLengthExceededError, InvalidRequestError
 from .body import parse_json, read_body
 from ..schema_bounds import check_schema

@@ -1,7 +1,8 @@
-"""What a caller asks of the engine (GenerationRequest, SamplingParams) and what it gets back (events).
+"""What a caller asks of an engine (GenerationRequest, SamplingParams) and what it gets back (events).
 
-These types are the contract between server/ (which builds them from HTTP bodies) and engine.py;
-they carry token ids, never HTTP or backend objects.
+The product's neutral vocabulary, below every package that uses it: server/ builds these from HTTP
+bodies, engines (engine.py, or one that batches by itself) consume them, backends/ sample by
+SamplingParams, batching/ schedules by lane. They carry token ids, never HTTP or backend objects.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from typing import Literal
 
 Lane = Literal["interactive", "default", "batch"]
 LANES: tuple[Lane, ...] = ("interactive", "default", "batch")  # highest priority first
+LANE_RANK: dict[str, int] = {lane: rank for rank, lane in enumerate(LANES)}  # 0 = highest priority
 
 FinishReason = Literal["stop", "length", "cancelled", "error"]
 
