@@ -19,7 +19,7 @@ from .config import load_settings
 from .errors import LocalserveError
 
 # Modules under localserve/commands/, each registering its own subcommands.
-COMMAND_MODULES = ("models", "hw", "settings", "daemon")
+COMMAND_MODULES = ("models", "hw", "settings", "daemon", "desktop")
 
 # Flags shared by every subcommand; each maps 1:1 to a Settings field.
 SETTING_FLAGS = {
@@ -47,14 +47,22 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    flags = {key[len("setting_"):]: value for key, value in vars(args).items() if key.startswith("setting_")}
     if not getattr(args, "func", None):
-        parser.print_help()
-        return 2
+        # Bare `localserve` (a desktop launcher, a first try): where the dashboard is; the commands
+        # stay one `--help` away.
+        from .commands.desktop import dashboard_hint
+
+        try:
+            print(dashboard_hint(load_settings(flags)))
+            return 0
+        except LocalserveError:
+            parser.print_help()  # a broken config: the help is still useful
+            return 2
     logging.basicConfig(
         level=logging.DEBUG if getattr(args, "verbose", False) else logging.WARNING,
         format="%(levelname)s %(name)s: %(message)s",
     )
-    flags = {key[len("setting_"):]: value for key, value in vars(args).items() if key.startswith("setting_")}
     try:
         settings = load_settings(flags)
         return int(args.func(args, settings) or 0)
