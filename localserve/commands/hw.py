@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import argparse
 import json
+from typing import Any
 
 from rich.console import Console
 from rich.table import Table
 
+from ..buildinfo import Toolkits, installed_build, installed_version, recommend, setup_command
 from ..config import Settings
 from ..hardware import HardwareReport, detect_hardware
 from ..memory import format_bytes
@@ -21,11 +23,31 @@ def register(subparsers: argparse._SubParsersAction, common: argparse.ArgumentPa
 
 def run_hw(args: argparse.Namespace, settings: Settings) -> int:
     report = detect_hardware()
+    build = build_summary(report, Toolkits.probe())
     if args.json:
-        print(json.dumps(report.to_dict(), indent=2))
+        print(json.dumps({**report.to_dict(), "llama_build": build}, indent=2))
     else:
-        Console().print(render(report))
+        console = Console()
+        console.print(render(report))
+        console.print(render_build(build))
     return 0
+
+
+def build_summary(report: HardwareReport, toolkits: Toolkits) -> dict[str, Any]:
+    """The installed llama.cpp build, the best one for this machine and the command that gets it."""
+    rec = recommend(report, toolkits)
+    installed = installed_build(report)
+    return {"installed": installed, "version": installed_version(), "recommended": rec.as_dict(),
+            "command": None if installed == rec.build else setup_command(rec.build)}
+
+
+def render_build(build: dict[str, Any]) -> str:
+    rec = build["recommended"]
+    lines = [f"llama.cpp build: {build['installed'] or 'not installed'}; best here: {rec['build']} ({rec['reason']})"]
+    if build["command"]:
+        lines.append(f"  get it with: {build['command']}")
+    lines += [f"  [yellow]missing[/] {line}" for line in rec["missing"]]
+    return "\n".join(lines)
 
 
 def _size(n: int | None) -> str:
