@@ -19,7 +19,7 @@ from .config import load_settings
 from .errors import LocalserveError
 
 # Modules under localserve/commands/, each registering its own subcommands.
-COMMAND_MODULES = ("models", "hw", "settings", "daemon", "desktop", "setup")
+COMMAND_MODULES = ("models", "hw", "settings", "daemon", "desktop", "setup", "service")
 
 # Flags shared by every subcommand; each maps 1:1 to a Settings field.
 SETTING_FLAGS = {
@@ -27,6 +27,7 @@ SETTING_FLAGS = {
     "--host": ("host", "daemon address (LOCALSERVE_HOST)"),
     "--port": ("port", "daemon port (LOCALSERVE_PORT)"),
     "--catalog": ("catalog", "extra catalog JSON file (LOCALSERVE_CATALOG)"),
+    "--backend": ("backend", "auto, llamacpp or onnx (LOCALSERVE_BACKEND)"),
 }
 
 

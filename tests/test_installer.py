@@ -1,0 +1,171 @@
+"""installer/install.sh for real, in a fresh HOME: install from a wheel of this checkout, answer,
+service files that verify, upgrade in place, uninstall down to the models. Plus the service texts
+and the port-in-use report.
+
+llama.cpp is not compiled again: pip gets the wheel of exactly the build this test environment
+runs (found in pip's wheel cache by the hash of its libllama.so) through --find-links.
+"""
+
+from __future__ import annotations
+
+import csv
+import os
+import plistlib
+import shutil
+import socket
+import stat
+import subprocess
+import sys
+import time
+import zipfile
+from importlib import metadata
+from pathlib import Path
+
+import pytest
+
+from daemon_util import free_port
+from localserve.service import ServiceSpec, launch_agent, systemd_unit
+
+REPO = Path(__file__).resolve().parent.parent
+INSTALL = REPO / "installer" / "install.sh"
+
+
+def _record_hash(lines: list[list[str]], suffix: str) -> str | None:
+    return next((row[1] for row in lines if row and row[0].endswith(suffix)), None)
+
+
+def _wheel_of_this_build(dest: Path) -> Path | None:
+    """The cached wheel whose libllama.so is the installed one (pip's cache ignores CFLAGS, so a
+    cached wheel may be another flavour: only an identical library will do)."""
+    dist = metadata.distribution("llama-cpp-python")
+    record = next(f for f in dist.files or [] if f.name == "RECORD")
+    wanted = _record_hash(list(csv.reader(Path(record.locate()).read_text().splitlines())), "lib/libllama.so")
+    done = subprocess.run([sys.executable, "-m", "pip", "cache", "list", "llama_cpp_python*", "--format=abspath"],
+                          capture_output=True, text=True)
+    for line in done.stdout.split():
+        with zipfile.ZipFile(line) as z:
+            name = next(n for n in z.namelist() if n.endswith(".dist-info/RECORD"))
+            rows = list(csv.reader(z.read(name).decode().splitlines()))
+        if wanted and _record_hash(rows, "lib/libllama.so") == wanted:
+            dest.mkdir(parents=True, exist_ok=True)
+            return Path(shutil.copy(line, dest))
+    return None
+
+
+def _env(home: Path, **extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("LOCALSERVE_", "XDG_", "VIRTUAL_ENV"))}
+    env.update(HOME=str(home), PATH="/usr/local/bin:/usr/bin:/bin", LOCALSERVE_THREADS="2",
+               LOCALSERVE_CONTEXT_LENGTH="1024", LOCALSERVE_MAX_SEQUENCES="4", LOCALSERVE_SHUTDOWN_TIMEOUT="3")
+    # The machine's pip cache (dependencies' wheels), not the fresh HOME's empty one.
+    env["PIP_CACHE_DIR"] = os.environ.get("PIP_CACHE_DIR") or str(Path.home() / ".cache" / "pip")
+    env.update(extra)
+    return env
+
+
+def _install(env: dict[str, str], *args: str, timeout: float = 600) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(["bash", str(INSTALL), *args], env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def _files(root: Path) -> list[str]:
+    return sorted(str(p.relative_to(root)) for p in root.rglob("*") if not p.is_dir())
+
+
+@pytest.mark.model
+def test_install_answer_upgrade_uninstall(tmp_path: Path, smollm2_gguf: Path) -> None:
+    wheels = tmp_path / "wheels"
+    if _wheel_of_this_build(wheels) is None:
+        pytest.skip("pip's cache holds no wheel of the installed llama-cpp-python build (CI's install puts it there)")
+    built = subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "-w", str(wheels), str(REPO)],
+                           capture_output=True, text=True, timeout=300)
+    assert built.returncode == 0, built.stderr
+    wheel = next(wheels.glob("localserve-*.whl"))
+    home = tmp_path / "home"
+    home.mkdir()
+    data = home / ".local" / "share" / "localserve"
+    env = _env(home)
+    port = free_port()
+    # The model, registered in place beforehand, so the installer's closing `run` downloads nothing.
+    add = subprocess.run([sys.executable, "-m", "localserve", "--home", str(data), "add", str(smollm2_gguf),
+                          "--name", "smollm2-135m"], env=env, capture_output=True, text=True)
+    assert add.returncode == 0, add.stderr
+    models_before = _files(data)
+    ls = data / "venv" / "bin" / "localserve"
+    start = time.monotonic()
+    try:
+        first = _install(env, "--from", str(wheel), "--find-links", str(wheels), "--port", str(port))
+        print(f"first install: {time.monotonic() - start:.0f}s")
+        assert first.returncode == 0, first.stdout + first.stderr
+        assert first.stdout.strip().splitlines()[-1].startswith("==> done: localserve")
+        assert (home / ".local" / "bin" / "localserve").resolve() == ls.resolve()
+        hw = subprocess.run([str(home / ".local/bin/localserve"), "hw", "--json"], env=env, capture_output=True, text=True)
+        assert '"installed": "cpu"' in hw.stdout, hw.stderr
+
+        answer = subprocess.run([str(ls), "run", "smollm2-135m", "Say hi", "--temperature", "0", "--max-tokens", "8"],
+                                env=env, capture_output=True, text=True, timeout=180)
+        assert answer.returncode == 0 and answer.stdout.strip(), answer.stderr
+
+        unit = home / ".config" / "systemd" / "user" / "localserve.service"
+        assert f'"{ls}" "serve" "--port" "{port}"' in unit.read_text()
+        assert (unit.parent / "default.target.wants" / unit.name).resolve() == unit
+        if shutil.which("systemd-analyze"):
+            runtime = tmp_path / "run"
+            runtime.mkdir(mode=0o700)
+            verify = subprocess.run(["systemd-analyze", "verify", "--user", str(unit)], capture_output=True, text=True,
+                                    env={**env, "XDG_RUNTIME_DIR": str(runtime)})
+            # verify exits 0 even for values it ignores: its warnings name the file, so none may appear.
+            assert verify.returncode == 0 and str(unit) not in verify.stderr, verify.stderr
+        assert list((home / ".config" / "autostart").glob("*.desktop")), "the tray's login item"
+        assert f"port = {port}" in (home / ".config" / "localserve" / "config.toml").read_text()
+
+        python_inode = (data / "venv" / "bin" / "python").lstat().st_ino
+        start = time.monotonic()
+        second = _install(env, "--from", str(wheel), "--find-links", str(wheels), "--port", str(port), "--no-run")
+        print(f"upgrade: {time.monotonic() - start:.0f}s")
+        assert second.returncode == 0, second.stdout + second.stderr
+        assert "already installed" in second.stderr.replace("\n", " ")
+        assert (data / "venv" / "bin" / "python").lstat().st_ino == python_inode  # in place, not remade
+    finally:
+        if ls.exists():
+            subprocess.run([str(ls), "stop"], env=env, capture_output=True, timeout=60)
+    gone = _install(env, "--uninstall")
+    assert gone.returncode == 0, gone.stderr
+    assert "downloaded models kept" in gone.stdout
+    assert _files(home) == [str(Path(".local/share/localserve") / f) for f in models_before]
+    assert _install(env, "--purge").returncode == 0
+    assert _files(home) == []
+
+
+def test_unsupported_python_is_refused_before_anything_is_written(tmp_path: Path) -> None:
+    old = tmp_path / "python3.8"
+    old.write_text("#!/bin/sh\n[ \"$1\" = --version ] && echo 'Python 3.8.18'\nexit 1\n")
+    old.chmod(old.stat().st_mode | stat.S_IEXEC)
+    home = tmp_path / "home"
+    home.mkdir()
+    done = _install(_env(home, PYTHON=str(old)), "--no-run", timeout=60)
+    assert done.returncode == 1
+    assert "localserve needs Python 3.10 or newer" in done.stderr and "Python 3.8.18" in done.stderr
+    assert "Nothing was changed" in done.stderr and list(home.iterdir()) == []
+
+
+def test_service_install_names_what_holds_the_port(tmp_path: Path) -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        done = subprocess.run([sys.executable, "-m", "localserve", "--home", str(tmp_path / "ls"), "--port", str(port),
+                               "service", "install"], env=_env(tmp_path), capture_output=True, text=True, timeout=60)
+    assert done.returncode == 1
+    me = f"(pid {os.getpid()})"
+    assert f"port {port} is in use by" in done.stderr and me in done.stderr and "--port" in done.stderr
+    assert not (tmp_path / ".config" / "systemd").exists()
+
+
+def test_service_texts_quote_what_systemd_and_launchd_would_expand(tmp_path: Path) -> None:
+    spec = ServiceSpec(Path("/opt/my apps/100%/$x/localserve"), 12345, home=Path("/data/a b"), log_dir=tmp_path)
+    unit = systemd_unit(spec)
+    assert 'ExecStart="/opt/my apps/100%%/$$x/localserve" "serve" "--port" "12345"' in unit
+    assert 'Environment="LOCALSERVE_HOME=/data/a b"' in unit and "WantedBy=default.target" in unit
+    plist = plistlib.loads(launch_agent(spec))
+    assert plist["ProgramArguments"] == ["/opt/my apps/100%/$x/localserve", "serve", "--port", "12345"]
+    assert plist["EnvironmentVariables"] == {"LOCALSERVE_HOME": "/data/a b"} and plist["RunAtLoad"] is True
+    assert plist["KeepAlive"] == {"SuccessfulExit": False} and plist["StandardErrorPath"] == str(tmp_path / "daemon.log")
