@@ -59,6 +59,11 @@ class Settings:
     # on a prompt's output depends on how its prefill was chunked beside other requests.
     flash_attention: bool = False
     prefix_cache: bool = True  # keep finished requests' KV to serve later prompts sharing a prefix
+    # Which backend runs models: auto (placement.py decides from the hardware and the formats a
+    # model has), llamacpp or onnx. `model_backends` overrides it per model: "NAME[:TAG]=BACKEND"
+    # items (comma-separated in env and flags), e.g. "qwen2.5-7b=onnx"; a bare name covers all tags.
+    backend: str = "auto"
+    model_backends: tuple[str, ...] = ()
     max_body_bytes: int = 8 * 1024 * 1024
     # Seconds a client has to send a request body once its headers are in (408 after); 0 = no limit.
     body_timeout: float = 30.0

@@ -152,6 +152,8 @@ def serve_command(settings: Settings) -> list[str]:
     cmd += ["--host", settings.host, "--port", str(settings.port)]
     if settings.catalog:
         cmd += ["--catalog", str(settings.catalog)]
+    if settings.sources.get("backend", "").startswith("flag"):  # `run --backend onnx` starting the daemon
+        cmd += ["--backend", settings.backend]
     return cmd
 
 

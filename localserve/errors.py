@@ -11,6 +11,7 @@ status and an OpenAI error body (`server/errors.py`) through `http_status`, `err
     │   └── ContextLengthExceededError
     ├── ModelNotFoundError           not in the catalog / not pulled (404)
     ├── GGUFError                    malformed, truncated or non-GGUF file
+    ├── ModelDirError                an ONNX / onnxruntime-genai model folder that is incomplete or corrupt
     ├── DownloadError                pull failures
     │   ├── NetworkError             cannot reach the source (after retries)
     │   ├── HTTPStatusError          401/403/404/5xx from the source
@@ -86,6 +87,12 @@ class GGUFError(LocalserveError):
     http_status = 400
     error_type = "invalid_request_error"
     code = "invalid_model_file"
+
+
+class ModelDirError(LocalserveError):
+    http_status = 400
+    error_type = "invalid_request_error"
+    code = "invalid_model_dir"
 
 
 class DownloadError(LocalserveError):

@@ -8,6 +8,9 @@ Order of preference, first that applies wins:
  3. an ONNX variant and a GPU execution provider (DirectML on Windows GPUs, CUDA) that fits -> onnx;
  4. a GGUF and at least one layer fits on the GPU -> partial offload of as many layers as fit;
  5. the CPU (llama.cpp for GGUF, ONNX Runtime's CPU EP otherwise).
+
+A preference (`backend` setting, `--backend`, a per-model entry in `model_backends`) other than
+`auto` narrows the formats to the ones that backend runs, and the reason says who asked.
 """
 
 from __future__ import annotations
@@ -21,6 +24,11 @@ from .hardware.report import GPUInfo, HardwareReport
 from .memory import MemoryEstimate, format_bytes
 
 GiB = 1 << 30
+BACKENDS = ("llamacpp", "onnx")
+PREFERENCES = ("auto", *BACKENDS)
+# The store's formats and the backend that runs each: our ONNX export and onnxruntime-genai folders
+# both run on ONNX Runtime's execution providers.
+FORMAT_BACKEND = {"gguf": "llamacpp", "onnx": "onnx", "oga": "onnx"}
 # Memory a GPU runtime takes before any tensor (CUDA/ROCm context, cuBLAS workspace, driver
 # allocations). Ollama budgets 457 MiB ("MinimumMemory"); we round up.
 GPU_RESERVE = 512 << 20
@@ -120,11 +128,24 @@ def choose_backend(
     variants: Sequence[str],
     runtimes: Runtimes | None = None,
     estimate: MemoryEstimate | None = None,
+    prefer: str = "auto",
+    requested_by: str = "",
 ) -> BackendChoice:
     """Pick backend, device and GPU layer count for a model available in `variants` ("gguf",
-    "onnx"), needing `estimate` memory (None: unknown size, assume it fits)."""
+    "onnx", "oga"), needing `estimate` memory (None: unknown size, assume it fits). `prefer` is
+    "auto" or the one backend to use; `requested_by` says where that came from, for the reason."""
     runtimes = runtimes or Runtimes.from_report(report)
-    formats = {v.lower() for v in variants}
+    formats = {"onnx" if v.lower() == "oga" else v.lower() for v in variants}
+    if prefer != "auto":
+        if prefer not in BACKENDS:
+            raise BackendError(f"unknown backend {prefer!r}; choose one of {', '.join(PREFERENCES)}")
+        wanted = {f for f in formats if FORMAT_BACKEND.get(f) == prefer}
+        if not wanted:
+            have = ", ".join(sorted(formats)) or "no variants"
+            raise BackendError(f"backend {prefer} was requested{_by(requested_by)}, but the model has no variant "
+                               f"it runs (it has {have})")
+        choice = choose_backend(report, sorted(wanted), runtimes, estimate)
+        return dataclasses.replace(choice, reason=f"{choice.reason}; backend {prefer} requested{_by(requested_by)}")
     has_gguf = "gguf" in formats and runtimes.llama_cpp
     has_onnx = "onnx" in formats and bool(runtimes.onnx_providers)
     notes: list[str] = []
@@ -152,6 +173,10 @@ def choose_backend(
         notes.append(f"{gpu.name} too small ({format_bytes(budget)} free)")
 
     return _choose_cpu(report, has_gguf, has_onnx, runtimes, estimate, notes, formats)
+
+
+def _by(requested_by: str) -> str:
+    return f" by {requested_by}" if requested_by else ""
 
 
 def _best_llama_gpu(report: HardwareReport, runtimes: Runtimes) -> tuple[int | None, GPUInfo | None]:

@@ -3,13 +3,21 @@
 Layout under `settings.models_dir`:
 
     models/<name>/<tag>/<file>.gguf      the weights (absent for models registered in place)
-    models/<name>/<tag>/manifest.json    source, sha256, size, GGUF facts, pulled_at
+    models/<name>/<tag>/<kind>-<digest>/ a folder variant (ONNX export, onnxruntime-genai folder)
+    models/<name>/<tag>/manifest.json    source, sha256, size, GGUF facts, pulled_at, variants
     models/.locks/<name>@<tag>.lock      held while a pull or removal of that model runs
 
 A model is visible only once its manifest exists, and the manifest is written last (atomically), so
 a crash mid-pull never shows a half-written model. Every path built from a user-supplied name goes
 through `safe_component`: a name is the one thing a remote client (Ollama's /api/pull, /api/delete)
 controls that becomes a path, so it is the door a traversal attack would use.
+
+A tag holds one variant per format. The manifest's top-level `file`, `sha256`, `size`, `facts` are
+the GGUF variant (the schema-1 layout, so every manifest written before variants existed reads as a
+tag with one GGUF variant); `variants` maps each folder format (`onnx`, `oga`) to its own entry:
+`dir`, `sha256` of the folder's listing, and `files` with every file's sha256 and size
+(model_dirs.py). A folder is copied into a staging folder under `models/.tmp` (same filesystem),
+checked there, then renamed into the tag's folder before the manifest names it.
 """
 
 from __future__ import annotations
@@ -30,7 +38,7 @@ from .errors import InvalidNameError, LocalserveError, ModelNotFoundError, PullL
 log = logging.getLogger(__name__)
 
 MANIFEST_NAME = "manifest.json"
-MANIFEST_SCHEMA = 1
+MANIFEST_SCHEMA = 2  # 2: `variants` for folder formats; schema-1 manifests read as one GGUF variant
 LOCKS_DIR = ".locks"
 MAX_COMPONENT_LENGTH = 128
 # Characters Windows refuses in file names; refusing them everywhere keeps a cache portable.
@@ -164,6 +172,29 @@ else:
         fcntl.flock(fd, fcntl.LOCK_UN)
 
 
+@dataclass(frozen=True)
+class StoredVariant:
+    """One format of a tag: the GGUF file, or a folder with per-file checksums."""
+
+    format: str  # "gguf", "onnx" (our converter's export) or "oga" (an onnxruntime-genai folder)
+    path: Path  # the .gguf file, or the variant's folder
+    size: int
+    sha256: str | None  # of the file, or of the folder's file listing
+    files: dict[str, dict[str, Any]] = field(default_factory=dict, repr=False)  # folders only
+    meta: dict[str, Any] = field(default_factory=dict, repr=False)  # localserve-onnx.json / genai_config facts
+
+    @property
+    def available(self) -> bool:
+        return self.path.is_file() if self.format == "gguf" else self.path.is_dir()
+
+    def verify(self, label: str) -> None:
+        """Check a folder variant against its per-file manifest (ModelDirError naming what differs)."""
+        if self.format != "gguf":
+            from .model_dirs import verify_tree
+
+            verify_tree(self.path, self.files, f"the {self.format} variant of {label}")
+
+
 @dataclass
 class InstalledModel:
     name: str
@@ -175,6 +206,9 @@ class InstalledModel:
     format: str
     modified: float  # epoch seconds of the pull / registration
     manifest: dict[str, Any] = field(default_factory=dict, repr=False)
+    # Every format the tag holds; `path`, `size`, `sha256`, `format` above are the GGUF one's when
+    # there is one (what llama.cpp and the pull code use), else the first folder variant's.
+    variants: dict[str, StoredVariant] = field(default_factory=dict, repr=False)
 
     @property
     def ref(self) -> str:
@@ -190,7 +224,11 @@ class InstalledModel:
 
     @property
     def available(self) -> bool:
-        return self.path.is_file()
+        return any(v.available for v in self.variants.values())
+
+    @property
+    def gguf(self) -> StoredVariant | None:
+        return self.variants.get("gguf")
 
 
 class ModelStore:
@@ -226,18 +264,21 @@ class ModelStore:
     def _load(self, manifest_path: Path) -> InstalledModel | None:
         try:
             data = json.loads(manifest_path.read_text(encoding="utf-8"))
-            file_ref = Path(data["file"])
-            path = file_ref if file_ref.is_absolute() else manifest_path.parent / safe_component(data["file"], "file")
+            variants = _read_variants(data, manifest_path.parent)
+            if not variants:
+                raise ValueError("the manifest names no file and no variant")
+            primary = variants.get("gguf") or next(iter(variants.values()))
             return InstalledModel(
                 name=str(data["name"]),
                 tag=str(data["tag"]),
-                path=path,
-                size=int(data.get("size") or 0),
-                sha256=data.get("sha256"),
+                path=primary.path,
+                size=primary.size,
+                sha256=primary.sha256,
                 quant=data.get("quant"),
-                format=str(data.get("format") or "gguf"),
+                format=primary.format,
                 modified=float(data.get("pulled_at_epoch") or manifest_path.stat().st_mtime),
                 manifest=data,
+                variants=variants,
             )
         except (OSError, ValueError, KeyError, TypeError, LocalserveError) as e:
             # One damaged manifest must not hide every other model.
@@ -294,18 +335,31 @@ class ModelStore:
 
     # -- writing -----------------------------------------------------------------------------
     def write_manifest(self, name: str, tag: str, data: dict[str, Any]) -> InstalledModel:
+        """Write the tag's manifest with `data` as its GGUF variant, keeping the folder variants it
+        already has (a re-pull of the GGUF must not drop a converted ONNX). Callers hold the lock."""
         directory = self.model_dir(name, tag)
         directory.mkdir(parents=True, exist_ok=True)
+        existing = self._raw_manifest(directory)
+        full = self._manifest_head(name, tag)
+        full.update({"format": "gguf", **data})
+        if existing.get("variants"):
+            full["variants"] = existing["variants"]
+        return self._commit_manifest(directory, full)
+
+    def _raw_manifest(self, directory: Path) -> dict[str, Any]:
+        try:
+            data = json.loads((directory / MANIFEST_NAME).read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            return {}
+        return data if isinstance(data, dict) else {}
+
+    @staticmethod
+    def _manifest_head(name: str, tag: str) -> dict[str, Any]:
         now = time.time()
-        full = {
-            "schema": MANIFEST_SCHEMA,
-            "name": name,
-            "tag": tag,
-            "format": "gguf",
-            "pulled_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(now)),
-            "pulled_at_epoch": now,
-            **data,
-        }
+        return {"schema": MANIFEST_SCHEMA, "name": name, "tag": tag,
+                "pulled_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(now)), "pulled_at_epoch": now}
+
+    def _commit_manifest(self, directory: Path, full: dict[str, Any]) -> InstalledModel:
         atomic_write_json(directory / MANIFEST_NAME, full)
         model = self._load(directory / MANIFEST_NAME)
         assert model is not None
@@ -337,6 +391,50 @@ class ModelStore:
                 },
             )
 
+    def add_directory(self, path: Path | str, name: str, tag: str = "latest") -> InstalledModel:
+        """Copy an ONNX or onnxruntime-genai model folder into the tag as its `onnx` / `oga` variant.
+
+        The copy is staged under models/.tmp and checked there; only a complete, valid copy is
+        renamed into the tag's folder, and the manifest names it after that, so a refused or
+        interrupted add leaves nothing the store would show. A GGUF the tag holds stays.
+        """
+        import tempfile
+
+        from .model_dirs import check_layout, copy_and_hash, detect_kind, remove_tree, tree_digest
+
+        name = safe_component(name, "name")
+        tag = safe_component(tag, "tag")
+        source = Path(path).expanduser()
+        if not source.is_dir():
+            raise ModelNotFoundError(str(path), message=f"no such folder: {source.name}")
+        kind = detect_kind(source)
+        check_layout(source, kind)  # refuse an incomplete folder before copying gigabytes
+        staging = Path(tempfile.mkdtemp(prefix=".stage-", dir=self.tmp_dir()))
+        try:
+            files = copy_and_hash(source, staging / "copy")
+            meta = check_layout(staging / "copy", kind)  # what we keep, not what the source holds now
+            digest = tree_digest(files)
+            with self.lock(name, tag):
+                directory = self.model_dir(name, tag)
+                directory.mkdir(parents=True, exist_ok=True)
+                target = directory / f"{kind}-{digest[:12]}"
+                if not target.is_dir():
+                    os.replace(staging / "copy", target)
+                manifest = self._raw_manifest(directory)
+                old = (manifest.get("variants") or {}).get(kind) or {}
+                full = {**manifest, **self._manifest_head(name, tag)}
+                full["variants"] = {**(manifest.get("variants") or {}), kind: {
+                    "format": kind, "dir": target.name, "sha256": digest, "files": files,
+                    "size": sum(e["size"] for e in files.values()), "meta": meta,
+                    "source": {"kind": "folder", "name": source.name},
+                }}
+                model = self._commit_manifest(directory, full)
+                if old.get("dir") and old["dir"] != target.name:
+                    remove_tree(directory / safe_component(old["dir"], "variant folder"))
+                return model
+        finally:
+            remove_tree(staging)
+
     def remove(self, ref: str) -> InstalledModel:
         """Delete a model from the cache (never the user's own file for models added in place)."""
         model = self.find(ref)
@@ -351,3 +449,28 @@ class ModelStore:
         except OSError:
             pass  # other tags remain
         return model
+
+
+def _read_variants(data: dict[str, Any], directory: Path) -> dict[str, StoredVariant]:
+    """Every variant a manifest names: the top-level GGUF (schema 1 and 2) and the folders."""
+    variants: dict[str, StoredVariant] = {}
+    if data.get("file"):
+        file_ref = Path(data["file"])
+        path = file_ref if file_ref.is_absolute() else directory / safe_component(data["file"], "file")
+        variants["gguf"] = StoredVariant("gguf", path, int(data.get("size") or 0), data.get("sha256"))
+    raw = data.get("variants") or {}
+    if not isinstance(raw, dict):
+        raise ValueError("'variants' must be an object")
+    for kind, entry in raw.items():
+        files = entry["files"]
+        if not isinstance(files, dict):
+            raise ValueError(f"variant {kind}: 'files' must be an object")
+        variants[str(kind)] = StoredVariant(
+            format=str(entry.get("format") or kind),
+            path=directory / safe_component(entry["dir"], "variant folder"),
+            size=int(entry.get("size") or 0),
+            sha256=entry.get("sha256"),
+            files=files,
+            meta=dict(entry.get("meta") or {}),
+        )
+    return variants

@@ -149,3 +149,16 @@ def test_runtimes_default_from_the_report() -> None:
     assert choose_backend(report, ["GGUF"], None, SMALL).as_dict() == BackendChoice(
         "llamacpp", "gpu:0", -1, "all layers on NVIDIA GeForce RTX 3060 (needs 5.3 GiB, 10.5 GiB free)", None,
         "NVIDIA GeForce RTX 3060").as_dict()
+
+
+def test_a_preference_narrows_the_formats_and_says_who_asked() -> None:
+    report = detect_hardware(fixture_env("windows_snapdragon", onnx=["QNNExecutionProvider", CPU_EP]))
+    auto = choose_backend(report, ["gguf", "oga"], None, SMALL)  # a vendor OGA folder counts as onnx
+    assert (auto.backend, auto.device, auto.execution_provider) == ("onnx", "npu:0", "QNNExecutionProvider")
+    forced = choose_backend(report, ["gguf", "oga"], None, SMALL, prefer="llamacpp", requested_by="flag --backend")
+    assert (forced.backend, forced.device) == ("llamacpp", "cpu")
+    assert forced.reason.endswith("; backend llamacpp requested by flag --backend")
+    with pytest.raises(BackendError, match="backend onnx was requested, but the model has no variant it runs"):
+        choose_backend(report, ["gguf"], None, SMALL, prefer="onnx")
+    with pytest.raises(BackendError, match="unknown backend 'tpu'"):
+        choose_backend(report, ["gguf"], None, SMALL, prefer="tpu")

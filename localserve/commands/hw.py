@@ -24,13 +24,55 @@ def register(subparsers: argparse._SubParsersAction, common: argparse.ArgumentPa
 def run_hw(args: argparse.Namespace, settings: Settings) -> int:
     report = detect_hardware()
     build = build_summary(report, Toolkits.probe())
+    placements = model_placements(report, settings)
     if args.json:
-        print(json.dumps({**report.to_dict(), "llama_build": build}, indent=2))
+        print(json.dumps({**report.to_dict(), "llama_build": build, "models": placements}, indent=2))
     else:
         console = Console()
         console.print(render(report))
         console.print(render_build(build))
+        if placements:
+            console.print(render_placements(placements))
     return 0
+
+
+def model_placements(report: HardwareReport, settings: Settings) -> list[dict[str, Any]]:
+    """Backend, device and EP each installed model gets here, and why: the registry's choice, as a
+    load makes it, at the default context (`show MODEL --ctx N` sizes one model for another)."""
+    from ..backends.registry import choose
+    from ..errors import LocalserveError
+    from ..store import ModelStore
+
+    rows = []
+    for model in ModelStore(settings).list():
+        row: dict[str, Any] = {"model": model.ref, "variants": list(model.variants)}
+        try:
+            row.update(choose(model, settings, report, _estimate(model, settings)).as_dict())
+        except LocalserveError as e:  # nothing here can run it, or a bad preference: say so in its row
+            row.update(backend=None, reason=str(e))
+        rows.append(row)
+    return rows
+
+
+def _estimate(model: Any, settings: Settings) -> Any:
+    from ..gguf_facts import GGUFFacts
+    from ..memory import estimate_memory
+
+    if not model.facts:
+        return None
+    facts = GGUFFacts.from_dict(model.facts)
+    return estimate_memory(facts, settings.context_length or min(facts.context_length or 8192, 8192))
+
+
+def render_placements(rows: list[dict[str, Any]]) -> Table:
+    from .models import runs_on
+
+    table = Table(title="where installed models run", show_lines=False)
+    for column in ("model", "variants", "runs on", "why"):
+        table.add_column(column, overflow="fold")
+    for row in rows:
+        table.add_row(row["model"], "+".join(row["variants"]), runs_on(row), row["reason"])
+    return table
 
 
 def build_summary(report: HardwareReport, toolkits: Toolkits) -> dict[str, Any]:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from pathlib import Path
 from typing import Any
 
 from rich.console import Console
@@ -46,8 +47,10 @@ def register(subparsers: argparse._SubParsersAction, common: argparse.ArgumentPa
     p.add_argument("models", nargs="+", metavar="MODEL")
     p.set_defaults(func=run_rm)
 
-    p = subparsers.add_parser("add", parents=[common], help="register a GGUF file you already have (in place, no copy)")
-    p.add_argument("path")
+    p = subparsers.add_parser("add", parents=[common],
+                              help="register a GGUF file you already have (in place, no copy), or copy in an "
+                                   "ONNX (model.onnx + localserve-onnx.json) or onnxruntime-genai (genai_config.json) folder")
+    p.add_argument("path", help="a .gguf file or a model folder")
     p.add_argument("--name", required=True, help="NAME[:TAG] to register it under")
     p.set_defaults(func=run_add)
 
@@ -118,11 +121,11 @@ def run_list(args: argparse.Namespace, settings: Settings) -> int:
         Console().print(f"No models installed. Try `localserve pull {settings.default_model}`.")
         return 0
     table = Table(box=None, header_style="bold")
-    for column in ("NAME", "TAG", "SIZE", "QUANT", "MODIFIED"):
+    for column in ("NAME", "TAG", "SIZE", "QUANT", "VARIANTS", "MODIFIED"):
         table.add_column(column, justify="right" if column == "SIZE" else "left")
     for m in models:
         name = m.name + ("" if m.available else " (file missing)")
-        table.add_row(name, m.tag, _size(m.size), m.quant or "?", _ago(m.modified))
+        table.add_row(name, m.tag, _size(m.size), m.quant or "?", "+".join(m.variants), _ago(m.modified))
     Console().print(table)
     return 0
 
@@ -139,6 +142,9 @@ def _summary(m: InstalledModel) -> dict[str, Any]:
         "modified": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(m.modified)),
         "path": str(m.path),
         "in_place": m.in_place,
+        "variants": {fmt: {"path": str(v.path), "size": v.size, "sha256": v.sha256, "available": v.available,
+                           **({"files": len(v.files)} if v.files else {})}
+                     for fmt, v in m.variants.items()},
     }
 
 
@@ -149,7 +155,14 @@ def describe_model(model: InstalledModel, settings: Settings, n_ctx: int | None 
     from ..gguf_facts import read_gguf_facts
     from ..memory import estimate_memory
 
-    facts = read_gguf_facts(model.path)
+    if n_ctx is not None and n_ctx <= 0:
+        raise InvalidRequestError("--ctx must be a positive number of tokens")
+    if model.gguf is None:  # folder variants only: no GGUF facts to size it from
+        meta = next(iter(model.variants.values())).meta
+        return {**_summary(model), "architecture": meta.get("architecture") or meta.get("model_type"),
+                "context_length": meta.get("context_length"), "memory": None,
+                "placement": _placement(None, model, settings)}
+    facts = read_gguf_facts(model.gguf.path)
     if n_ctx is None:
         n_ctx = settings.context_length or min(facts.context_length or 8192, 8192)
     if n_ctx <= 0:
@@ -170,15 +183,27 @@ def describe_model(model: InstalledModel, settings: Settings, n_ctx: int | None 
         "source": (model.manifest.get("source") or {}).get("ref"),
         "memory": {"n_ctx": n_ctx, **estimate.as_dict()},
     }
-    info["placement"] = _placement(estimate, model)
+    info["placement"] = _placement(estimate, model, settings)
     return info
 
 
-def _placement(estimate: Any, model: InstalledModel) -> dict[str, Any]:
+def _placement(estimate: Any, model: InstalledModel, settings: Settings) -> dict[str, Any]:
+    """What a load would pick, asked the way a load asks (the registry, over every variant)."""
+    from ..backends.registry import choose
+    from ..errors import LocalserveError
     from ..hardware import detect_hardware
-    from ..placement import choose_backend
 
-    return choose_backend(detect_hardware(), [model.format], estimate=estimate).as_dict()
+    try:
+        return choose(model, settings, detect_hardware(), estimate).as_dict()
+    except LocalserveError as e:  # nothing installed here runs it: `show` still shows the model
+        return {"backend": None, "reason": str(e)}
+
+
+def runs_on(place: dict[str, Any]) -> str:
+    if place.get("backend") is None:
+        return "nothing here"
+    ep = f" via {place['execution_provider']}" if place.get("execution_provider") else ""
+    return f"{place['backend']} on {place['device_name']} ({place['device']}){ep}"
 
 
 def run_show(args: argparse.Namespace, settings: Settings) -> int:
@@ -194,6 +219,15 @@ def run_show(args: argparse.Namespace, settings: Settings) -> int:
     table = Table(box=None, show_header=False)
     table.add_column(style="bold", no_wrap=True)
     table.add_column(overflow="fold")  # paths and digests wrap whole rather than being cut off
+    variant_rows = [(f"variant {fmt}", f"{_size(v.size)}, sha256 {v.sha256}" + (f", {len(v.files)} files" if v.files else "")
+                     + ("" if v.available else " (missing)")) for fmt, v in model.variants.items()]
+    if mem is None:
+        rows = [("model", model.ref), ("architecture", str(info["architecture"] or "unknown")), *variant_rows,
+                ("runs on", runs_on(place)), ("why", str(place["reason"]))]
+        for key, value in rows:
+            table.add_row(key, value)
+        Console().print(table)
+        return 0
     rows = [
         ("model", model.ref),
         ("architecture", info["architecture"]),
@@ -209,7 +243,8 @@ def run_show(args: argparse.Namespace, settings: Settings) -> int:
         (f"memory @ {mem['n_ctx']} ctx",
          f"{format_bytes(mem['total_bytes'])} (weights {format_bytes(mem['weights_bytes'])} + "
          f"KV {format_bytes(mem['kv_bytes'])} + compute {format_bytes(mem['compute_bytes'])})"),
-        ("runs on", f"{place['backend']} on {place['device_name']} ({place['device']})"),
+        *variant_rows,
+        ("runs on", runs_on(place)),
         ("why", str(place["reason"])),
     ]
     for key, value in rows:
@@ -233,7 +268,16 @@ def run_add(args: argparse.Namespace, settings: Settings) -> int:
     ref = parse_ref(args.name)
     if "/" in ref.name:  # hf.co/... and URLs included
         raise InvalidRequestError("--name must be a plain NAME[:TAG] (no slashes)")
-    model = ModelStore(settings).register_local(args.path, ref.name, ref.tag or "latest")
+    store = ModelStore(settings)
+    if Path(args.path).expanduser().is_dir():
+        from ..model_dirs import detect_kind
+
+        kind = detect_kind(Path(args.path).expanduser())
+        model = store.add_directory(args.path, ref.name, ref.tag or "latest")
+        v = model.variants[kind]
+        print(f"added {model.ref}: {kind} variant ({len(v.files)} files, {_size(v.size)}, sha256 {(v.sha256 or '?')[:12]}…)")
+        return 0
+    model = store.register_local(args.path, ref.name, ref.tag or "latest")
     print(f"added {model.ref} -> {model.path} ({_size(model.size)}, {model.quant or 'unknown quant'})")
     return 0
 
