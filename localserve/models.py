@@ -58,6 +58,7 @@ class ModelPlan:
     n_gpu_layers: int = 0
     device: str = "cpu"
     vram_bytes: int = 0  # the part of memory_bytes expected on the GPU
+    choice: Any = None  # placement.BackendChoice: which backend the registry loads it with, and why
 
 
 @functools.lru_cache(maxsize=1)
@@ -69,61 +70,57 @@ def hardware_report() -> Any:
 
 
 def plan_model(installed: InstalledModel, settings: Settings) -> ModelPlan:
+    """Limits, memory and backend for a load, over every format the tag holds (backends.registry
+    chooses). Sizes come from the GGUF's facts; a tag with only folder variants is charged its
+    files' size, since its KV layout is the (future) ONNX backend's to say."""
+    from .backends import registry
     from .batching.limits import EngineLimits
     from .gguf_facts import GGUFFacts, read_gguf_facts
     from .memory import estimate_memory, kv_cache_bytes
-    from .placement import Runtimes, choose_backend
 
-    try:
-        facts = GGUFFacts.from_dict(installed.facts) if installed.facts else read_gguf_facts(installed.path)
-    except LocalserveError:
-        facts = read_gguf_facts(installed.path)  # an older manifest without every fact: read the file
-    limits = EngineLimits.from_settings(
-        settings,
-        n_ctx_train=facts.context_length,
-        model_bytes=facts.weights_bytes,
-        kv_bytes_per_token=kv_cache_bytes(facts, 1),
-    )
-    estimate = estimate_memory(facts, limits.n_ctx)
-    report = hardware_report()
-    choice = choose_backend(report, ["gguf"], Runtimes.from_report(report), estimate)
+    estimate = None
+    if installed.gguf is not None:
+        try:
+            facts = GGUFFacts.from_dict(installed.facts) if installed.facts else read_gguf_facts(installed.gguf.path)
+        except LocalserveError:
+            facts = read_gguf_facts(installed.gguf.path)  # an older manifest without every fact: read the file
+        limits = EngineLimits.from_settings(
+            settings,
+            n_ctx_train=facts.context_length,
+            model_bytes=facts.weights_bytes,
+            kv_bytes_per_token=kv_cache_bytes(facts, 1),
+        )
+        estimate = estimate_memory(facts, limits.n_ctx)
+        memory = estimate.total_bytes
+    else:
+        folder = next(iter(installed.variants.values()))
+        limits = EngineLimits.from_settings(settings, n_ctx_train=int(folder.meta.get("context_length") or 0),
+                                            model_bytes=folder.size)
+        memory = folder.size
+    choice = registry.choose(installed, settings, hardware_report(), estimate)
     if choice.n_gpu_layers == 0:
         vram = 0
-    elif choice.n_gpu_layers < 0 or not estimate.n_layers:
-        vram = estimate.total_bytes
+    elif estimate is None or choice.n_gpu_layers < 0 or not estimate.n_layers:
+        vram = memory
     else:
-        vram = min(estimate.total_bytes, choice.n_gpu_layers * estimate.layer_bytes)
+        vram = min(memory, choice.n_gpu_layers * estimate.layer_bytes)
     return ModelPlan(
         limits=limits,
-        memory_bytes=estimate.total_bytes,
+        memory_bytes=memory,
         n_gpu_layers=choice.n_gpu_layers,
         device=choice.device,
         vram_bytes=vram,
+        choice=choice,
     )
 
 
 def load_engine(installed: InstalledModel, settings: Settings) -> "Engine":
-    """The default loader: llama.cpp backend + continuous-batching engine, started."""
-    from .backends.llamacpp import LlamaCppBackend
-    from .engine import Engine
+    """The default loader: plan, then the backend the plan chose (backends/registry.py), started."""
+    from .backends import registry
 
     if not installed.available:
-        raise BackendError(f"the file of model {installed.ref} is missing; pull it again")
-    plan = plan_model(installed, settings)
-    limits = plan.limits
-    backend = LlamaCppBackend.load(
-        installed.path,
-        n_ctx=limits.n_ctx,
-        n_seq_max=limits.n_seq_max,
-        n_batch=limits.batch_tokens,
-        n_threads=settings.threads or None,
-        n_gpu_layers=plan.n_gpu_layers,
-        kv_unified=limits.kv_unified,
-        flash_attention=settings.flash_attention,
-    )
-    engine = Engine(backend, limits, installed.ref)
-    engine.start()
-    return engine
+        raise BackendError(f"the files of model {installed.ref} are missing; pull or add it again")
+    return registry.load(installed, plan_model(installed, settings), settings)
 
 
 def memory_budget(settings: Settings) -> int:
