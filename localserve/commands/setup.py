@@ -47,7 +47,9 @@ def pip_commands(version: str, wheel_dir: Path, python: str = sys.executable) ->
     --no-cache-dir: pip's wheel cache keys on the source archive, not on CMAKE_ARGS or CFLAGS, so a
     cached wheel of another flavour (the CPU one `pip install` built) would otherwise come back
     instead of a compile, and this build's wheel would be cached for later CPU installs."""
-    build = [python, "-m", "pip", "wheel", "--no-deps", "--no-cache-dir", "--no-binary", PACKAGE,
+    # -v: pip shows a build backend's output only when verbose, and cmake's "[ 42%]" lines are the
+    # progress shown while compiling.
+    build = [python, "-m", "pip", "wheel", "-v", "--no-deps", "--no-cache-dir", "--no-binary", PACKAGE,
              "--wheel-dir", str(wheel_dir), f"{PACKAGE}=={version}"]
     install = [python, "-m", "pip", "install", "--no-deps", "--force-reinstall", "--no-index",
                "--find-links", str(wheel_dir), f"{PACKAGE}=={version}"]
