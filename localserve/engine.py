@@ -16,7 +16,7 @@ import concurrent.futures
 import logging
 import threading
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass
 from typing import Callable, Generator
 
 from .backends import sampler_thread
@@ -25,6 +25,7 @@ from .batching.limits import EngineLimits
 from .requests import LANES, GenerationEvent, GenerationRequest
 from .batching.scheduler import Scheduler
 from .batching.sequence import Sequence
+from .engine_api import EngineStats, ModelInfo
 from .errors import ContextLengthExceededError, InvalidRequestError, OverloadedError, QueueFullError
 
 log = logging.getLogger(__name__)
@@ -35,29 +36,6 @@ _RATE_WINDOW_S = 10.0  # tokens/s and completions/s are measured over this much 
 # fill up) would otherwise keep its sequence decoding into an unbounded queue. 1024 steps are tens
 # of seconds of a fast model's output: far beyond any reader that is merely slow.
 STREAM_BUFFER_EVENTS = 1024
-
-
-@dataclass
-class EngineStats:
-    running: int
-    waiting: dict[str, int]
-    kv_used: int
-    kv_total: int
-    tokens_per_s: float  # generated tokens per second of recent busy time
-    prompt_tokens_per_s: float
-    prefix_cache_hits: int  # prompt tokens served from the cache
-    prefix_cache_queries: int  # prompt tokens looked up
-    prefix_cache_hit_rate: float
-    steps: int
-    busy: bool
-    preemptions: int = 0
-    parked: int = 0  # finished requests kept as prefix cache
-    max_sequences: int = 0  # the running batch's capacity (occupancy = running / max_sequences)
-    kv_moves: int = 0  # sequences moved to keep the running ids consecutive (batching/kvpool.py)
-    cancelled: int = 0  # requests that ended "cancelled" (client gone, stopped reading, shutdown)
-
-    def to_dict(self) -> dict:
-        return asdict(self)
 
 
 class RequestStream:
@@ -142,6 +120,8 @@ class _EmbedJob:
 
 
 class Engine:
+    """The ModelEngine (engine_api.py) of a step-level Backend run by our Scheduler."""
+
     stream_buffer_events = STREAM_BUFFER_EVENTS
 
     def __init__(self, backend: Backend, limits: EngineLimits, name: str = ""):
@@ -167,7 +147,12 @@ class Engine:
     # --- public API ------------------------------------------------------------------------
     @property
     def backend(self) -> Backend:
+        """For tests and benchmarks only; callers above the engine use the ModelEngine members."""
         return self._backend
+
+    @property
+    def info(self) -> ModelInfo:
+        return self._backend.info
 
     @property
     def n_ctx_per_seq(self) -> int:
@@ -180,7 +165,7 @@ class Engine:
 
     def submit(self, request: GenerationRequest, sampler: Sampler | None = None) -> RequestStream:
         """Queue a request; call from the asyncio loop that will consume the stream. `sampler`:
-        one already built for it (submit_async)."""
+        one already built for it (generate)."""
         if self._stopping:
             raise OverloadedError("the model is unloading; retry shortly", retry_after=1.0)
         self._validate(request)
@@ -207,9 +192,10 @@ class Engine:
         self._wake()
         return stream
 
-    async def submit_async(self, request: GenerationRequest) -> RequestStream:
-        """submit, with a constrained request's sampler built on a sampler thread: compiling a
-        schema and parsing its grammar must not stall the event loop every client shares."""
+    async def generate(self, request: GenerationRequest) -> RequestStream:
+        """ModelEngine.generate: submit, with a constrained request's sampler built on a sampler
+        thread: compiling a schema and parsing its grammar must not stall the event loop every
+        client shares."""
         sampling = request.sampling
         if sampling.grammar is None and sampling.json_schema is None:
             return self.submit(request)
@@ -254,6 +240,9 @@ class Engine:
 
     def tokenize(self, text: str, add_special: bool = True) -> list[int]:
         return self._backend.tokenize(text, add_special=add_special)
+
+    def detokenize(self, tokens: list[int]) -> str:
+        return b"".join(self._token_bytes(t) for t in tokens).decode("utf-8", errors="replace")
 
     def stats(self) -> EngineStats:
         s = self.scheduler
@@ -446,6 +435,9 @@ class Engine:
             raise InvalidRequestError("the prompt contains token ids outside the vocabulary", param="prompt")
         if request.lane not in LANES:
             raise InvalidRequestError(f"unknown priority lane {request.lane!r}", param="priority")
+        # The bounds every entry point shares; the server checked them before loading the model, a
+        # direct caller (a benchmark, a batch runner) gets the same refusal here.
+        request.sampling.validate(n_vocab or None)
 
     def _retry_after(self, queued: int) -> float:
         """Seconds until the queue has likely moved by this many requests, from recent completions."""

@@ -8,8 +8,11 @@ SamplingParams, batching/ schedules by lane. They carry token ids, never HTTP or
 from __future__ import annotations
 
 import itertools
+import math
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Callable, Literal
+
+from .errors import InvalidRequestError
 
 Lane = Literal["interactive", "default", "batch"]
 LANES: tuple[Lane, ...] = ("interactive", "default", "batch")  # highest priority first
@@ -18,6 +21,21 @@ LANE_RANK: dict[str, int] = {lane: rank for rank, lane in enumerate(LANES)}  # 0
 FinishReason = Literal["stop", "length", "cancelled", "error"]
 
 _request_ids = itertools.count(1)
+
+# The one set of sampling bounds (SamplingParams.validate), for every entry point (HTTP bodies, batch
+# lines, direct engine callers) and every backend: (low, high, low bound inclusive).
+SAMPLING_BOUNDS: dict[str, tuple[float, float, bool]] = {
+    "temperature": (0.0, 2.0, True),
+    "top_p": (0.0, 1.0, False),  # 0 keeps no token at all: llama.cpp's top-p then has nothing to sample
+    "min_p": (0.0, 1.0, True),
+    "repeat_penalty": (0.0, 10.0, False),  # the penalty divides logits: 0 would divide by zero
+    "frequency_penalty": (-2.0, 2.0, True),
+    "presence_penalty": (-2.0, 2.0, True),
+}
+MAX_PENALTY_LAST_N = 1 << 20  # llama.cpp allocates a ring buffer of this many tokens
+MAX_TOP_K = 1 << 20  # used when the vocabulary size is not known yet
+MAX_LOGIT_BIAS = 100.0  # in magnitude; -inf is also allowed: the way to ban a token outright
+MAX_LOGPROBS = 20  # alternatives per token, as OpenAI's top_logprobs
 
 
 @dataclass
@@ -40,6 +58,39 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature <= 0.0
+
+    def validate(self, n_vocab: int | None = None, *,
+                 param: Callable[[str], str] = lambda name: name) -> "SamplingParams":
+        """Self, or InvalidRequestError naming the field (as `param` spells it for the caller, e.g.
+        Ollama's `options.top_p`). Cheap and model-free, so the server refuses before any model
+        load; `n_vocab` (when known) bounds top_k and logit_bias ids."""
+        def bad(name: str, problem: str) -> InvalidRequestError:
+            return InvalidRequestError(f"'{param(name)}' {problem}", param=param(name))
+
+        for name, (lo, hi, lo_inclusive) in SAMPLING_BOUNDS.items():
+            value = getattr(self, name)
+            if not (isinstance(value, (int, float)) and math.isfinite(value)):
+                raise bad(name, "must be a finite number")
+            if not ((lo <= value) if lo_inclusive else (lo < value)) or value > hi:
+                low = f"at least {lo:g}" if lo_inclusive else f"greater than {lo:g}"
+                raise bad(name, f"must be {low} and at most {hi:g} (got {value:g})")
+        top_k_max = max(n_vocab, 1) if n_vocab else MAX_TOP_K
+        if not 0 <= self.top_k <= top_k_max:
+            raise bad("top_k", f"must be between 0 and {top_k_max} (got {self.top_k})")
+        if not -1 <= self.penalty_last_n <= MAX_PENALTY_LAST_N:
+            raise bad("penalty_last_n", f"must be between -1 and {MAX_PENALTY_LAST_N} (got {self.penalty_last_n})")
+        if self.seed is not None and not 0 <= self.seed <= 0xFFFFFFFF:
+            raise bad("seed", "must be between 0 and 4294967295")
+        for token, bias in self.logit_bias.items():
+            if not isinstance(token, int) or token < 0 or (n_vocab and token >= n_vocab):
+                upto = f" (0..{n_vocab - 1})" if n_vocab else ""
+                raise bad("logit_bias", f"token id {token!r} is outside the vocabulary{upto}")
+            if not (bias == -math.inf or -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS):
+                # +inf or NaN would turn the softmax into NaN.
+                raise bad("logit_bias", f"biases must be numbers between -{MAX_LOGIT_BIAS:g} and {MAX_LOGIT_BIAS:g}")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
+            raise bad("logprobs", f"must be between 0 and {MAX_LOGPROBS}")
+        return self
 
 
 @dataclass

@@ -13,9 +13,10 @@ no other member, so a second backend states its own rules instead of inheriting 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from dataclasses import dataclass, field
-from typing import Any, Generator, Literal, Sequence
+from dataclasses import dataclass
+from typing import Generator, Literal, Sequence
 
+from ..engine_api import ModelInfo
 from ..requests import SamplingParams, TokenLogprob
 from ..errors import BackendError
 
@@ -93,20 +94,6 @@ class BatchToken:
 class SampledToken:
     token: int
     logprob: TokenLogprob | None = None  # set when the sampler was asked for logprobs
-
-
-@dataclass
-class ModelInfo:
-    name: str
-    architecture: str
-    n_ctx_train: int
-    n_vocab: int
-    n_embd: int
-    n_params: int
-    chat_template: str | None
-    bos_token: str | None
-    eos_token: str | None
-    metadata: dict[str, Any] = field(default_factory=dict)
 
 
 class Sampler(ABC):

@@ -57,28 +57,6 @@ def _penalty_window(backend: LlamaCppBackend, p: SamplingParams) -> int:
     return backend.n_ctx if p.penalty_last_n < 0 else min(p.penalty_last_n, backend.n_ctx)
 
 
-def _check_params(p: SamplingParams, n_vocab: int) -> None:
-    for name in ("temperature", "top_p", "min_p", "repeat_penalty", "frequency_penalty", "presence_penalty"):
-        if not math.isfinite(getattr(p, name)):
-            raise InvalidRequestError(f"{name} must be a finite number", param=name)
-    if not 0.0 < p.top_p <= 1.0:
-        raise InvalidRequestError("top_p must be in (0, 1]", param="top_p")
-    if not 0.0 <= p.min_p <= 1.0:
-        raise InvalidRequestError("min_p must be in [0, 1]", param="min_p")
-    if p.top_k < 0:
-        raise InvalidRequestError("top_k must not be negative", param="top_k")
-    if p.repeat_penalty <= 0.0:
-        raise InvalidRequestError("repeat_penalty must be positive", param="repeat_penalty")
-    for token, bias in p.logit_bias.items():
-        if not isinstance(token, int) or not 0 <= token < n_vocab:
-            raise InvalidRequestError(f"logit_bias token {token!r} is not in the vocabulary", param="logit_bias")
-        if math.isnan(bias) or bias == math.inf:
-            # +inf turns the softmax into NaN; -inf is the documented way to ban a token.
-            raise InvalidRequestError("logit_bias values must be finite or -inf", param="logit_bias")
-    if p.logprobs is not None and p.logprobs < 0:
-        raise InvalidRequestError("logprobs must not be negative", param="logprobs")
-
-
 def _seed(seed: int | None) -> int:
     return _MAX_SEED if seed is None else seed % _MAX_SEED
 
@@ -194,7 +172,7 @@ class _Candidates:
 
 class LlamaCppSampler(Sampler):
     def __init__(self, backend: LlamaCppBackend, params: SamplingParams, prompt_tokens: Sequence[int]) -> None:
-        _check_params(params, backend.n_vocab)
+        params.validate(backend.n_vocab)  # the same bounds the server checks before any model load
         self._backend = backend
         self._n_logprobs = params.logprobs
         self._chain = None

@@ -1,5 +1,9 @@
 """What both API dialects do the same way: prompt building, submitting, watching the client, collecting.
 
+Every generation goes through `generation()`: pin the model (ModelManager.use), build its engine
+requests, submit all of them or none, hand the streams to the caller, cancel them in a `finally`.
+Only ModelEngine members (engine_api.py) are used, so any engine serves both dialects.
+
 Disconnects: aiohttp (3.9+) does not cancel a handler when its client goes away unless the runner
 was built with handler_cancellation=True; a write to the gone client raises ConnectionResetError,
 but during a long prefill nothing is written. So every generation runs under `guard_disconnect`,
@@ -17,16 +21,21 @@ import copy
 import logging
 import threading
 import time
+from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Awaitable, Sequence, TypeVar
+from typing import TYPE_CHECKING, Any, AsyncIterator, Awaitable, Callable, Sequence, TypeVar
 
 from aiohttp import web
 
-from ..requests import GenerationEvent, GenerationRequest, TokenLogprob, Usage
+from ..engine_api import EventStream, ModelEngine
 from ..errors import BackendError, ContextLengthExceededError, InvalidRequestError
+from ..requests import GenerationEvent, GenerationRequest, TokenLogprob, Usage
 from .errors import ClientGone
 from .state import SETTINGS_KEY
 from .templates import ChatTemplate
+
+if TYPE_CHECKING:
+    from ..models import ModelManager
 
 DISCONNECT_POLL_S = 0.1
 log = logging.getLogger(__name__)
@@ -34,12 +43,12 @@ LONG_PROMPT_CHARS = 20_000  # tokenize longer texts in a thread so the event loo
 T = TypeVar("T")
 
 
-def chat_template(engine: Any) -> ChatTemplate:
-    info = engine.backend.info
-    return ChatTemplate.for_model(info.chat_template, info.bos_token, info.eos_token, getattr(engine, "name", ""))
+def chat_template(engine: ModelEngine) -> ChatTemplate:
+    info = engine.info
+    return ChatTemplate.for_model(info.chat_template, info.bos_token, info.eos_token, engine.name)
 
 
-def tokenize_prompt(engine: Any, text: str, template: ChatTemplate | None = None, *,
+def tokenize_prompt(engine: ModelEngine, text: str, template: ChatTemplate | None = None, *,
                     add_special: bool = True) -> list[int]:
     """Tokens of a prompt. A rendered template that already starts with BOS must not get a second
     one from the tokenizer (a doubled BOS measurably degrades Llama-family answers); nor does a
@@ -48,7 +57,7 @@ def tokenize_prompt(engine: Any, text: str, template: ChatTemplate | None = None
     return list(engine.tokenize(text, add_special=add_special and not has_bos))
 
 
-async def tokenize_async(engine: Any, text: str, template: ChatTemplate | None = None, *,
+async def tokenize_async(engine: ModelEngine, text: str, template: ChatTemplate | None = None, *,
                          add_special: bool = True) -> list[int]:
     if len(text) > LONG_PROMPT_CHARS:
         return await asyncio.to_thread(tokenize_prompt, engine, text, template, add_special=add_special)
@@ -65,7 +74,7 @@ def check_tokens(tokens: list[int], n_vocab: int, param: str) -> list[int]:
     return tokens
 
 
-async def embed_inputs(engine: Any, inputs: Sequence[str | list[int]], *, truncate: bool, param: str,
+async def embed_inputs(engine: ModelEngine, inputs: Sequence[str | list[int]], *, truncate: bool, param: str,
                        max_tokens: int) -> list[list[int]]:
     """Token lists for `inputs`, each within the model's context (cut when `truncate`), refused
     (400) as soon as their running total passes `max_tokens` (settings.max_embed_tokens): the
@@ -80,23 +89,18 @@ async def embed_inputs(engine: Any, inputs: Sequence[str | list[int]], *, trunca
         stop.set()  # a cancelled request (client gone) stops the thread before its next input
 
 
-async def embed_request(request: web.Request, engine: Any, inputs: Sequence[str | list[int]], *,
-                        truncate: bool, param: str) -> tuple[list[list[int]], list[list[float]]]:
-    """(token lists, vectors) of one embeddings request; a client that leaves stops both the
-    tokenizing and the embedding of its remaining inputs."""
-    max_tokens = request.app[SETTINGS_KEY].max_embed_tokens
-
-    async def work() -> tuple[list[list[int]], list[list[float]]]:
-        token_lists = await embed_inputs(engine, inputs, truncate=truncate, param=param, max_tokens=max_tokens)
-        return token_lists, await engine.embed(token_lists)
-
-    return await guard_disconnect(request, work())
+async def embed_texts(engine: ModelEngine, inputs: Sequence[str | list[int]], *, truncate: bool, param: str,
+                      max_tokens: int) -> tuple[list[list[int]], list[list[float]]]:
+    """(token lists, vectors) of one embeddings request. Cancelling the caller (a client that
+    left: run it under guard_disconnect) stops both the tokenizing and the embedding."""
+    token_lists = await embed_inputs(engine, inputs, truncate=truncate, param=param, max_tokens=max_tokens)
+    return token_lists, await engine.embed(token_lists)
 
 
-def _embed_tokens(engine: Any, inputs: Sequence[str | list[int]], truncate: bool, param: str,
+def _embed_tokens(engine: ModelEngine, inputs: Sequence[str | list[int]], truncate: bool, param: str,
                   max_tokens: int, stop: threading.Event | None) -> list[list[int]]:
     n_ctx = engine.n_ctx_per_seq
-    n_vocab = engine.backend.info.n_vocab
+    n_vocab = engine.info.n_vocab
     out = []
     total = 0
     for item in inputs:
@@ -119,22 +123,53 @@ def _embed_tokens(engine: Any, inputs: Sequence[str | list[int]], truncate: bool
     return out
 
 
-async def submit_all(engine: Any, requests: Sequence[GenerationRequest]) -> list[Any]:
+async def submit_all(engine: ModelEngine, requests: Sequence[GenerationRequest]) -> list[EventStream]:
     """Submit every choice, or none: if the lane fills up halfway, the ones already queued are
     cancelled so a refused request leaves nothing behind."""
-    streams: list[Any] = []
+    streams: list[EventStream] = []
     try:
         for request in requests:
-            streams.append(await engine.submit_async(request))
+            streams.append(await engine.generate(request))
     except BaseException:
         cancel_all(streams)
         raise
     return streams
 
 
-def cancel_all(streams: Sequence[Any]) -> None:
+def cancel_all(streams: Sequence[EventStream]) -> None:
     for stream in streams:
         stream.cancel()
+
+
+@dataclass
+class Run:
+    """A generation in flight: the pinned model's name and engine, its requests and their streams."""
+
+    model: str
+    engine: ModelEngine
+    requests: list[GenerationRequest]
+    streams: list[EventStream]
+
+
+Prepare = Callable[[ModelEngine], Awaitable[list[GenerationRequest]]]
+
+
+@asynccontextmanager
+async def generation(manager: "ModelManager", model: str, keep_alive: float | None, prepare: Prepare,
+                     clock: "Clock | None" = None) -> AsyncIterator[Run]:
+    """The one skeleton of every generating endpoint: pin `model` (loading it if needed), let
+    `prepare` turn the validated body into engine requests (template, tokenize, bounds), submit
+    all or none, and cancel every stream when the caller is done, returned, failed or was
+    cancelled (a client gone), so the engine frees their KV at its next step."""
+    async with manager.use(model, keep_alive=keep_alive) as loaded:
+        if clock is not None:
+            clock.mark_loaded()
+        requests = await prepare(loaded.engine)
+        streams = await submit_all(loaded.engine, requests)
+        try:
+            yield Run(loaded.name, loaded.engine, requests, streams)
+        finally:
+            cancel_all(streams)
 
 
 def with_seed_offset(request: GenerationRequest, offset: int) -> GenerationRequest:
@@ -147,7 +182,7 @@ def with_seed_offset(request: GenerationRequest, offset: int) -> GenerationReque
     return clone
 
 
-async def merge(streams: Sequence[Any]) -> AsyncIterator[tuple[int, GenerationEvent]]:
+async def merge(streams: Sequence[EventStream]) -> AsyncIterator[tuple[int, GenerationEvent]]:
     """Events of several streams as they come, tagged with the stream's index."""
     if len(streams) == 1:
         async for event in streams[0]:
@@ -155,7 +190,7 @@ async def merge(streams: Sequence[Any]) -> AsyncIterator[tuple[int, GenerationEv
         return
     queue: asyncio.Queue[tuple[int, GenerationEvent | BaseException | None]] = asyncio.Queue()
 
-    async def pump(index: int, stream: Any) -> None:
+    async def pump(index: int, stream: EventStream) -> None:
         try:
             async for event in stream:
                 queue.put_nowait((index, event))
@@ -242,7 +277,7 @@ def raise_if_failed(event: GenerationEvent) -> None:
         raise BackendError(event.error or "generation failed")
 
 
-async def collect(streams: Sequence[Any]) -> list[Choice]:
+async def collect(streams: Sequence[EventStream]) -> list[Choice]:
     choices = [Choice() for _ in streams]
     parts: list[list[str]] = [[] for _ in streams]
     async for index, event in merge(streams):

@@ -19,24 +19,24 @@ from typing import Any, Callable
 from aiohttp import web
 
 from .. import __version__
-from ..requests import GenerationRequest
+from ..engine_api import EventStream, ModelEngine
 from ..errors import LocalserveError
+from ..requests import GenerationEvent, GenerationRequest, Usage
 from .errors import ClientGone, json_dumps
 from .generation import (
     Clock,
-    cancel_all,
     chat_template,
     check_tokens,
     collect,
-    embed_request,
+    embed_texts,
+    generation,
     guard_disconnect,
     is_token_list,
     merge,
     raise_if_failed,
-    submit_all,
     tokenize_async,
 )
-from .state import MANAGER_KEY, METRICS_KEY, STORE_KEY
+from .state import MANAGER_KEY, METRICS_KEY, SETTINGS_KEY, STORE_KEY
 from .templates import ChatTemplate
 from .tools import ToolCallStream, parse_tool_calls
 from .validation import (
@@ -79,9 +79,10 @@ def model_name(body: Body) -> str:
     return name
 
 
-def build_request(body: Body, request: web.Request, engine: Any, tokens: list[int], *, interactive: bool) -> GenerationRequest:
+def build_request(body: Body, request: web.Request, engine: ModelEngine | None, tokens: list[int], *,
+                  interactive: bool) -> GenerationRequest:
     """The engine request; with engine=None only checks the body (before a model is loaded for it)."""
-    n_vocab, n_ctx = (engine.backend.info.n_vocab, engine.n_ctx_per_seq) if engine else (1 << 20, 1 << 24)
+    n_vocab, n_ctx = (engine.info.n_vocab, engine.n_ctx_per_seq) if engine else (None, 1 << 24)
     options = body.get_object("options") or Body({}, "options.")
     options.get_int("num_ctx", None, lo=1, hi=1 << 24)  # validated; the context is fixed when the model loads
     sampling = sampling_from(options, n_vocab=n_vocab, seed=parse_seed(options), names=_OLLAMA_NAMES)
@@ -94,11 +95,11 @@ def build_request(body: Body, request: web.Request, engine: Any, tokens: list[in
         sampling=sampling,
         max_tokens=clamp_max_tokens(requested, len(tokens), n_ctx, "prompt"),
         stop=parse_stop(options.raw("stop"), "options.stop"),
-        lane=parse_lane(body, request, "interactive" if interactive else "default"),
+        lane=parse_lane(body, request.headers.get("X-Priority"), "interactive" if interactive else "default"),
     )
 
 
-def final_fields(clock: Clock, usage: Any, reason: str | None) -> dict[str, Any]:
+def final_fields(clock: Clock, usage: Usage | None, reason: str | None) -> dict[str, Any]:
     prompt_ns = int(max(0.0, usage.ttft_s - usage.queue_s) * 1e9) if usage else 0
     eval_ns = int(max(0.0, usage.total_s - usage.ttft_s) * 1e9) if usage else 0
     return {
@@ -123,8 +124,9 @@ async def send_line(response: web.StreamResponse, data: Any) -> None:
     await response.write((json_dumps(data) + "\n").encode("utf-8"))
 
 
-async def stream_lines(request: web.Request, streams: list[Any], make_line: Callable[[Any], dict | None],
-                       make_final: Callable[[Any], list[dict]]) -> web.StreamResponse:
+async def stream_lines(request: web.Request, streams: list[EventStream],
+                       make_line: Callable[[GenerationEvent], dict | None],
+                       make_final: Callable[[GenerationEvent], list[dict]]) -> web.StreamResponse:
     """NDJSON: one line per event with text, then the final line(s); a failure is an error line."""
     response = await open_ndjson(request)
 
@@ -166,7 +168,7 @@ async def load_only(request: web.Request, model: str, keep_alive: float | None, 
                               "done_reason": "unload" if unload else "load"}, dumps=json_dumps)
 
 
-def _observe(request: web.Request, model: str, usage: Any) -> None:
+def _observe(request: web.Request, model: str, usage: Usage | None) -> None:
     request.app[METRICS_KEY].observe_usage(model, usage)
 
 
@@ -192,11 +194,7 @@ async def generate(request: web.Request) -> web.StreamResponse:
         raise invalid("'context' must be an array of token ids", "context")
     build_request(body, request, None, [], interactive=False)  # bad options fail before any model load
 
-    clock = Clock()
-    async with request.app[MANAGER_KEY].use(model, keep_alive=keep_alive) as loaded:
-        clock.mark_loaded()
-        engine = loaded.engine
-        name = loaded.name
+    async def prepare(engine: ModelEngine) -> list[GenerationRequest]:
         if raw:
             text, template = prompt, None
         else:
@@ -204,29 +202,29 @@ async def generate(request: web.Request) -> web.StreamResponse:
             messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
             text = await template.render_async(messages)
         # A continuation of `context`: the earlier turn already began with BOS.
-        earlier = check_tokens(context, engine.backend.info.n_vocab, "context") if context else []
+        earlier = check_tokens(context, engine.info.n_vocab, "context") if context else []
         tokens = earlier + await tokenize_async(engine, text, template, add_special=not context)
-        req = build_request(body, request, engine, tokens, interactive=False)
-        streams = await submit_all(engine, [req])
-        try:
-            if stream:
-                generated: list[int] = []
+        return [build_request(body, request, engine, tokens, interactive=False)]
 
-                def line(event: Any) -> dict | None:
-                    generated.extend(event.token_ids)
-                    if not event.text:
-                        return None
-                    return {"model": name, "created_at": now_iso(), "response": event.text, "done": False}
+    clock = Clock()
+    async with generation(request.app[MANAGER_KEY], model, keep_alive, prepare, clock) as run:
+        name, tokens = run.model, run.requests[0].prompt_tokens
+        if stream:
+            generated: list[int] = []
 
-                def final(event: Any) -> list[dict]:
-                    _observe(request, name, event.usage)
-                    return [{"model": name, "created_at": now_iso(), "response": "",
-                             **final_fields(clock, event.usage, event.finish_reason), "context": tokens + generated}]
+            def line(event: GenerationEvent) -> dict | None:
+                generated.extend(event.token_ids)
+                if not event.text:
+                    return None
+                return {"model": name, "created_at": now_iso(), "response": event.text, "done": False}
 
-                return await stream_lines(request, streams, line, final)
-            (choice,) = await guard_disconnect(request, collect(streams))
-        finally:
-            cancel_all(streams)
+            def final(event: GenerationEvent) -> list[dict]:
+                _observe(request, name, event.usage)
+                return [{"model": name, "created_at": now_iso(), "response": "",
+                         **final_fields(clock, event.usage, event.finish_reason), "context": tokens + generated}]
+
+            return await stream_lines(request, run.streams, line, final)
+        (choice,) = await guard_disconnect(request, collect(run.streams))
     _observe(request, name, choice.usage)
     return web.json_response({
         "model": name, "created_at": now_iso(), "response": choice.text,
@@ -247,45 +245,41 @@ async def chat(request: web.Request) -> web.StreamResponse:
     tools = parse_tools(body.raw("tools"))
     build_request(body, request, None, [], interactive=stream)  # bad options fail before any model load
 
-    clock = Clock()
-    async with request.app[MANAGER_KEY].use(model, keep_alive=keep_alive) as loaded:
-        clock.mark_loaded()
-        engine = loaded.engine
-        name = loaded.name
+    async def prepare(engine: ModelEngine) -> list[GenerationRequest]:
         template = chat_template(engine)
         prompt = await template.render_async(messages, tools=tools or None)
         tokens = await tokenize_async(engine, prompt, template)
-        req = build_request(body, request, engine, tokens, interactive=stream)
-        streams = await submit_all(engine, [req])
-        try:
-            if stream:
-                calls_filter = ToolCallStream(tools) if tools else None
+        return [build_request(body, request, engine, tokens, interactive=stream)]
 
-                def line(event: Any) -> dict | None:
-                    text = calls_filter.feed(event.text) if calls_filter else event.text
-                    if not text:
-                        return None
-                    return {"model": name, "created_at": now_iso(),
-                            "message": {"role": "assistant", "content": text}, "done": False}
+    clock = Clock()
+    async with generation(request.app[MANAGER_KEY], model, keep_alive, prepare, clock) as run:
+        name = run.model
+        if stream:
+            calls_filter = ToolCallStream(tools) if tools else None
 
-                def final(event: Any) -> list[dict]:
-                    _observe(request, name, event.usage)
-                    lines = []
-                    if calls_filter:
-                        rest, calls = calls_filter.finish()
-                        if rest or calls:
-                            message: dict[str, Any] = {"role": "assistant", "content": rest}
-                            if calls:
-                                message["tool_calls"] = [c.ollama() for c in calls]
-                            lines.append({"model": name, "created_at": now_iso(), "message": message, "done": False})
-                    lines.append({"model": name, "created_at": now_iso(), "message": {"role": "assistant", "content": ""},
-                                  **final_fields(clock, event.usage, event.finish_reason)})
-                    return lines
+            def line(event: GenerationEvent) -> dict | None:
+                text = calls_filter.feed(event.text) if calls_filter else event.text
+                if not text:
+                    return None
+                return {"model": name, "created_at": now_iso(),
+                        "message": {"role": "assistant", "content": text}, "done": False}
 
-                return await stream_lines(request, streams, line, final)
-            (choice,) = await guard_disconnect(request, collect(streams))
-        finally:
-            cancel_all(streams)
+            def final(event: GenerationEvent) -> list[dict]:
+                _observe(request, name, event.usage)
+                lines = []
+                if calls_filter:
+                    rest, calls = calls_filter.finish()
+                    if rest or calls:
+                        message: dict[str, Any] = {"role": "assistant", "content": rest}
+                        if calls:
+                            message["tool_calls"] = [c.ollama() for c in calls]
+                        lines.append({"model": name, "created_at": now_iso(), "message": message, "done": False})
+                lines.append({"model": name, "created_at": now_iso(), "message": {"role": "assistant", "content": ""},
+                              **final_fields(clock, event.usage, event.finish_reason)})
+                return lines
+
+            return await stream_lines(request, run.streams, line, final)
+        (choice,) = await guard_disconnect(request, collect(run.streams))
     _observe(request, name, choice.usage)
     content, calls = parse_tool_calls(choice.text, tools) if tools else (choice.text, [])
     message = {"role": "assistant", "content": content}
@@ -305,6 +299,10 @@ def _embed_inputs(value: Any, param: str) -> list[str]:
     return items
 
 
+def _embed_budget(request: web.Request) -> int:
+    return request.app[SETTINGS_KEY].max_embed_tokens
+
+
 @routes.post("/api/embed")
 async def embed(request: web.Request) -> web.Response:
     body = await read_json(request)
@@ -315,7 +313,8 @@ async def embed(request: web.Request) -> web.Response:
     clock = Clock()
     async with request.app[MANAGER_KEY].use(model, keep_alive=keep_alive) as loaded:
         clock.mark_loaded()
-        token_lists, vectors = await embed_request(request, loaded.engine, inputs, truncate=truncate, param="input")
+        token_lists, vectors = await guard_disconnect(request, embed_texts(
+            loaded.engine, inputs, truncate=truncate, param="input", max_tokens=_embed_budget(request)))
     return web.json_response({
         "model": loaded.name, "embeddings": vectors, "total_duration": clock.since_start_ns(),
         "load_duration": clock.load_ns(), "prompt_eval_count": sum(len(t) for t in token_lists),
@@ -328,7 +327,8 @@ async def embeddings_legacy(request: web.Request) -> web.Response:
     model = model_name(body)
     prompt = _embed_inputs(body.raw("prompt"), "prompt")[0]
     async with request.app[MANAGER_KEY].use(model, keep_alive=parse_keep_alive(body.raw("keep_alive"))) as loaded:
-        _, (vector,) = await embed_request(request, loaded.engine, [prompt], truncate=True, param="prompt")
+        _, (vector,) = await guard_disconnect(request, embed_texts(
+            loaded.engine, [prompt], truncate=True, param="prompt", max_tokens=_embed_budget(request)))
     return web.json_response({"embedding": vector}, dumps=json_dumps)
 
 

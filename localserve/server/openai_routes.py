@@ -5,173 +5,54 @@ SSE `data: {...}` frames ending in `data: [DONE]`, usage with prompt_tokens_deta
 logprobs as {"content": [{token, logprob, bytes, top_logprobs}]} for chat and the legacy
 {tokens, token_logprobs, top_logprobs, text_offset} for completions), so the official `openai`
 package and editor plugins built on it work unchanged.
+
+These handlers hold only what is HTTP: reading the body, the X-Priority header, SSE, and watching
+the connection (guard_disconnect). Parsing, the engine work and the response objects are
+openai_api.py's, shared with callers that have no HTTP request (the Batch API).
 """
 
 from __future__ import annotations
 
 import asyncio
-import base64
 import contextlib
 import logging
-import math
-import struct
-import time
-import uuid
-from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Awaitable, Callable
 
 from aiohttp import web
 
-from .. import __version__
-from ..requests import GenerationEvent, GenerationRequest, Lane, TokenLogprob
-from ..schema_bounds import check_schema
+from ..engine_api import EventStream
+from ..requests import GenerationEvent, Usage
 from .errors import ClientGone, json_dumps, openai_error_body
-from .generation import (
-    UsageTotals,
-    cancel_all,
-    chat_template,
-    check_tokens,
-    collect,
-    embed_request,
-    guard_disconnect,
-    is_token_list,
-    merge,
-    submit_all,
-    tokenize_async,
-    with_seed_offset,
+from .generation import UsageTotals, guard_disconnect, merge
+from .openai_api import (
+    CHAT_PREFIX,
+    COMPLETION_PREFIX,
+    ApiEnv,
+    Head,
+    Options,
+    chat_completion,
+    chat_logprobs,
+    completion,
+    completion_logprobs,
+    embeddings,
+    finish_reason,
+    observe,
+    parse_chat,
+    parse_completion,
+    parse_embeddings,
+    start,
 )
 from .state import MANAGER_KEY, METRICS_KEY, SETTINGS_KEY, STORE_KEY
-from .tools import ToolCallStream, forced_call_schema, parse_tool_calls
-from .validation import (
-    MAX_EMBED_INPUTS,
-    MAX_LOGPROBS,
-    MAX_PROMPTS,
-    Body,
-    clamp_max_tokens,
-    invalid,
-    parse_json_format,
-    parse_keep_alive,
-    parse_lane,
-    parse_logit_bias,
-    parse_messages,
-    parse_n,
-    parse_seed,
-    parse_stop,
-    parse_tool_choice,
-    parse_tools,
-    read_json,
-    sampling_from,
-)
+from .tools import ToolCallStream
+from .validation import read_json
 
 routes = web.RouteTableDef()
 log = logging.getLogger("localserve.server")
 
-SYSTEM_FINGERPRINT = f"localserve-{__version__}"
-MAX_TOKENS_LIMIT = (1 << 63) - 1  # bigger asks are clamped to the context left, not refused
-MIN_LOGPROB = -9999.0  # JSON has no -inf; OpenAI clients expect a number
 
-
-# --- request parsing -----------------------------------------------------------------------------
-@dataclass
-class Options:
-    model: str
-    stream: bool
-    include_usage: bool
-    n: int
-    stop: list[str]
-    max_tokens: int | None
-    seed: int | None
-    logprobs: int | None  # None = off, k = chosen token + k alternatives
-    json_schema: dict | None
-    lane: Lane
-    keep_alive: float | None
-
-
-def parse_options(body: Body, request: web.Request, *, chat: bool) -> Options:
-    settings = request.app[SETTINGS_KEY]
-    stream = body.get_bool("stream", False)
-    stream_options = body.get_object("stream_options")
-    if stream_options is not None and not stream:
-        raise invalid("'stream_options' is only allowed when 'stream' is true", "stream_options")
-    if chat:
-        max_tokens = body.get_int("max_completion_tokens", None, lo=1, hi=MAX_TOKENS_LIMIT)
-        if max_tokens is None:
-            max_tokens = body.get_int("max_tokens", None, lo=1, hi=MAX_TOKENS_LIMIT)
-        want = body.get_bool("logprobs", False)
-        top = body.get_int("top_logprobs", None, lo=0, hi=MAX_LOGPROBS)
-        if top is not None and not want:
-            raise invalid("'top_logprobs' requires 'logprobs' to be true", "top_logprobs")
-        logprobs = (top or 0) if want else None
-    else:
-        max_tokens = body.get_int("max_tokens", 16, lo=1, hi=MAX_TOKENS_LIMIT)  # OpenAI's default for completions
-        logprobs = body.get_int("logprobs", None, lo=0, hi=MAX_LOGPROBS)
-    return Options(
-        model=body.get_str("model", None, max_len=512) or settings.default_model,
-        stream=stream,
-        include_usage=stream_options.get_bool("include_usage", False) if stream_options else False,
-        n=parse_n(body),
-        stop=parse_stop(body.raw("stop")),
-        max_tokens=max_tokens,
-        seed=parse_seed(body),
-        logprobs=logprobs,
-        json_schema=parse_json_format(body.raw("response_format"), "response_format"),
-        lane=parse_lane(body, request, "interactive" if (chat and stream) else "default"),
-        keep_alive=parse_keep_alive(body.raw("keep_alive")),
-    )
-
-
-def build_request(body: Body, opts: Options, engine: Any, tokens: list[int], *, param: str) -> GenerationRequest:
-    n_vocab = engine.backend.info.n_vocab
-    sampling = sampling_from(body, n_vocab=n_vocab, seed=opts.seed)
-    sampling.logit_bias = parse_logit_bias(body.raw("logit_bias"), n_vocab)
-    sampling.json_schema = opts.json_schema
-    sampling.logprobs = opts.logprobs
-    return GenerationRequest(
-        prompt_tokens=tokens,
-        sampling=sampling,
-        max_tokens=clamp_max_tokens(opts.max_tokens, len(tokens), engine.n_ctx_per_seq, param),
-        stop=opts.stop,
-        lane=opts.lane,
-    )
-
-
-def finish_reason(reason: str | None) -> str:
-    return "length" if reason == "length" else "stop"
-
-
-def _lp(value: float) -> float:
-    return value if math.isfinite(value) else MIN_LOGPROB
-
-
-def chat_logprobs(items: Sequence[TokenLogprob], k: int) -> dict[str, Any]:
-    return {
-        "content": [
-            {
-                "token": lp.text,
-                "logprob": _lp(lp.logprob),
-                "bytes": list(lp.text.encode("utf-8")),
-                "top_logprobs": [
-                    {"token": text, "logprob": _lp(value), "bytes": list(text.encode("utf-8"))}
-                    for _, text, value in lp.top[:k]
-                ],
-            }
-            for lp in items
-        ],
-        "refusal": None,
-    }
-
-
-def completion_logprobs(items: Sequence[TokenLogprob], k: int, offset: int) -> dict[str, Any]:
-    offsets = []
-    for lp in items:
-        offsets.append(offset)
-        offset += len(lp.text)
-    return {
-        "tokens": [lp.text for lp in items],
-        "token_logprobs": [_lp(lp.logprob) for lp in items],
-        "top_logprobs": [{text: _lp(value) for _, text, value in lp.top[:k]} for lp in items],
-        "text_offset": offsets,
-    }
+def api_env(request: web.Request) -> ApiEnv:
+    app = request.app
+    return ApiEnv(app[SETTINGS_KEY], app[MANAGER_KEY], app[METRICS_KEY], request.headers.get("X-Priority"))
 
 
 # --- SSE -----------------------------------------------------------------------------------------
@@ -202,87 +83,49 @@ def check_event(event: GenerationEvent) -> None:
         raise StreamFailed(event.error or "the request was cancelled by the server")
 
 
-# --- chat ----------------------------------------------------------------------------------------
+# --- chat and completions ------------------------------------------------------------------------
 @routes.post("/v1/chat/completions")
 async def chat_completions(request: web.Request) -> web.StreamResponse:
-    body = await read_json(request)
-    opts = parse_options(body, request, chat=True)
-    messages = parse_messages(body.raw("messages"))
-    tools = parse_tools(body.raw("tools"))
-    tool_choice = parse_tool_choice(body.raw("tool_choice"), tools)
-    active_tools = [] if tool_choice == "none" else tools
-    forced = tools if tool_choice == "required" else [tool_choice] if isinstance(tool_choice, dict) else None
-    if forced and opts.json_schema is not None:
-        raise invalid("'response_format' cannot be combined with a forced 'tool_choice'", "response_format")
-    if forced:
-        check_schema(forced_call_schema(forced), "tools")  # refused before any model load
-    sampling_from(body, n_vocab=1 << 20, seed=None)  # fail fast on bad sampling fields, before any model load
+    env = api_env(request)
+    call = parse_chat(await read_json(request), env)
+    if not call.opts.stream:
+        return web.json_response(await guard_disconnect(request, chat_completion(call, env)), dumps=json_dumps)
+    async with start(call, env) as run:
+        return await _Reply(request, env, Head(run.model, CHAT_PREFIX), call.opts, call.tools).stream_chat(run.streams)
 
-    async with request.app[MANAGER_KEY].use(opts.model, keep_alive=opts.keep_alive) as loaded:
-        engine = loaded.engine
-        template = chat_template(engine)
-        prompt = await template.render_async(messages, tools=active_tools or None)
-        tokens = await tokenize_async(engine, prompt, template)
-        base = build_request(body, opts, engine, tokens, param="messages")
-        if forced:
-            base.sampling.json_schema = forced_call_schema(forced)
-            base.sampling.constraint_param = "tools"
-        streams = await submit_all(engine, [with_seed_offset(base, i) for i in range(opts.n)])
-        ctx = _Reply(request, loaded.name, opts, active_tools, prefix="chatcmpl")
-        try:
-            if opts.stream:
-                return await ctx.stream_chat(streams)
-            choices = await guard_disconnect(request, collect(streams))
-        finally:
-            cancel_all(streams)
 
-    out = []
-    for i, choice in enumerate(choices):
-        content, calls = parse_tool_calls(choice.text, active_tools) if active_tools else (choice.text, [])
-        message: dict[str, Any] = {"role": "assistant", "content": content if (content or not calls) else None}
-        if calls:
-            message["tool_calls"] = [c.openai() for c in calls]
-        out.append({
-            "index": i,
-            "message": message,
-            "logprobs": chat_logprobs(choice.logprobs, opts.logprobs) if opts.logprobs is not None else None,
-            "finish_reason": "tool_calls" if calls else finish_reason(choice.finish_reason),
-        })
-    ctx.observe([c.usage for c in choices])
-    return web.json_response({
-        **ctx.head("chat.completion"),
-        "choices": out,
-        "usage": UsageTotals.of([c.usage for c in choices], opts.n).openai(),
-    }, dumps=json_dumps)
+@routes.post("/v1/completions")
+async def completions(request: web.Request) -> web.StreamResponse:
+    env = api_env(request)
+    call = parse_completion(await read_json(request), env)
+    if not call.opts.stream:
+        return web.json_response(await guard_disconnect(request, completion(call, env)), dumps=json_dumps)
+    async with start(call, env) as run:
+        reply = _Reply(request, env, Head(run.model, COMPLETION_PREFIX), call.opts, [])
+        return await reply.stream_completion(run.streams, call.echoes)
 
 
 class _Reply:
-    """Ids, timestamps and SSE writing shared by the chat and completion handlers."""
+    """SSE writing shared by the streamed chat and completion handlers."""
 
-    def __init__(self, request: web.Request, model: str, opts: Options, tools: list[dict], *, prefix: str):
+    def __init__(self, request: web.Request, env: ApiEnv, head: Head, opts: Options, tools: list[dict]):
         self.request = request
-        self.model = model
+        self.env = env
+        self.head = head
+        self.model = head.model
+        self.id = head.id
         self.opts = opts
         self.tools = tools
-        self.id = f"{prefix}-{uuid.uuid4().hex[:24]}"
-        self.created = int(time.time())
         self.metrics = request.app[METRICS_KEY]
 
-    def head(self, obj: str) -> dict[str, Any]:
-        return {"id": self.id, "object": obj, "created": self.created, "model": self.model,
-                "system_fingerprint": SYSTEM_FINGERPRINT}
-
-    def observe(self, usages: Sequence[Any]) -> None:
-        for usage in usages:
-            self.metrics.observe_usage(self.model, usage)
-
     def chunk(self, obj: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
-        data = {**self.head(obj), "choices": choices}
+        data = {**self.head.of(obj), "choices": choices}
         if self.opts.include_usage:
             data["usage"] = None  # as OpenAI: null on every chunk but the last
         return data
 
-    async def run_stream(self, streams: list[Any], body_writer: Any) -> web.StreamResponse:
+    async def run_stream(self, streams: list[EventStream],
+                         body_writer: Callable[[web.StreamResponse, list[EventStream]], Awaitable[None]]) -> web.StreamResponse:
         response = await open_sse(self.request)
         try:
             await guard_disconnect(self.request, body_writer(response, streams))
@@ -294,20 +137,20 @@ class _Reply:
                 await send_sse_error(response, "internal server error")
         return response
 
-    async def finish_stream(self, response: web.StreamResponse, obj: str, usages: list[Any]) -> None:
-        self.observe(usages)
+    async def finish_stream(self, response: web.StreamResponse, obj: str, usages: list[Usage | None]) -> None:
+        observe(self.env, self.model, usages)
         if self.opts.include_usage:
-            await send_sse(response, {**self.head(obj), "choices": [],
+            await send_sse(response, {**self.head.of(obj), "choices": [],
                                       "usage": UsageTotals.of(usages, self.opts.n).openai()})
         await response.write(b"data: [DONE]\n\n")
 
-    async def stream_chat(self, streams: list[Any]) -> web.StreamResponse:
+    async def stream_chat(self, streams: list[EventStream]) -> web.StreamResponse:
         return await self.run_stream(streams, self._chat_body)
 
-    async def _chat_body(self, response: web.StreamResponse, streams: list[Any]) -> None:
+    async def _chat_body(self, response: web.StreamResponse, streams: list[EventStream]) -> None:
         obj, k = "chat.completion.chunk", self.opts.logprobs
         filters = [ToolCallStream(self.tools) if self.tools else None for _ in streams]
-        usages: list[Any] = [None] * len(streams)
+        usages: list[Usage | None] = [None] * len(streams)
         timer = self.metrics.token_timer(self.model)
         for i in range(len(streams)):
             await send_sse(response, self.chunk(obj, [
@@ -343,10 +186,10 @@ class _Reply:
             return
         await self.finish_stream(response, obj, usages)
 
-    async def stream_completion(self, streams: list[Any], echo: list[str]) -> web.StreamResponse:
-        async def body(response: web.StreamResponse, streams: list[Any]) -> None:
+    async def stream_completion(self, streams: list[EventStream], echo: list[str]) -> web.StreamResponse:
+        async def body(response: web.StreamResponse, streams: list[EventStream]) -> None:
             obj, k, n = "text_completion", self.opts.logprobs, self.opts.n
-            usages: list[Any] = [None] * len(streams)
+            usages: list[Usage | None] = [None] * len(streams)
             offsets = [len(echo[i // n]) for i in range(len(streams))]
             timer = self.metrics.token_timer(self.model)
             for i in range(len(streams)):
@@ -378,105 +221,12 @@ class _Reply:
         return await self.run_stream(streams, body)
 
 
-# --- completions ---------------------------------------------------------------------------------
-def parse_text_or_tokens(value: Any, param: str, max_items: int) -> list[str | list[int]]:
-    """OpenAI's prompt/input forms: a string, an array of strings, an array of token ids, or an
-    array of token-id arrays -> one entry per text."""
-    if isinstance(value, str) or is_token_list(value):
-        items: list[Any] = [value]
-    elif isinstance(value, list) and value and all(isinstance(p, str) or is_token_list(p) for p in value):
-        items = list(value)
-    else:
-        raise invalid(f"'{param}' must be a string, an array of strings, or token ids", param)
-    if len(items) > max_items:
-        raise invalid(f"'{param}' may hold at most {max_items} items", param)
-    if any(isinstance(p, str) and not p for p in items):
-        raise invalid(f"'{param}' must not contain empty strings", param)
-    return items
-
-
-@routes.post("/v1/completions")
-async def completions(request: web.Request) -> web.StreamResponse:
-    body = await read_json(request)
-    opts = parse_options(body, request, chat=False)
-    prompts = parse_text_or_tokens(body.raw("prompt"), "prompt", MAX_PROMPTS)
-    if body.has("suffix"):
-        raise invalid("'suffix' (fill-in-the-middle) is not supported", "suffix")
-    best_of = body.get_int("best_of", None, lo=1, hi=opts.n)
-    if best_of is not None and best_of != opts.n:
-        raise invalid("'best_of' must equal 'n' (server-side ranking is not supported)", "best_of")
-    echo = body.get_bool("echo", False)
-    if echo and (opts.logprobs is not None or any(not isinstance(p, str) for p in prompts)):
-        raise invalid("'echo' is supported with text prompts and without 'logprobs'", "echo")
-    sampling_from(body, n_vocab=1 << 20, seed=None)
-
-    async with request.app[MANAGER_KEY].use(opts.model, keep_alive=opts.keep_alive) as loaded:
-        engine = loaded.engine
-        requests = []
-        for p in prompts:
-            if isinstance(p, str):
-                tokens = await tokenize_async(engine, p)
-                if not tokens:
-                    raise invalid("'prompt' is empty", "prompt")
-            else:
-                tokens = check_tokens(p, engine.backend.info.n_vocab, "prompt")
-            base = build_request(body, opts, engine, tokens, param="prompt")
-            requests.extend(with_seed_offset(base, i) for i in range(opts.n))
-        echoes = [p if echo and isinstance(p, str) else "" for p in prompts]
-        streams = await submit_all(engine, requests)
-        ctx = _Reply(request, loaded.name, opts, [], prefix="cmpl")
-        try:
-            if opts.stream:
-                return await ctx.stream_completion(streams, echoes)
-            choices = await guard_disconnect(request, collect(streams))
-        finally:
-            cancel_all(streams)
-
-    out = []
-    for i, choice in enumerate(choices):
-        prefix = echoes[i // opts.n]
-        out.append({
-            "index": i,
-            "text": prefix + choice.text,
-            "logprobs": completion_logprobs(choice.logprobs, opts.logprobs, 0) if opts.logprobs is not None else None,
-            "finish_reason": finish_reason(choice.finish_reason),
-        })
-    ctx.observe([c.usage for c in choices])
-    return web.json_response({
-        **ctx.head("text_completion"),
-        "choices": out,
-        "usage": UsageTotals.of([c.usage for c in choices], opts.n).openai(),
-    }, dumps=json_dumps)
-
-
 # --- embeddings ----------------------------------------------------------------------------------
 @routes.post("/v1/embeddings")
-async def embeddings(request: web.Request) -> web.Response:
-    body = await read_json(request)
-    settings = request.app[SETTINGS_KEY]
-    model = body.get_str("model", None, max_len=512) or settings.default_model
-    inputs = parse_text_or_tokens(body.raw("input"), "input", MAX_EMBED_INPUTS)
-    encoding = body.get_str("encoding_format", "float", choices=("float", "base64"))
-    dimensions = body.get_int("dimensions", None, lo=1, hi=1 << 20)
-    async with request.app[MANAGER_KEY].use(model) as loaded:
-        engine = loaded.engine
-        n_embd = engine.backend.info.n_embd
-        if dimensions is not None and dimensions != n_embd:
-            raise invalid(f"'dimensions' must be {n_embd} for this model (no reduction supported)", "dimensions")
-        token_lists, vectors = await embed_request(request, engine, inputs, truncate=False, param="input")
-    n_tokens = sum(len(t) for t in token_lists)
-    data = []
-    for i, vector in enumerate(vectors):
-        if encoding == "base64":
-            # What the openai package asks for by default: little-endian float32, base64.
-            encoded: Any = base64.b64encode(struct.pack(f"<{len(vector)}f", *vector)).decode("ascii")
-        else:
-            encoded = [float(x) for x in vector]
-        data.append({"object": "embedding", "index": i, "embedding": encoded})
-    return web.json_response({
-        "object": "list", "data": data, "model": loaded.name,
-        "usage": {"prompt_tokens": n_tokens, "total_tokens": n_tokens},
-    }, dumps=json_dumps)
+async def create_embeddings(request: web.Request) -> web.Response:
+    env = api_env(request)
+    call = parse_embeddings(await read_json(request), env)
+    return web.json_response(await guard_disconnect(request, embeddings(call, env)), dumps=json_dumps)
 
 
 # --- models --------------------------------------------------------------------------------------

@@ -25,7 +25,6 @@ from ..schema_bounds import check_schema
 MAX_N = 8
 MAX_STOP = 4
 MAX_STOP_CHARS = 512
-MAX_LOGPROBS = 20
 MAX_LOGIT_BIAS = 1024
 MAX_TOOLS = 128
 MAX_MESSAGES = 4096
@@ -159,11 +158,13 @@ def parse_stop(value: Any, param: str = "stop") -> list[str]:
     return [s for s in items if s]
 
 
-def parse_lane(body: Body, request: web.Request, default: Lane) -> Lane:
+def parse_lane(body: Body, header: str | None, default: Lane) -> Lane:
+    """The body's `priority`, else the X-Priority `header` value (None: no header, or no HTTP
+    request at all), else `default`."""
     value = body.data.get("priority")
     param = "priority"
     if value is None:
-        value = request.headers.get("X-Priority")
+        value = header
         param = "X-Priority"
     if value is None:
         return default
@@ -179,7 +180,9 @@ def parse_seed(body: Body, name: str = "seed") -> int | None:
     return seed & 0xFFFFFFFF  # llama.cpp seeds are uint32
 
 
-def parse_logit_bias(value: Any, n_vocab: int, param: str = "logit_bias") -> dict[int, float]:
+def parse_logit_bias(value: Any, param: str = "logit_bias") -> dict[int, float]:
+    """OpenAI's {"token id": bias} -> {int: float}; the ids' and biases' ranges are
+    SamplingParams.validate's."""
     if value is None:
         return {}
     if not isinstance(value, dict):
@@ -192,10 +195,8 @@ def parse_logit_bias(value: Any, n_vocab: int, param: str = "logit_bias") -> dic
             token = int(key)
         except (TypeError, ValueError):
             raise invalid(f"'{param}' keys must be token ids (got {str(key)[:20]!r})", param) from None
-        if not 0 <= token < n_vocab:
-            raise invalid(f"'{param}' token id {token} is outside the vocabulary (0..{n_vocab - 1})", param)
-        if isinstance(b, bool) or not isinstance(b, (int, float)) or not -100 <= b <= 100:
-            raise invalid(f"'{param}' biases must be numbers between -100 and 100", param)
+        if isinstance(b, bool) or not isinstance(b, (int, float)):
+            raise invalid(f"'{param}' biases must be numbers", param)
         bias[token] = float(b)
     return bias
 
@@ -232,27 +233,35 @@ def _json_format(value: Any, param: str) -> dict | None:
     raise invalid("'response_format.type' must be one of text, json_object, json_schema", "response_format.type")
 
 
-def sampling_from(body: Body, *, n_vocab: int, seed: int | None, names: dict[str, str] | None = None) -> SamplingParams:
-    """SamplingParams from OpenAI-named fields (`names` maps our names to the body's, e.g. for
-    Ollama's `repeat_last_n`). Unset fields keep SamplingParams' defaults (llama.cpp's, as
-    llama-server does), which suit small local models better than OpenAI's 1.0/1.0."""
+def sampling_from(body: Body, *, n_vocab: int | None, seed: int | None, names: dict[str, str] | None = None,
+                  **fields: Any) -> SamplingParams:
+    """Validated SamplingParams from OpenAI-named fields (`names` maps our names to the body's, e.g.
+    for Ollama's `repeat_last_n`) plus `fields` parsed elsewhere (logit_bias, json_schema, ...).
+    The body's getters check types; the ranges are SamplingParams.validate's, the same every
+    backend applies. `n_vocab=None`: the model is not loaded yet (a fail-fast check before loading
+    it). Unset fields keep SamplingParams' defaults (llama.cpp's, as llama-server does), which suit
+    small local models better than OpenAI's 1.0/1.0."""
     names = names or {}
     d = SamplingParams()
+    any_number = {"lo": -math.inf, "hi": math.inf}
+    any_int = {"lo": -(1 << 63), "hi": (1 << 63) - 1}
 
     def key(ours: str) -> str:
         return names.get(ours, ours)
 
-    return SamplingParams(
-        temperature=body.get_float(key("temperature"), d.temperature, lo=0.0, hi=2.0),
-        top_k=body.get_int(key("top_k"), d.top_k, lo=0, hi=max(n_vocab, 1)),
-        top_p=body.get_float(key("top_p"), d.top_p, lo=0.0, hi=1.0),
-        min_p=body.get_float(key("min_p"), d.min_p, lo=0.0, hi=1.0),
+    sampling = SamplingParams(
+        temperature=body.get_float(key("temperature"), d.temperature, **any_number),
+        top_k=body.get_int(key("top_k"), d.top_k, **any_int),
+        top_p=body.get_float(key("top_p"), d.top_p, **any_number),
+        min_p=body.get_float(key("min_p"), d.min_p, **any_number),
         seed=seed,
-        repeat_penalty=body.get_float(key("repeat_penalty"), d.repeat_penalty, lo=0.0, hi=10.0),
-        frequency_penalty=body.get_float(key("frequency_penalty"), d.frequency_penalty, lo=-2.0, hi=2.0),
-        presence_penalty=body.get_float(key("presence_penalty"), d.presence_penalty, lo=-2.0, hi=2.0),
-        penalty_last_n=body.get_int(key("penalty_last_n"), d.penalty_last_n, lo=-1, hi=1 << 20),
+        repeat_penalty=body.get_float(key("repeat_penalty"), d.repeat_penalty, **any_number),
+        frequency_penalty=body.get_float(key("frequency_penalty"), d.frequency_penalty, **any_number),
+        presence_penalty=body.get_float(key("presence_penalty"), d.presence_penalty, **any_number),
+        penalty_last_n=body.get_int(key("penalty_last_n"), d.penalty_last_n, **any_int),
+        **fields,
     )
+    return sampling.validate(n_vocab, param=lambda ours: body.param(key(ours)))
 
 
 def clamp_max_tokens(requested: int | None, prompt_tokens: int, n_ctx: int, param: str = "messages") -> int:

@@ -1,0 +1,111 @@
+"""The request-level engine contract: what ModelManager and the server ask of a loaded model.
+
+`ModelEngine` is written in the product's own vocabulary (requests.py): a request goes in, an
+async stream of GenerationEvents comes out. engine.Engine implements it with a step-level Backend
+under our Scheduler; an engine that batches by itself (onnxruntime-genai's, a remote upstream)
+implements the same members without either, and the server cannot tell them apart
+(tests/test_engine_protocol.py serves a minimal second implementation through the real app).
+
+Everything above this seam (models.py, server/) is typed against these names only: no backend,
+scheduler or llama.cpp member is reachable from a handler.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any, AsyncIterator, Protocol, runtime_checkable
+
+from .requests import GenerationEvent, GenerationRequest
+
+
+@dataclass
+class ModelInfo:
+    """What a loaded model is: sizes, tokenizer facts and its chat template."""
+
+    name: str
+    architecture: str
+    n_ctx_train: int
+    n_vocab: int
+    n_embd: int
+    n_params: int
+    chat_template: str | None
+    bos_token: str | None
+    eos_token: str | None
+    metadata: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class EngineStats:
+    """A snapshot for /api/ps and /metrics. Fields an engine cannot know stay 0 (an engine that
+    batches by itself may report no KV cells or prefix cache)."""
+
+    running: int
+    waiting: dict[str, int]  # per lane
+    kv_used: int
+    kv_total: int
+    tokens_per_s: float  # generated tokens per second of recent busy time
+    prompt_tokens_per_s: float
+    prefix_cache_hits: int  # prompt tokens served from the cache
+    prefix_cache_queries: int  # prompt tokens looked up
+    prefix_cache_hit_rate: float
+    steps: int
+    busy: bool
+    preemptions: int = 0
+    parked: int = 0  # finished requests kept as prefix cache
+    max_sequences: int = 0  # the running batch's capacity (occupancy = running / max_sequences)
+    kv_moves: int = 0  # sequences moved to keep the running ids consecutive (batching/kvpool.py)
+    cancelled: int = 0  # requests that ended "cancelled" (client gone, stopped reading, shutdown)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+@runtime_checkable
+class EventStream(Protocol):
+    """One request's events, in order; the last one carries `finish_reason` (and `usage`)."""
+
+    @property
+    def request_id(self) -> str: ...
+
+    def cancel(self) -> None:
+        """Safe from any thread or coroutine, and idempotent: the stream then ends with
+        finish_reason "cancelled" (unless it already finished) and the engine frees its work."""
+
+    def __aiter__(self) -> AsyncIterator[GenerationEvent]: ...
+
+    async def __anext__(self) -> GenerationEvent: ...
+
+
+@runtime_checkable
+class ModelEngine(Protocol):
+    """One loaded model serving many concurrent requests. All members are called from the event
+    loop; `tokenize`/`detokenize` may also run in worker threads (long texts), and `shutdown` in one
+    (ModelManager unloads off the loop)."""
+
+    name: str  # the model reference it was loaded as ("name:tag")
+
+    @property
+    def info(self) -> ModelInfo: ...
+
+    @property
+    def n_ctx_per_seq(self) -> int:
+        """Tokens one request may hold, prompt and completion together."""
+
+    async def generate(self, request: GenerationRequest) -> EventStream:
+        """Queue a request and return its stream; refusals are raised here, before any event:
+        InvalidRequestError / ContextLengthExceededError (400), QueueFullError (429),
+        OverloadedError (503). Awaitable so that costly preparation (compiling a schema) can run
+        off the loop."""
+
+    async def embed(self, inputs: list[list[int]]) -> list[list[float]]:
+        """One pooled, normalised vector per token list. Cancelling the caller stops the work."""
+
+    def tokenize(self, text: str, add_special: bool = True) -> list[int]: ...
+
+    def detokenize(self, tokens: list[int]) -> str:
+        """The text of `tokens` (special tokens render empty; invalid UTF-8 is replaced)."""
+
+    def stats(self) -> EngineStats: ...
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        """Cancel everything in flight (each stream ends "cancelled") and free the model. Blocking."""

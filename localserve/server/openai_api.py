@@ -1,0 +1,390 @@
+"""The OpenAI dialect without HTTP: a validated body in, engine work, the response object out.
+
+One function per endpoint (`chat_completion`, `completion`, `embeddings`) runs a parsed call
+through a ModelManager and returns the exact JSON object the HTTP route answers with. The routes
+(openai_routes.py) keep only what is HTTP: reading the body, SSE, watching the connection. A batch
+runner feeds a JSONL line's body through the same parse_* and the same function, so a batch line
+and an HTTP request cannot drift apart.
+
+Each endpoint has three parts: `parse_*` (every field checked before any model is loaded, so a
+bad body never costs a load), `prepare` (with the loaded engine: template, tokenize, build the
+GenerationRequests) and `*_response` (collected choices -> the response object). Streaming routes
+use the same parse and prepare and format chunks themselves.
+"""
+
+from __future__ import annotations
+
+import base64
+import math
+import struct
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, AsyncContextManager, Callable, Sequence, TypeVar
+
+from .. import __version__
+from ..config import Settings
+from ..engine_api import ModelEngine
+from ..requests import MAX_LOGPROBS, GenerationRequest, Lane, TokenLogprob, Usage
+from ..schema_bounds import check_schema
+from .generation import (
+    Choice,
+    Run,
+    UsageTotals,
+    chat_template,
+    check_tokens,
+    collect,
+    embed_texts,
+    generation,
+    is_token_list,
+    tokenize_async,
+    with_seed_offset,
+)
+from .metrics import Metrics
+from .tools import forced_call_schema, parse_tool_calls
+from .validation import (
+    MAX_EMBED_INPUTS,
+    MAX_PROMPTS,
+    Body,
+    clamp_max_tokens,
+    invalid,
+    parse_json_format,
+    parse_keep_alive,
+    parse_lane,
+    parse_logit_bias,
+    parse_messages,
+    parse_n,
+    parse_seed,
+    parse_stop,
+    parse_tool_choice,
+    parse_tools,
+    sampling_from,
+)
+
+if TYPE_CHECKING:
+    from ..models import ModelManager
+
+SYSTEM_FINGERPRINT = f"localserve-{__version__}"
+MAX_TOKENS_LIMIT = (1 << 63) - 1  # bigger asks are clamped to the context left, not refused
+MIN_LOGPROB = -9999.0  # JSON has no -inf; OpenAI clients expect a number
+CHAT_PREFIX, COMPLETION_PREFIX = "chatcmpl", "cmpl"  # of response ids
+
+
+@dataclass
+class ApiEnv:
+    """What an endpoint needs besides the body, as plain values: the app's settings, manager and
+    metrics (None: nothing to count), and the X-Priority header's value, if there was one."""
+
+    settings: Settings
+    manager: "ModelManager"
+    metrics: Metrics | None = None
+    priority_header: str | None = None
+
+
+# --- fields shared by chat and completions -------------------------------------------------------
+@dataclass
+class Options:
+    model: str
+    stream: bool
+    include_usage: bool
+    n: int
+    stop: list[str]
+    max_tokens: int | None
+    seed: int | None
+    logprobs: int | None  # None = off, k = chosen token + k alternatives
+    json_schema: dict | None
+    lane: Lane
+    keep_alive: float | None
+
+
+def parse_options(body: Body, env: ApiEnv, *, chat: bool) -> Options:
+    stream = body.get_bool("stream", False)
+    stream_options = body.get_object("stream_options")
+    if stream_options is not None and not stream:
+        raise invalid("'stream_options' is only allowed when 'stream' is true", "stream_options")
+    if chat:
+        max_tokens = body.get_int("max_completion_tokens", None, lo=1, hi=MAX_TOKENS_LIMIT)
+        if max_tokens is None:
+            max_tokens = body.get_int("max_tokens", None, lo=1, hi=MAX_TOKENS_LIMIT)
+        want = body.get_bool("logprobs", False)
+        top = body.get_int("top_logprobs", None, lo=0, hi=MAX_LOGPROBS)
+        if top is not None and not want:
+            raise invalid("'top_logprobs' requires 'logprobs' to be true", "top_logprobs")
+        logprobs = (top or 0) if want else None
+    else:
+        max_tokens = body.get_int("max_tokens", 16, lo=1, hi=MAX_TOKENS_LIMIT)  # OpenAI's default for completions
+        logprobs = body.get_int("logprobs", None, lo=0, hi=MAX_LOGPROBS)
+    options = Options(
+        model=body.get_str("model", None, max_len=512) or env.settings.default_model,
+        stream=stream,
+        include_usage=stream_options.get_bool("include_usage", False) if stream_options else False,
+        n=parse_n(body),
+        stop=parse_stop(body.raw("stop")),
+        max_tokens=max_tokens,
+        seed=parse_seed(body),
+        logprobs=logprobs,
+        json_schema=parse_json_format(body.raw("response_format"), "response_format"),
+        lane=parse_lane(body, env.priority_header, "interactive" if (chat and stream) else "default"),
+        keep_alive=parse_keep_alive(body.raw("keep_alive")),
+    )
+    build_request(body, options, None, [1])  # sampling fields fail here, before any model load
+    return options
+
+
+def build_request(body: Body, opts: Options, engine: ModelEngine | None, tokens: list[int], *,
+                  param: str = "messages") -> GenerationRequest:
+    """The engine request of one choice; with engine=None only checks the body's sampling fields."""
+    n_vocab = engine.info.n_vocab if engine is not None else None
+    n_ctx = engine.n_ctx_per_seq if engine is not None else len(tokens) + 1
+    sampling = sampling_from(body, n_vocab=n_vocab, seed=opts.seed, logit_bias=parse_logit_bias(body.raw("logit_bias")),
+                             json_schema=opts.json_schema, logprobs=opts.logprobs)
+    return GenerationRequest(
+        prompt_tokens=tokens,
+        sampling=sampling,
+        max_tokens=clamp_max_tokens(opts.max_tokens, len(tokens), n_ctx, param),
+        stop=opts.stop,
+        lane=opts.lane,
+    )
+
+
+def finish_reason(reason: str | None) -> str:
+    return "length" if reason == "length" else "stop"
+
+
+def _lp(value: float) -> float:
+    return value if math.isfinite(value) else MIN_LOGPROB
+
+
+def chat_logprobs(items: Sequence[TokenLogprob], k: int) -> dict[str, Any]:
+    return {
+        "content": [
+            {
+                "token": lp.text,
+                "logprob": _lp(lp.logprob),
+                "bytes": list(lp.text.encode("utf-8")),
+                "top_logprobs": [
+                    {"token": text, "logprob": _lp(value), "bytes": list(text.encode("utf-8"))}
+                    for _, text, value in lp.top[:k]
+                ],
+            }
+            for lp in items
+        ],
+        "refusal": None,
+    }
+
+
+def completion_logprobs(items: Sequence[TokenLogprob], k: int, offset: int) -> dict[str, Any]:
+    offsets = []
+    for lp in items:
+        offsets.append(offset)
+        offset += len(lp.text)
+    return {
+        "tokens": [lp.text for lp in items],
+        "token_logprobs": [_lp(lp.logprob) for lp in items],
+        "top_logprobs": [{text: _lp(value) for _, text, value in lp.top[:k]} for lp in items],
+        "text_offset": offsets,
+    }
+
+
+@dataclass
+class Head:
+    """The id, timestamp and model every object of one response carries."""
+
+    model: str
+    prefix: str
+    id: str = ""
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    def __post_init__(self) -> None:
+        self.id = self.id or f"{self.prefix}-{uuid.uuid4().hex[:24]}"
+
+    def of(self, obj: str) -> dict[str, Any]:
+        return {"id": self.id, "object": obj, "created": self.created, "model": self.model,
+                "system_fingerprint": SYSTEM_FINGERPRINT}
+
+
+def observe(env: ApiEnv, model: str, usages: Sequence[Usage | None]) -> None:
+    if env.metrics is not None:
+        for usage in usages:
+            env.metrics.observe_usage(model, usage)
+
+
+# --- chat ----------------------------------------------------------------------------------------
+@dataclass
+class ChatCall:
+    body: Body
+    opts: Options
+    messages: list[dict[str, Any]]
+    tools: list[dict[str, Any]]  # the tools the model may call (none when tool_choice is "none")
+    forced: list[dict[str, Any]] | None  # tools one of which must be called
+
+    async def prepare(self, engine: ModelEngine) -> list[GenerationRequest]:
+        template = chat_template(engine)
+        prompt = await template.render_async(self.messages, tools=self.tools or None)
+        tokens = await tokenize_async(engine, prompt, template)
+        base = build_request(self.body, self.opts, engine, tokens, param="messages")
+        if self.forced:
+            base.sampling.json_schema = forced_call_schema(self.forced)
+            base.sampling.constraint_param = "tools"
+        return [with_seed_offset(base, i) for i in range(self.opts.n)]
+
+
+def parse_chat(body: Body, env: ApiEnv) -> ChatCall:
+    opts = parse_options(body, env, chat=True)
+    messages = parse_messages(body.raw("messages"))
+    tools = parse_tools(body.raw("tools"))
+    tool_choice = parse_tool_choice(body.raw("tool_choice"), tools)
+    forced = tools if tool_choice == "required" else [tool_choice] if isinstance(tool_choice, dict) else None
+    if forced and opts.json_schema is not None:
+        raise invalid("'response_format' cannot be combined with a forced 'tool_choice'", "response_format")
+    if forced:
+        check_schema(forced_call_schema(forced), "tools")  # refused before any model load
+    return ChatCall(body, opts, messages, [] if tool_choice == "none" else tools, forced)
+
+
+def chat_response(call: ChatCall, head: Head, choices: Sequence[Choice]) -> dict[str, Any]:
+    out = []
+    for i, choice in enumerate(choices):
+        content, calls = parse_tool_calls(choice.text, call.tools) if call.tools else (choice.text, [])
+        message: dict[str, Any] = {"role": "assistant", "content": content if (content or not calls) else None}
+        if calls:
+            message["tool_calls"] = [c.openai() for c in calls]
+        out.append({
+            "index": i,
+            "message": message,
+            "logprobs": chat_logprobs(choice.logprobs, call.opts.logprobs) if call.opts.logprobs is not None else None,
+            "finish_reason": "tool_calls" if calls else finish_reason(choice.finish_reason),
+        })
+    return {**head.of("chat.completion"), "choices": out,
+            "usage": UsageTotals.of([c.usage for c in choices], call.opts.n).openai()}
+
+
+async def chat_completion(call: ChatCall, env: ApiEnv) -> dict[str, Any]:
+    """A non-streamed chat.completion object for a parsed call."""
+    return await _collected(call, env, chat_response, CHAT_PREFIX)
+
+
+# --- completions ---------------------------------------------------------------------------------
+def parse_text_or_tokens(value: Any, param: str, max_items: int) -> list[str | list[int]]:
+    """OpenAI's prompt/input forms: a string, an array of strings, an array of token ids, or an
+    array of token-id arrays -> one entry per text."""
+    if isinstance(value, str) or is_token_list(value):
+        items: list[Any] = [value]
+    elif isinstance(value, list) and value and all(isinstance(p, str) or is_token_list(p) for p in value):
+        items = list(value)
+    else:
+        raise invalid(f"'{param}' must be a string, an array of strings, or token ids", param)
+    if len(items) > max_items:
+        raise invalid(f"'{param}' may hold at most {max_items} items", param)
+    if any(isinstance(p, str) and not p for p in items):
+        raise invalid(f"'{param}' must not contain empty strings", param)
+    return items
+
+
+@dataclass
+class CompletionCall:
+    body: Body
+    opts: Options
+    prompts: list[str | list[int]]
+    echoes: list[str]  # per prompt: the text to echo before its completion ("" = none)
+
+    async def prepare(self, engine: ModelEngine) -> list[GenerationRequest]:
+        requests = []
+        for p in self.prompts:
+            if isinstance(p, str):
+                tokens = await tokenize_async(engine, p)
+                if not tokens:
+                    raise invalid("'prompt' is empty", "prompt")
+            else:
+                tokens = check_tokens(p, engine.info.n_vocab, "prompt")
+            base = build_request(self.body, self.opts, engine, tokens, param="prompt")
+            requests.extend(with_seed_offset(base, i) for i in range(self.opts.n))
+        return requests
+
+
+def parse_completion(body: Body, env: ApiEnv) -> CompletionCall:
+    opts = parse_options(body, env, chat=False)
+    prompts = parse_text_or_tokens(body.raw("prompt"), "prompt", MAX_PROMPTS)
+    if body.has("suffix"):
+        raise invalid("'suffix' (fill-in-the-middle) is not supported", "suffix")
+    best_of = body.get_int("best_of", None, lo=1, hi=opts.n)
+    if best_of is not None and best_of != opts.n:
+        raise invalid("'best_of' must equal 'n' (server-side ranking is not supported)", "best_of")
+    echo = body.get_bool("echo", False)
+    if echo and (opts.logprobs is not None or any(not isinstance(p, str) for p in prompts)):
+        raise invalid("'echo' is supported with text prompts and without 'logprobs'", "echo")
+    return CompletionCall(body, opts, prompts, [p if echo and isinstance(p, str) else "" for p in prompts])
+
+
+def completion_response(call: CompletionCall, head: Head, choices: Sequence[Choice]) -> dict[str, Any]:
+    k = call.opts.logprobs
+    out = [{
+        "index": i,
+        "text": call.echoes[i // call.opts.n] + choice.text,
+        "logprobs": completion_logprobs(choice.logprobs, k, 0) if k is not None else None,
+        "finish_reason": finish_reason(choice.finish_reason),
+    } for i, choice in enumerate(choices)]
+    return {**head.of("text_completion"), "choices": out,
+            "usage": UsageTotals.of([c.usage for c in choices], call.opts.n).openai()}
+
+
+async def completion(call: CompletionCall, env: ApiEnv) -> dict[str, Any]:
+    """A non-streamed text_completion object for a parsed call."""
+    return await _collected(call, env, completion_response, COMPLETION_PREFIX)
+
+
+# --- what chat and completions share ------------------------------------------------------------
+GenerationCall = TypeVar("GenerationCall", ChatCall, CompletionCall)
+
+
+def start(call: ChatCall | CompletionCall, env: ApiEnv) -> AsyncContextManager[Run]:
+    """The call's generation (pinned model, submitted streams, cancelled on exit)."""
+    return generation(env.manager, call.opts.model, call.opts.keep_alive, call.prepare)
+
+
+async def _collected(call: GenerationCall, env: ApiEnv,
+                     respond: Callable[[GenerationCall, Head, Sequence[Choice]], dict[str, Any]],
+                     prefix: str) -> dict[str, Any]:
+    async with start(call, env) as run:
+        choices = await collect(run.streams)
+    observe(env, run.model, [c.usage for c in choices])
+    return respond(call, Head(run.model, prefix), choices)
+
+
+# --- embeddings ----------------------------------------------------------------------------------
+@dataclass
+class EmbeddingsCall:
+    model: str
+    inputs: list[str | list[int]]
+    encoding: str  # "float" or "base64"
+    dimensions: int | None
+
+
+def parse_embeddings(body: Body, env: ApiEnv) -> EmbeddingsCall:
+    return EmbeddingsCall(
+        model=body.get_str("model", None, max_len=512) or env.settings.default_model,
+        inputs=parse_text_or_tokens(body.raw("input"), "input", MAX_EMBED_INPUTS),
+        encoding=body.get_str("encoding_format", "float", choices=("float", "base64")) or "float",
+        dimensions=body.get_int("dimensions", None, lo=1, hi=1 << 20),
+    )
+
+
+async def embeddings(call: EmbeddingsCall, env: ApiEnv) -> dict[str, Any]:
+    """The embeddings list object for a parsed call."""
+    async with env.manager.use(call.model) as loaded:
+        n_embd = loaded.engine.info.n_embd
+        if call.dimensions is not None and call.dimensions != n_embd:
+            raise invalid(f"'dimensions' must be {n_embd} for this model (no reduction supported)", "dimensions")
+        token_lists, vectors = await embed_texts(loaded.engine, call.inputs, truncate=False, param="input",
+                                                 max_tokens=env.settings.max_embed_tokens)
+    data = []
+    for i, vector in enumerate(vectors):
+        if call.encoding == "base64":
+            # What the openai package asks for by default: little-endian float32, base64.
+            encoded: Any = base64.b64encode(struct.pack(f"<{len(vector)}f", *vector)).decode("ascii")
+        else:
+            encoded = [float(x) for x in vector]
+        data.append({"object": "embedding", "index": i, "embedding": encoded})
+    n_tokens = sum(len(t) for t in token_lists)
+    return {"object": "list", "data": data, "model": loaded.name,
+            "usage": {"prompt_tokens": n_tokens, "total_tokens": n_tokens}}
