@@ -36,14 +36,17 @@ from typing import TYPE_CHECKING, Any, AsyncIterator, Callable
 
 from .config import Settings
 from .errors import BackendError, LocalserveError, OverloadedError
+from .engine_api import ModelEngine
 from .store import InstalledModel, ModelStore
 
 if TYPE_CHECKING:  # the engine pulls in llama.cpp; the manager itself must import without it
+    from .batching.limits import EngineLimits
     from .engine import Engine
 
 log = logging.getLogger(__name__)
 
-Loader = Callable[[InstalledModel, Settings], "Engine"]
+# Any ModelEngine will do: the manager only generates, embeds, reads stats and shuts down.
+Loader = Callable[[InstalledModel, Settings], ModelEngine]
 UNLOAD_TIMEOUT = 10.0  # seconds an engine gets to stop its step loop and free its memory
 BUSY_RETRY_AFTER = 2.0  # Retry-After when every loaded model has requests in flight
 BUDGET_FRACTION = 0.9  # of available RAM / total VRAM: leave room for the OS and the daemon itself
@@ -53,7 +56,7 @@ BUDGET_FRACTION = 0.9  # of available RAM / total VRAM: leave room for the OS an
 class ModelPlan:
     """How a model will be loaded: engine limits (context, sequences, batch), device, memory cost."""
 
-    limits: Any  # batching.limits.EngineLimits
+    limits: "EngineLimits"
     memory_bytes: int
     n_gpu_layers: int = 0
     device: str = "cpu"
@@ -141,7 +144,7 @@ def memory_budget(settings: Settings) -> int:
 @dataclass
 class LoadedModel:
     name: str  # "name:tag"
-    engine: "Engine"
+    engine: ModelEngine
     info: InstalledModel
     loaded_at: float  # epoch seconds
     memory_bytes: int

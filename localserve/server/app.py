@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import ipaddress
 import time
-from typing import Any, AsyncIterator
+from typing import TYPE_CHECKING, AsyncIterator
 
 from aiohttp import web
 
@@ -28,6 +28,9 @@ from .errors import error_middleware
 from .metrics import Metrics, handle_metrics, metrics_middleware
 from .security import WILDCARD_HOSTS, add_cors_headers, security_middleware
 from .state import MANAGER_KEY, METRICS_KEY, SETTINGS_KEY, STARTED_KEY, STORE_KEY
+
+if TYPE_CHECKING:
+    from ..models import ModelManager
 
 
 def is_loopback_bind(host: str) -> bool:
@@ -56,7 +59,7 @@ async def root(request: web.Request) -> web.Response:
     return web.Response(text="localserve is running")
 
 
-def create_app(settings: Settings, manager: Any) -> web.Application:
+def create_app(settings: Settings, manager: "ModelManager") -> web.Application:
     """The HTTP API over `manager` (a ModelManager); the app closes the manager on cleanup."""
     if not is_loopback_bind(settings.host) and not settings.api_key:
         # Anyone on the network could use the models (and pull or delete them) otherwise.
