@@ -1,0 +1,233 @@
+"""The ONNX Runtime backend: our converter's packed decoder graph (convert/graph.py) under our scheduler.
+
+One `session.run` computes a packed batch of any sequences' tokens side by side with no padding:
+the scheduler's mixed prompt chunks and decodes. The KV cache is one pool of slots
+(onnx_kv.SlotTable) held in OrtValues that are bound as both the graph's cache inputs and its
+cache outputs, so each run writes its new rows in place and nothing is copied per step. The
+tokenizer is llama.cpp's own (llamacpp_vocab), the chat template the GGUF's, and sampling has the
+llama.cpp backend's parameters and semantics (numpy_sampling).
+
+Threading as for every backend: decode, sampling and KV calls on the engine thread; tokenize,
+token_to_bytes and is_eog are safe from any thread.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from pathlib import Path
+from typing import Sequence
+
+import numpy as np
+
+from ..errors import BackendError
+from ..requests import SamplingParams
+from .base import Backend, BatchToken, Capabilities
+from .llamacpp import default_threads
+from .llamacpp_vocab import LlamaVocab
+from .numpy_sampling import NumpySampler
+from .onnx_kv import SlotTable
+
+log = logging.getLogger(__name__)
+
+MODEL_FILE = "model.onnx"
+META_FILE = "localserve-onnx.json"
+CPU_EP = "CPUExecutionProvider"
+
+
+def _read_meta(model_dir: Path) -> dict:
+    try:
+        meta = json.loads((model_dir / META_FILE).read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:
+        raise BackendError(f"the ONNX folder's {META_FILE} cannot be read ({type(e).__name__})") from None
+    if meta.get("flavour") != "dynamic":
+        raise BackendError(f"this backend runs the dynamic flavour; the folder holds {meta.get('flavour')!r}")
+    return meta
+
+
+class OnnxBackend(Backend):
+    def __init__(self, session, meta: dict, vocab: LlamaVocab, *, n_ctx: int, n_seq_max: int,
+                 n_batch: int, n_threads: int) -> None:
+        import onnxruntime as ort
+
+        self._ort = ort
+        self.session = session
+        self.meta = meta
+        self.vocab = vocab
+        self.info = vocab.info
+        self.n_vocab = int(meta["n_vocab"])
+        self.n_ctx = n_ctx
+        self.n_seq_max = n_seq_max
+        self.n_batch = n_batch
+        self.n_threads = n_threads
+        self.n_layer = int(meta["n_layer"])
+        self.max_pos = int(meta["context_length"])  # the rope tables' length
+        self.slots = SlotTable(n_ctx, n_seq_max)
+        shape = (int(meta["n_head_kv"]), n_ctx, int(meta["head_dim"]))
+        self._io = session.io_binding()
+        self._caches = []  # keeps the OrtValues alive for as long as the binding names them
+        for i in range(self.n_layer):
+            for kind in ("key", "value"):
+                cache = ort.OrtValue.ortvalue_from_numpy(np.zeros(shape, dtype=np.float32))
+                self._caches.append(cache)
+                # The same buffer in and out: ScatterElements writes this step's rows into it in place.
+                self._io.bind_ortvalue_input(f"cache.{i}.{kind}", cache)
+                self._io.bind_ortvalue_output(f"cache_out.{i}.{kind}", cache)
+        self._logits = np.zeros((0, self.n_vocab), dtype=np.float32)
+        self._row_of = np.full(n_batch, -1, dtype=np.int64)  # batch index -> logits row, -1: none
+        self._n_out = 0
+        self._closed = False
+        self._capabilities = Capabilities(
+            max_batch_tokens=n_batch,
+            kv_cells=n_ctx,
+            kv_cells_per_seq=n_ctx,
+            max_seqs=n_seq_max,
+            prefix_sharing="share",  # kv_copy shares slots (reference-counted)
+            consecutive_ids=False,  # any sequences go in one run: ids do not matter
+            micro_batch=n_batch,  # one run per decode, whatever its length
+            # The matmuls run every row through the same kernels whatever the batch's shape, so a
+            # lone prompt row is computed like any other: no chunk rule is needed.
+            min_chunk=1,
+            min_recompute=1,
+            constraints=frozenset(),
+            embeddings=False,
+        )
+
+    @property
+    def capabilities(self) -> Capabilities:
+        return self._capabilities
+
+    @classmethod
+    def load(cls, model_dir: str | os.PathLike[str], gguf_path: str | os.PathLike[str], *, n_ctx: int,
+             n_seq_max: int, n_batch: int, n_threads: int | None = None,
+             providers: Sequence[str] = (CPU_EP,)) -> OnnxBackend:
+        """Load a converted folder; `gguf_path` is the GGUF it came from (its tokenizer and template).
+
+        n_ctx: KV slots of all sequences together (one pool); n_seq_max: sequence ids; n_batch:
+        most tokens per decode. The session runs on `providers` in order (CPU last as fallback)."""
+        import onnxruntime as ort
+
+        if n_ctx < 1 or n_seq_max < 1 or n_batch < 1:
+            raise ValueError("n_ctx, n_seq_max and n_batch must be positive")
+        model_dir = Path(model_dir)
+        meta = _read_meta(model_dir)
+        n_threads = n_threads or default_threads()
+        opts = ort.SessionOptions()
+        opts.intra_op_num_threads = n_threads
+        opts.inter_op_num_threads = 1
+        opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+        opts.log_severity_level = 3  # ORT warns about every unused initializer: noise in our logs
+        try:
+            session = ort.InferenceSession(str(model_dir / MODEL_FILE), opts, providers=list(providers))
+        except Exception as e:  # noqa: BLE001 - ORT raises its own exception types with paths inside
+            log.warning("onnxruntime could not load %s: %s", model_dir.name, e)
+            raise BackendError(f"onnxruntime could not load the ONNX model in {model_dir.name!r} "
+                               f"({type(e).__name__})") from None
+        vocab = LlamaVocab(gguf_path, n_ctx_train=int(meta["context_length"]), n_embd=int(meta["n_embd"]),
+                           n_params=int(meta.get("n_params", 0)))
+        return cls(session, meta, vocab, n_ctx=n_ctx, n_seq_max=n_seq_max, n_batch=n_batch, n_threads=n_threads)
+
+    def close(self) -> None:
+        self._closed = True
+        self._n_out = 0
+        self._caches.clear()
+        self.vocab.close()
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise BackendError("the model has been unloaded")
+
+    # --- compute --------------------------------------------------------------------------
+    def decode(self, batch: Sequence[BatchToken]) -> None:
+        self._check_open()
+        n = len(batch)
+        if not 0 < n <= self.n_batch:
+            raise ValueError(f"a batch holds 1..{self.n_batch} tokens (got {n})")
+        tokens = np.fromiter((b.token for b in batch), np.int64, n)
+        seqs = np.fromiter((b.seq_id for b in batch), np.int64, n)
+        pos = np.fromiter((b.pos for b in batch), np.int64, n)
+        want = np.fromiter((b.logits for b in batch), bool, n)
+        self.decode_arrays(tokens, seqs, pos, want)
+
+    def decode_arrays(self, tokens: np.ndarray, seqs: np.ndarray, pos: np.ndarray, want: np.ndarray) -> None:
+        """decode() for callers that hold columns already."""
+        self._check_open()
+        n = tokens.size
+        self._n_out = 0  # the previous step's rows are gone whatever happens next
+        if ((tokens < 0) | (tokens >= self.n_vocab)).any():
+            raise ValueError("token id out of the vocabulary")
+        if ((seqs < 0) | (seqs >= self.n_seq_max)).any():
+            raise ValueError(f"sequence id out of range 0..{self.n_seq_max - 1}")
+        if ((pos < 0) | (pos >= self.max_pos)).any():
+            raise ValueError(f"position out of range 0..{self.max_pos - 1}")
+        slots = self.slots.plan(n)  # KVFullError before anything runs
+        rows = np.flatnonzero(want)
+        io = self._io
+        io.bind_cpu_input("input_ids", tokens)
+        io.bind_cpu_input("positions", pos)
+        io.bind_cpu_input("slots", slots)
+        io.bind_cpu_input("attn_bias", self.slots.bias(seqs, pos, slots))
+        io.bind_cpu_input("logits_idx", rows.astype(np.int64))
+        io.bind_output("logits", "cpu")  # its row count changes per step: a fresh output each run
+        try:
+            self.session.run_with_iobinding(io)
+        except Exception as e:  # noqa: BLE001 - ORT's errors carry paths and internals
+            log.warning("onnxruntime run failed: %s", e)
+            # The rows it wrote sit in slots nobody holds: every sequence is as it was.
+            raise BackendError(f"decode failed in onnxruntime ({type(e).__name__})") from None
+        self.slots.commit(seqs, pos, slots)
+        self._logits = io.get_outputs()[-1].numpy()  # bound last: the caches are bound first
+        self._row_of[:n] = -1
+        self._row_of[rows] = np.arange(rows.size)
+        self._n_out = n
+
+    def logits_row(self, batch_index: int) -> np.ndarray:
+        """The logits of `batch_index` in the last decode (read-only; valid until the next one)."""
+        if not 0 <= batch_index < self._n_out or self._row_of[batch_index] < 0:
+            raise ValueError(f"batch row {batch_index} produced no logits in the last decode")
+        row = self._logits[self._row_of[batch_index]]
+        row.flags.writeable = False
+        return row
+
+    def logits(self, batch_index: int) -> np.ndarray:
+        return self.logits_row(batch_index).copy()
+
+    def new_sampler(self, params: SamplingParams, prompt_tokens: Sequence[int]) -> NumpySampler:
+        self._check_open()
+        return NumpySampler(self, params, prompt_tokens)
+
+    def embed(self, inputs: Sequence[Sequence[int]]) -> list[list[float]]:
+        # The graph returns logits only (capabilities.embeddings is False, so nothing should ask).
+        raise BackendError("embeddings are not available on the onnx backend; use the llamacpp backend")
+
+    # --- KV cache -------------------------------------------------------------------------
+    def _check_seq(self, seq_id: int) -> None:
+        if not 0 <= seq_id < self.n_seq_max:
+            raise ValueError(f"sequence id {seq_id} out of range 0..{self.n_seq_max - 1}")
+
+    def kv_remove(self, seq_id: int, p0: int = 0, p1: int = -1) -> None:
+        self._check_seq(seq_id)
+        self.slots.remove(seq_id, p0, p1)
+
+    def kv_copy(self, src: int, dst: int, p0: int, p1: int) -> None:
+        self._check_seq(src)
+        self._check_seq(dst)
+        self.slots.copy(src, dst, p0, p1)
+
+    def kv_pos_max(self, seq_id: int) -> int:
+        self._check_seq(seq_id)
+        return self.slots.pos_max(seq_id)
+
+    # --- tokenizer ------------------------------------------------------------------------
+    def tokenize(self, text: str, add_special: bool = True, parse_special: bool = True) -> list[int]:
+        return self.vocab.tokenize(text, add_special, parse_special)
+
+    def token_to_bytes(self, token: int, special: bool = False) -> bytes:
+        return self.vocab.token_to_bytes(token, special)
+
+    def token_text(self, token: int) -> str:
+        return self.vocab.token_text(token)
+
+    def is_eog(self, token: int) -> bool:
+        return self.vocab.is_eog(token)

@@ -1,0 +1,34 @@
+"""Convert an installed model's GGUF into the tag's `onnx` variant in the store.
+
+The conversion writes into a staging folder under the store's `.tmp` (same filesystem), and the
+store's own `add_directory` checks, checksums and renames it into the tag before the manifest
+names it; the staging folder goes away on success, error or Ctrl-C. So an interrupted conversion
+leaves no variant behind, and a refused one (unsupported architecture or tensor type) costs nothing.
+"""
+
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+from typing import Callable
+
+from ..errors import ModelNotFoundError
+from ..store import InstalledModel, ModelStore
+from . import check_convertible, convert_gguf
+
+
+def convert_installed(store: ModelStore, model: InstalledModel,
+                      progress: Callable[[int, int], None] | None = None) -> InstalledModel:
+    """`model` with an `onnx` variant converted from its GGUF (refusals before any work)."""
+    gguf = model.gguf
+    if gguf is None or not gguf.available:
+        raise ModelNotFoundError(model.ref, message=f"model {model.ref} has no GGUF file to convert; pull it first")
+    check_convertible(gguf.path)
+    from ..model_dirs import remove_tree
+
+    staging = Path(tempfile.mkdtemp(prefix=".convert-", dir=store.tmp_dir()))
+    try:
+        convert_gguf(gguf.path, staging / "onnx", gguf_sha256=gguf.sha256, progress=progress)
+        return store.add_directory(staging / "onnx", model.name, model.tag)
+    finally:
+        remove_tree(staging)
