@@ -42,7 +42,8 @@ def _read_meta(model_dir: Path) -> dict:
     except (OSError, ValueError) as e:
         raise BackendError(f"the ONNX folder's {META_FILE} cannot be read ({type(e).__name__})") from None
     if meta.get("flavour") != "dynamic":
-        raise BackendError(f"this backend runs the dynamic flavour; the folder holds {meta.get('flavour')!r}")
+        raise BackendError(f"the ONNX folder is not a dynamic-flavour export of localserve convert "
+                           f"(flavour: {meta.get('flavour') or 'none'}); convert the model again")
     return meta
 
 

@@ -26,9 +26,6 @@ if TYPE_CHECKING:  # the engine pulls in llama.cpp; choosing a backend must impo
     from ..models import ModelPlan
     from ..store import InstalledModel, StoredVariant
 
-ONNX_NOT_BUILT = ("the ONNX backend is not built yet: this version of localserve cannot run ONNX models "
-                  "(use a GGUF variant with --backend llamacpp)")
-
 
 @dataclass(frozen=True)
 class BackendEntry:
@@ -66,13 +63,22 @@ def _load_llamacpp(installed: "InstalledModel", variant: "StoredVariant", plan: 
 
 
 def _onnx_missing() -> str | None:
-    return ONNX_NOT_BUILT
+    if importlib.util.find_spec("onnxruntime") is None:
+        return "onnxruntime is not installed (pip install 'localserve[onnx]')"
+    return None
 
 
 def _load_onnx(installed: "InstalledModel", variant: "StoredVariant", plan: "ModelPlan",
                settings: Settings) -> "ModelEngine":
     variant.verify(installed.ref)  # a corrupt folder is named as such, before any backend question
-    raise BackendError(f"{installed.ref}: {ONNX_NOT_BUILT}")
+    if (why_not := _onnx_missing()) is not None:
+        raise BackendError(f"{installed.ref}: {why_not}")
+    if variant.format != "onnx":
+        raise BackendError(f"{installed.ref}: onnxruntime-genai folders are not served yet; "
+                           "convert the GGUF instead (localserve convert)")
+    from .onnx_loader import load_onnx_engine
+
+    return load_onnx_engine(installed, variant, plan, settings)
 
 
 REGISTRY: dict[str, BackendEntry] = {

@@ -1,0 +1,64 @@
+"""From the registry's plan to a running Engine over the ONNX backend (backends/registry.py).
+
+The execution provider is placement's choice; one onnxruntime here cannot initialise (VitisAI
+named by the hardware report but not installed in this onnxruntime, say) falls back to the CPU EP
+with the reason logged. The tokenizer is the tag's GGUF variant's, which must be the GGUF the graph
+was converted from (localserve-onnx.json names its sha256).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import TYPE_CHECKING
+
+from ..config import Settings
+from ..errors import BackendError
+
+if TYPE_CHECKING:
+    from ..engine_api import ModelEngine
+    from ..models import ModelPlan
+    from ..store import InstalledModel, StoredVariant
+
+log = logging.getLogger(__name__)
+
+# The packed graph attends over every slot of the pool each step (O(tokens x slots) per layer) and
+# keeps the cache in fp32, so the pool is capped: past this, long contexts cost every request.
+MAX_SLOTS = 8192
+
+
+def providers_for(ep: str | None, ref: str) -> list[str]:
+    """[ep, CPU] when onnxruntime has `ep`, else [CPU] with the reason logged."""
+    import onnxruntime as ort
+
+    from .onnx import CPU_EP
+
+    if not ep or ep == CPU_EP:
+        return [CPU_EP]
+    if ep not in ort.get_available_providers():
+        log.warning("%s: %s is not available in this onnxruntime (%s); running on the CPU EP",
+                    ref, ep, ", ".join(ort.get_available_providers()))
+        return [CPU_EP]
+    return [ep, CPU_EP]
+
+
+def load_onnx_engine(installed: "InstalledModel", variant: "StoredVariant", plan: "ModelPlan",
+                     settings: Settings) -> "ModelEngine":
+    from ..engine import Engine
+    from .onnx import OnnxBackend
+
+    want = (variant.meta.get("tokenizer") or {}).get("gguf_sha256")
+    gguf = installed.gguf
+    if gguf is None or not gguf.available or (want and gguf.sha256 and gguf.sha256 != want):
+        raise BackendError(f"{installed.ref}: the ONNX variant needs the GGUF it was converted from "
+                           "(its tokenizer); pull that GGUF into the same tag or convert again")
+    limits = dataclasses.replace(plan.limits, n_ctx=min(plan.limits.n_ctx, MAX_SLOTS))
+    backend = OnnxBackend.load(
+        variant.path, gguf.path,
+        n_ctx=limits.n_ctx, n_seq_max=limits.n_seq_max, n_batch=limits.batch_tokens,
+        n_threads=settings.threads or None,
+        providers=providers_for(plan.choice.execution_provider, installed.ref),
+    )
+    engine = Engine(backend, limits, installed.ref)
+    engine.start()
+    return engine
