@@ -222,3 +222,28 @@ def test_eight_concurrent_requests_match_each_alone(onnx_backend, record_propert
     record_property("concurrent_equal_alone", same)
     assert same == 8, [(a, t) for a, t in zip(alone, together) if a != t]
     assert b.slots.used == 0
+
+
+def test_registry_loads_the_onnx_variant(tmp_path, smollm2_gguf, smollm2_onnx, onnx_backend):  # noqa: F811
+    """A tag holding the GGUF and its converted folder, with backend=onnx: models.load_engine runs
+    it on ONNX Runtime's CPU EP and answers as the backend does directly."""
+    from pathlib import Path
+
+    from localserve import models
+    from localserve.config import load_settings
+    from localserve.store import ModelStore
+
+    settings = load_settings(flags={"home": str(tmp_path), "backend": "onnx"}, environ={},
+                             config_path=Path(tmp_path) / "none.toml")
+    store = ModelStore(settings)
+    store.register_local(smollm2_gguf, "smol")
+    model = store.add_directory(smollm2_onnx, "smol")
+    engine = models.load_engine(model, settings)
+    try:
+        assert type(engine.backend).__name__ == "OnnxBackend"
+        ids = chat(onnx_backend, PROMPTS[0])
+        want = greedy(onnx_backend, ids)
+        end = next((i for i, t in enumerate(want) if onnx_backend.is_eog(t)), len(want))  # EOS not emitted
+        assert asyncio.run(_answer(engine, ids))[:end] == want[:end]
+    finally:
+        engine.shutdown()
