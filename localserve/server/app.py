@@ -22,7 +22,7 @@ from .. import __version__
 from ..config import Settings
 from ..errors import ConfigError
 from ..store import ModelStore
-from . import ollama_routes, openai_routes, pull_routes
+from . import dashboard_routes, ollama_routes, openai_routes, pull_routes
 from .body import body_limits_middleware
 from .errors import error_middleware
 from .metrics import Metrics, handle_metrics, metrics_middleware
@@ -54,11 +54,6 @@ async def health(request: web.Request) -> web.Response:
     })
 
 
-async def root(request: web.Request) -> web.Response:
-    # Ollama clients probe "/" to see whether a server is up.
-    return web.Response(text="localserve is running")
-
-
 def create_app(settings: Settings, manager: "ModelManager") -> web.Application:
     """The HTTP API over `manager` (a ModelManager); the app closes the manager on cleanup."""
     if not is_loopback_bind(settings.host) and not settings.api_key:
@@ -75,12 +70,12 @@ def create_app(settings: Settings, manager: "ModelManager") -> web.Application:
     app[METRICS_KEY] = metrics
     app[STARTED_KEY] = time.time()
     app.on_response_prepare.append(add_cors_headers)
-    app.router.add_get("/", root)
     app.router.add_get("/health", health)
     app.router.add_get("/metrics", handle_metrics)
     app.add_routes(openai_routes.routes)
     app.add_routes(ollama_routes.routes)
     app.add_routes(pull_routes.routes)
+    app.add_routes(dashboard_routes.routes)  # `/` (page or plain text), its files, live stats
     app.cleanup_ctx.append(pull_routes.pull_slots)
     app.cleanup_ctx.append(_manager_lifecycle)
     return app

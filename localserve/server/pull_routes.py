@@ -55,6 +55,11 @@ class PullSlots:
         self._lock = threading.Lock()
         self._running: set[CancelToken] = set()
 
+    @property
+    def active(self) -> int:
+        """Pulls running now (the dashboard and the tray show it)."""
+        return len(self._running)
+
     def start(self, work: Callable[[], Any], cancel: CancelToken) -> "asyncio.Future[Any]":
         with self._lock:
             if len(self._running) >= self.size:

@@ -33,6 +33,9 @@ from .state import SETTINGS_KEY
 # Paths answered without the API key (but never without the Host check): liveness probes from
 # tray apps and service managers that do not know the key.
 KEY_EXEMPT_PATHS = frozenset({"/health"})
+# The dashboard's page and its files (server/dashboard_routes.py): a browser loads them by
+# navigation, which cannot send a key; they hold no data, and every call the page makes carries it.
+KEY_EXEMPT_PAGES = ("/", "/dashboard/")
 WILDCARD_HOSTS = frozenset({"0.0.0.0", "::", ""})
 ALLOWED_METHODS = "GET, POST, DELETE, OPTIONS"
 # A field name is an RFC 9110 token; the bounds are far above what any client sends (the openai
@@ -95,6 +98,10 @@ def requested_headers(value: str) -> list[str] | None:
     if any(len(name) > MAX_HEADER_NAME_LEN or not HEADER_NAME.fullmatch(name) for name in names):
         return None
     return names
+
+
+def is_page(path: str) -> bool:
+    return path == KEY_EXEMPT_PAGES[0] or path.startswith(KEY_EXEMPT_PAGES[1])
 
 
 def is_preflight(request: web.Request) -> bool:
@@ -167,7 +174,7 @@ def security_middleware(settings: Settings):
             # (text/plain body, no preflight) would still run: generate, pull or delete models.
             # Browsers always send Origin on such requests, non-browser clients do not.
             return origin_refused(request)
-        if settings.api_key and request.path not in KEY_EXEMPT_PATHS:
+        if settings.api_key and request.path not in KEY_EXEMPT_PATHS and not is_page(request.path):
             if not key_matches(presented_key(request), settings.api_key):
                 return error_response(
                     request, 401, "invalid or missing API key (send Authorization: Bearer <key> or X-Api-Key)",

@@ -1,0 +1,289 @@
+// The localserve dashboard: live scheduler view, models, chat playground, hardware.
+// Talks to the daemon's own API with fetch (EventSource cannot send the API key header); the key,
+// when the server needs one, is asked once and kept in sessionStorage, never in a URL.
+"use strict";
+const LANES = ["interactive", "default", "batch"];
+const HISTORY = 300; // chart points: five minutes at one snapshot a second
+const KEY_ITEM = "localserve-api-key";
+const $ = (sel) => document.querySelector(sel);
+const app = { key: sessionStorage.getItem(KEY_ITEM), history: {}, chat: [], abort: null, pullSeen: [], last: null };
+window.__dashboard = app; // tests and curious users read the last snapshot and the pull progress here
+const keyRequired = $('meta[name="localserve-key-required"]').content === "1";
+
+function authHeaders(extra) {
+  const h = Object.assign({}, extra);
+  if (app.key) h.Authorization = "Bearer " + app.key;
+  return h;
+}
+
+async function api(path, options = {}) {
+  const response = await fetch(path, Object.assign({}, options, { headers: authHeaders(options.headers) }));
+  if (response.status === 401) { askKey("That key was not accepted."); throw new Error("unauthorized"); }
+  return response;
+}
+
+async function errorText(response) {
+  try {
+    const body = await response.json();
+    return typeof body.error === "string" ? body.error : (body.error && body.error.message) || response.statusText;
+  } catch (e) { return response.statusText; }
+}
+
+function bytes(n) {
+  if (!n) return "0 B";
+  const units = ["B", "KiB", "MiB", "GiB", "TiB"];
+  const i = Math.min(units.length - 1, Math.floor(Math.log(n) / Math.log(1024)));
+  return (n / 1024 ** i).toFixed(i ? 1 : 0) + " " + units[i];
+}
+const ms = (s) => (s == null ? "–" : (s * 1000).toFixed(s < 0.01 ? 1 : 0) + " ms");
+const sleep = (t) => new Promise((r) => setTimeout(r, t));
+function el(tag, attrs = {}, ...children) {
+  const e = document.createElement(tag);
+  for (const [k, v] of Object.entries(attrs)) if (k.startsWith("on")) e.addEventListener(k.slice(2), v); else e.setAttribute(k, v);
+  for (const c of children) e.append(c);
+  return e;
+}
+
+// --- API key -----------------------------------------------------------------------------------
+function askKey(message) {
+  $("#key-form").hidden = false;
+  $("#key-error").textContent = message || "";
+  $("#key-input").focus();
+}
+$("#key-form").addEventListener("submit", (ev) => {
+  ev.preventDefault();
+  app.key = $("#key-input").value.trim();
+  sessionStorage.setItem(KEY_ITEM, app.key);
+  $("#key-form").hidden = true;
+  start();
+});
+
+// --- tabs --------------------------------------------------------------------------------------
+function showTab() {
+  const hash = location.hash.slice(1) || "scheduler";
+  const link = document.querySelector(`nav a[href="#${hash}"]`);
+  const tab = link ? link.dataset.tab : "scheduler";
+  for (const section of document.querySelectorAll("main > section")) section.hidden = section.id !== "tab-" + tab;
+  for (const a of document.querySelectorAll("nav a")) a.classList.toggle("active", a === link);
+  if (tab === "models") refreshModels();
+  if (tab === "chat") refreshModels();
+  if (tab === "hardware") showHardware();
+  if (hash === "pull") $("#pull-name").focus();
+}
+window.addEventListener("hashchange", showTab);
+
+// --- live scheduler view -----------------------------------------------------------------------
+function card(name) {
+  let c = document.querySelector(`.card[data-model="${CSS.escape(name)}"]`);
+  if (c) return c;
+  const fig = (field, label) => el("div", { class: "figure" }, el("b", { "data-field": field }, "–"), label);
+  const chart = (field, label) => el("div", { class: "chart" }, el("canvas", { "data-chart": field }), el("span", {}, label));
+  c = el("div", { class: "card", "data-model": name }, el("h3", {}, name),
+    el("div", { class: "figures" },
+      fig("tps", "tok/s (decode)"), fig("prompt_tps", "tok/s (prompt)"), fig("running", "running"), fig("kv", "KV cells used"),
+      ...LANES.map((lane) => fig("lane-" + lane, "queued: " + lane)),
+      fig("hit", "prefix-cache hits"), fig("ttft", "TTFT p50 / p95"), fig("itl", "ITL p50 / p95"), fig("steps", "steps")),
+    el("div", { class: "charts" },
+      chart("tokens", "tok/s: decode (blue), prompt (orange)"), chart("queue", "running (blue), queued (red)"),
+      chart("kv", "KV cells used"), chart("hit", "prefix-cache hit rate")));
+  $("#model-cards").append(c);
+  return c;
+}
+
+function push(list, value) { list.push(value); if (list.length > HISTORY) list.shift(); }
+
+function onSnapshot(snap) {
+  app.last = snap;
+  const names = new Set(snap.models.filter((m) => m.state === "loaded").map((m) => m.name));
+  for (const c of document.querySelectorAll(".card")) if (!names.has(c.dataset.model)) c.remove();
+  $("#no-models").hidden = names.size > 0;
+  for (const m of snap.models) {
+    if (m.state !== "loaded") continue;
+    const h = app.history[m.name] || (app.history[m.name] = { tps: [], ptps: [], running: [], queued: [], kv: [], hit: [] });
+    const queued = LANES.reduce((sum, lane) => sum + (m.waiting[lane] || 0), 0);
+    push(h.tps, m.tokens_per_s); push(h.ptps, m.prompt_tokens_per_s); push(h.running, m.running);
+    push(h.queued, queued); push(h.kv, m.kv_used); push(h.hit, m.prefix_cache_hit_rate);
+    const c = card(m.name);
+    const set = (field, text) => { c.querySelector(`[data-field="${field}"]`).textContent = text; };
+    set("tps", m.tokens_per_s.toFixed(1)); set("prompt_tps", m.prompt_tokens_per_s.toFixed(1));
+    set("running", `${m.running} / ${m.max_sequences}`); set("kv", `${m.kv_used} / ${m.kv_total}`);
+    for (const lane of LANES) set("lane-" + lane, String(m.waiting[lane] || 0));
+    set("hit", (100 * m.prefix_cache_hit_rate).toFixed(0) + " %"); set("steps", String(m.steps));
+    set("ttft", `${ms(m.ttft_s.p50)} / ${ms(m.ttft_s.p95)}`); set("itl", `${ms(m.itl_s.p50)} / ${ms(m.itl_s.p95)}`);
+    const draw = (name, series) => Charts.draw(c.querySelector(`[data-chart="${name}"]`), series);
+    draw("tokens", [{ values: h.tps, color: "#1f6feb" }, { values: h.ptps, color: "#e16f24" }]);
+    draw("queue", [{ values: h.running, color: "#1f6feb" }, { values: h.queued, color: "#cf222e" }]);
+    draw("kv", [{ values: h.kv, color: "#8250df" }]);
+    draw("hit", [{ values: h.hit, color: "#1a7f37" }]);
+  }
+  renderLoaded(snap.models);
+}
+
+async function streamStats() {
+  for (;;) {
+    try {
+      const response = await api("/api/dashboard/stats");
+      if (!response.ok) throw new Error(await errorText(response));
+      $("#conn").textContent = "live";
+      const reader = response.body.getReader();
+      const decoder = new TextDecoder();
+      let buffer = "";
+      for (;;) {
+        const { value, done } = await reader.read();
+        if (done) break;
+        buffer += decoder.decode(value, { stream: true });
+        let end;
+        while ((end = buffer.indexOf("\n\n")) >= 0) {
+          const event = buffer.slice(0, end);
+          buffer = buffer.slice(end + 2);
+          for (const line of event.split("\n")) if (line.startsWith("data:")) onSnapshot(JSON.parse(line.slice(5)));
+        }
+      }
+    } catch (e) {
+      if (e.message === "unauthorized") return;
+    }
+    $("#conn").textContent = "reconnecting…";
+    await sleep(2000);
+  }
+}
+
+// --- models ------------------------------------------------------------------------------------
+function renderLoaded(models) {
+  const body = $("#loaded tbody");
+  body.replaceChildren(...models.map((m) => el("tr", { "data-model": m.name },
+    el("td", {}, m.name), el("td", {}, bytes(m.memory_bytes)), el("td", {}, m.device || "–"),
+    el("td", {}, m.pinned ? "in use" : m.expires_in == null ? "forever" : `${Math.round(m.expires_in)} s`),
+    el("td", {}, el("button", { class: "unload", onclick: () => unload(m.name) }, "Unload")))));
+}
+
+async function unload(name) {
+  // Ollama's way: an empty request with keep_alive 0 unloads the model.
+  const response = await api("/api/generate", { method: "POST", headers: { "Content-Type": "application/json" },
+    body: JSON.stringify({ model: name, keep_alive: 0 }) });
+  if (!response.ok) alert(await errorText(response));
+}
+
+async function refreshModels() {
+  const response = await api("/api/tags");
+  if (!response.ok) return;
+  const models = (await response.json()).models;
+  $("#installed tbody").replaceChildren(...models.map((m) => el("tr", { "data-model": m.name },
+    el("td", {}, m.name), el("td", {}, bytes(m.size)), el("td", {}, (m.details || {}).quantization_level || "–"),
+    el("td", {}, el("button", { class: "delete", onclick: () => removeModel(m.name) }, "Delete")))));
+  const select = $("#chat-model");
+  const current = select.value;
+  select.replaceChildren(...models.map((m) => el("option", {}, m.name)));
+  if (current) select.value = current;
+}
+
+async function removeModel(name) {
+  if (!confirm(`Delete ${name} from this machine?`)) return;
+  const response = await api("/api/delete", { method: "DELETE", headers: { "Content-Type": "application/json" },
+    body: JSON.stringify({ model: name }) });
+  if (!response.ok) alert(await errorText(response));
+  refreshModels();
+}
+
+async function* lines(response) {
+  const reader = response.body.getReader();
+  const decoder = new TextDecoder();
+  let buffer = "";
+  for (;;) {
+    const { value, done } = await reader.read();
+    if (done) break;
+    buffer += decoder.decode(value, { stream: true });
+    let end;
+    while ((end = buffer.indexOf("\n")) >= 0) { yield buffer.slice(0, end); buffer = buffer.slice(end + 1); }
+  }
+  if (buffer.trim()) yield buffer;
+}
+
+$("#pull-form").addEventListener("submit", async (ev) => {
+  ev.preventDefault();
+  const name = $("#pull-name").value.trim();
+  if (!name) return;
+  const bar = $("#pull-progress"), status = $("#pull-status");
+  bar.hidden = false; bar.value = 0; app.pullSeen = []; status.textContent = "starting…";
+  try {
+    const response = await api("/api/pull", { method: "POST", headers: { "Content-Type": "application/json" },
+      body: JSON.stringify({ model: name, stream: true }) });
+    if (!response.ok) { status.textContent = await errorText(response); return; }
+    for await (const line of lines(response)) {
+      if (!line.trim()) continue;
+      const event = JSON.parse(line);
+      if (event.error) { status.textContent = "failed: " + event.error; return; }
+      if (event.total) { bar.value = (100 * (event.completed || 0)) / event.total; app.pullSeen.push(bar.value); }
+      status.textContent = event.status;
+    }
+    refreshModels();
+  } catch (e) {
+    if (e.message !== "unauthorized") status.textContent = "failed: " + e.message;
+  }
+});
+
+// --- chat playground ---------------------------------------------------------------------------
+$("#chat-form").addEventListener("submit", async (ev) => {
+  ev.preventDefault();
+  const text = $("#chat-input").value.trim();
+  if (!text || app.abort) return;
+  $("#chat-input").value = "";
+  app.chat.push({ role: "user", content: text });
+  const log = $("#chat-log");
+  log.append(el("div", { class: "user" }, text));
+  const answer = el("div", { class: "assistant" });
+  log.append(answer);
+  const system = $("#chat-system").value.trim();
+  const messages = (system ? [{ role: "system", content: system }] : []).concat(app.chat);
+  app.abort = new AbortController();
+  $("#chat-stop").disabled = false; $("#chat-send").disabled = true;
+  let reply = "";
+  try {
+    const response = await api("/v1/chat/completions", { method: "POST", signal: app.abort.signal,
+      headers: { "Content-Type": "application/json", "X-Priority": $("#chat-lane").value },
+      body: JSON.stringify({ model: $("#chat-model").value, messages, stream: true,
+        temperature: Number($("#chat-temp").value) }) });
+    if (!response.ok) { answer.textContent = await errorText(response); answer.className = "error"; return; }
+    for await (const line of lines(response)) {
+      if (!line.startsWith("data:")) continue;
+      const data = line.slice(5).trim();
+      if (data === "[DONE]") break;
+      const event = JSON.parse(data);
+      if (event.error) { answer.className = "error"; answer.textContent = event.error.message; break; }
+      for (const choice of event.choices || []) reply += (choice.delta && choice.delta.content) || "";
+      answer.textContent = reply;
+    }
+  } catch (e) {
+    if (e.name !== "AbortError" && e.message !== "unauthorized") { answer.className = "error"; answer.textContent = e.message; }
+  } finally {
+    if (reply) app.chat.push({ role: "assistant", content: reply });
+    answer.dataset.done = "1";
+    app.abort = null;
+    $("#chat-stop").disabled = true; $("#chat-send").disabled = false;
+  }
+});
+$("#chat-stop").addEventListener("click", () => app.abort && app.abort.abort());
+
+// --- hardware ----------------------------------------------------------------------------------
+function table(rows) {
+  return el("table", {}, el("tbody", {}, ...rows.map(([k, v]) => el("tr", {}, el("th", {}, k),
+    el("td", {}, typeof v === "object" && v !== null ? JSON.stringify(v) : String(v))))));
+}
+
+async function showHardware() {
+  const response = await api("/api/dashboard/hardware");
+  if (!response.ok) { $("#hw").textContent = await errorText(response); return; }
+  const data = await response.json();
+  $("#hw").replaceChildren(el("h2", {}, "This machine"), table(Object.entries(data.hardware)),
+    el("h2", {}, "Where each model runs"),
+    table(data.placements.map((p) => [p.name, `${p.device || "–"}: ${p.reason || ""}`])));
+}
+
+// --- start -------------------------------------------------------------------------------------
+let started = false;
+function start() {
+  if (started) return;
+  started = true;
+  showTab();
+  streamStats();
+}
+if (keyRequired && !app.key) askKey(); else start();

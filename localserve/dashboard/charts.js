@@ -1,0 +1,25 @@
+// Small time charts on plain canvas: no library, nothing fetched.
+"use strict";
+const Charts = {
+  // series: [{values: [numbers], color}], drawn over the same x range; y from 0 to the max seen.
+  draw(canvas, series) {
+    const ratio = window.devicePixelRatio || 1;
+    const w = canvas.clientWidth, h = canvas.clientHeight;
+    if (canvas.width !== w * ratio) { canvas.width = w * ratio; canvas.height = h * ratio; }
+    const ctx = canvas.getContext("2d");
+    ctx.setTransform(ratio, 0, 0, ratio, 0, 0);
+    ctx.clearRect(0, 0, w, h);
+    const n = Math.max(2, ...series.map((s) => s.values.length));
+    const top = Math.max(1e-9, ...series.flatMap((s) => s.values));
+    for (const s of series) {
+      ctx.strokeStyle = s.color; ctx.lineWidth = 1.5; ctx.beginPath();
+      s.values.forEach((v, i) => {
+        const x = (w * (n - s.values.length + i)) / (n - 1), y = h - 2 - ((h - 4) * v) / top;
+        if (i === 0) ctx.moveTo(x, y); else ctx.lineTo(x, y);
+      });
+      ctx.stroke();
+    }
+    ctx.fillStyle = "#656d76"; ctx.font = "10px system-ui"; ctx.fillText(Charts.short(top), 2, 10);
+  },
+  short(v) { return v >= 100 ? v.toFixed(0) : v >= 1 ? v.toFixed(1) : v.toFixed(2); },
+};

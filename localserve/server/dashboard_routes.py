@@ -1,0 +1,184 @@
+"""The web dashboard: its static page at `/`, and the live stats it draws.
+
+- `GET /`: the dashboard for browsers (Accept prefers text/html); the old plain-text "localserve is
+  running" for everything else, since Ollama clients probe `/` to see whether a server is up.
+- `GET /dashboard/{file}`: the page's own files, from the package (a fixed list: no path from the
+  request ever reaches the filesystem).
+- `GET /api/dashboard/state[?model=NAME]`: one snapshot (the tray polls it);
+  `GET /api/dashboard/stats[?model=NAME]`: the same snapshot as server-sent events, once a second.
+  A model that is not installed is a 404.
+- `GET /api/dashboard/hardware`: what `localserve hw` reports and where each installed model runs.
+
+Snapshots come from ModelManager.status() (each engine's stats() copy: counters read without locks
+on the event loop) and the metrics histograms, never from backend internals, so a connected
+dashboard costs the engine thread nothing. Each stream writes one event and waits for it to drain
+before the next, so a client that stops reading holds at most one event; guard_disconnect drops it
+after stream_write_timeout.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from importlib import resources
+from typing import Any
+
+from aiohttp import web
+
+from ..requests import LANES
+from .generation import guard_disconnect
+from .errors import ClientGone
+from .pull_routes import PULLS_KEY
+from .state import MANAGER_KEY, METRICS_KEY, SETTINGS_KEY, STORE_KEY
+
+routes = web.RouteTableDef()
+
+STATS_INTERVAL_S = 1.0
+# The page's files and their types; anything else under /dashboard/ is a 404.
+ASSETS = {
+    "index.html": "text/html",
+    "app.js": "text/javascript",
+    "charts.js": "text/javascript",
+    "style.css": "text/css",
+    "icon.svg": "image/svg+xml",
+}
+PLAIN_ROOT = "localserve is running"
+
+
+def _asset(name: str) -> bytes:
+    return resources.files("localserve").joinpath("dashboard", name).read_bytes()
+
+
+def prefers_html(accept: str) -> bool:
+    """True when text/html has a higher q than anything else the client lists (browsers send
+    text/html first; curl sends */*, Ollama clients nothing)."""
+    best_html, best_other = 0.0, 0.0
+    for part in accept.split(","):
+        fields = [f.strip() for f in part.split(";")]
+        media = fields[0].lower()
+        q = 1.0
+        for param in fields[1:]:
+            if param.lower().startswith("q="):
+                try:
+                    q = float(param[2:])
+                except ValueError:
+                    q = 0.0
+        if media in ("text/html", "application/xhtml+xml"):
+            best_html = max(best_html, q)
+        elif media and media != "*/*":
+            best_other = max(best_other, q)
+    return best_html > 0 and best_html >= best_other
+
+
+@routes.get("/")
+async def root(request: web.Request) -> web.Response:
+    if prefers_html(request.headers.get("Accept", "")):
+        # The page must know whether to ask for the key before its first call: a 401 would be a
+        # console error on every visit.
+        required = "1" if request.app[SETTINGS_KEY].api_key else "0"
+        page = _asset("index.html").replace(b"{{KEY_REQUIRED}}", required.encode())
+        return web.Response(body=page, content_type="text/html", charset="utf-8", headers={"Cache-Control": "no-cache"})
+    return web.Response(text=PLAIN_ROOT)
+
+
+@routes.get("/dashboard/{name}")
+async def asset(request: web.Request) -> web.Response:
+    name = request.match_info["name"]
+    if name not in ASSETS:
+        raise web.HTTPNotFound()
+    return web.Response(body=_asset(name), content_type=ASSETS[name], headers={"Cache-Control": "no-cache"})
+
+
+def percentiles(histogram: Any, model: str, qs: tuple[float, ...] = (0.5, 0.95)) -> dict[str, float | None]:
+    """Percentiles (bucket upper bounds) of one model's prometheus histogram since the start."""
+    buckets: list[tuple[float, float]] = []
+    for metric in histogram.collect():
+        for sample in metric.samples:
+            if sample.name.endswith("_bucket") and sample.labels.get("model") == model:
+                buckets.append((float(sample.labels["le"]), sample.value))
+    buckets.sort()
+    total = buckets[-1][1] if buckets else 0.0
+    out: dict[str, float | None] = {}
+    for q in qs:
+        key = f"p{round(q * 100)}"
+        out[key] = next((le for le, count in buckets if count >= q * total), None) if total else None
+    return out
+
+
+def snapshot(app: web.Application, only: str | None = None) -> dict[str, Any]:
+    metrics = app[METRICS_KEY]
+    models = []
+    for row in app[MANAGER_KEY].status():
+        if only is not None and row["name"] != only:
+            continue
+        stats = row.get("stats") or {}
+        waiting = stats.get("waiting") or row.get("waiting") or {}
+        models.append({
+            "name": row["name"], "state": row.get("state", "loaded"),
+            "memory_bytes": row.get("memory_bytes", 0), "device": row.get("device"),
+            "expires_in": row.get("expires_in"), "pinned": row.get("pinned", 0),
+            "running": stats.get("running", 0), "waiting": {lane: waiting.get(lane, 0) for lane in LANES},
+            "max_sequences": stats.get("max_sequences", 0),
+            "kv_used": stats.get("kv_used", 0), "kv_total": stats.get("kv_total", 0),
+            "tokens_per_s": stats.get("tokens_per_s", 0.0),
+            "prompt_tokens_per_s": stats.get("prompt_tokens_per_s", 0.0),
+            "prefix_cache_hit_rate": stats.get("prefix_cache_hit_rate", 0.0),
+            "steps": stats.get("steps", 0), "busy": stats.get("busy", False),
+            "ttft_s": percentiles(metrics.ttft, row["name"]), "itl_s": percentiles(metrics.itl, row["name"]),
+        })
+    pulls = app[PULLS_KEY].active if PULLS_KEY in app else 0
+    return {"time": time.time(), "models": models, "pulls": pulls, "api_key": bool(app[SETTINGS_KEY].api_key)}
+
+
+async def _model_filter(request: web.Request) -> str | None:
+    name = request.query.get("model")
+    if name is None:
+        return None
+    # Not installed: NotFoundError -> 404 in the caller's dialect, before any stream starts.
+    return (await asyncio.to_thread(request.app[STORE_KEY].find, name)).ref
+
+
+@routes.get("/api/dashboard/state")
+async def state(request: web.Request) -> web.Response:
+    return web.json_response(snapshot(request.app, await _model_filter(request)))
+
+
+@routes.get("/api/dashboard/stats")
+async def stats(request: web.Request) -> web.StreamResponse:
+    only = await _model_filter(request)
+    response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+    await response.prepare(request)
+
+    async def pump() -> None:
+        while True:
+            data = json.dumps(snapshot(request.app, only), separators=(",", ":"))
+            await response.write(f"data: {data}\n\n".encode("utf-8"))  # waits for the drain
+            await asyncio.sleep(STATS_INTERVAL_S)
+
+    try:
+        await guard_disconnect(request, pump())
+    except (ClientGone, ConnectionResetError):
+        pass
+    return response
+
+
+@routes.get("/api/dashboard/hardware")
+async def hardware(request: web.Request) -> web.Response:
+    settings, store = request.app[SETTINGS_KEY], request.app[STORE_KEY]
+
+    def gather() -> dict[str, Any]:
+        from ..commands.models import describe_model
+        from ..errors import LocalserveError
+        from ..models import hardware_report
+
+        placements = []
+        for model in store.list():
+            try:
+                place = describe_model(model, settings)["placement"]
+                placements.append({"name": model.ref, "device": place.get("device"), "reason": place.get("reason")})
+            except LocalserveError as e:  # a damaged file: say so for that model, keep the others
+                placements.append({"name": model.ref, "device": None, "reason": str(e)})
+        return {"hardware": hardware_report().to_dict(), "placements": placements}
+
+    return web.json_response(await asyncio.to_thread(gather))

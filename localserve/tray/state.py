@@ -1,0 +1,53 @@
+"""The daemon as the tray sees it: one snapshot, read over HTTP through DaemonClient only."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..client import DaemonClient
+from ..errors import LocalserveError
+from ..requests import LANES
+
+STATUSES = ("stopped", "idle", "generating", "pulling", "error")
+
+
+@dataclass(frozen=True)
+class DaemonState:
+    status: str  # one of STATUSES
+    url: str
+    installed: tuple[str, ...] = ()
+    loaded: tuple[str, ...] = ()
+    queued: dict[str, int] = field(default_factory=lambda: {lane: 0 for lane in LANES})
+    tokens_per_s: float = 0.0
+    api_key_set: bool = False
+    autostart: bool = False
+    pulls: int = 0
+    error: str | None = None
+
+
+def from_snapshot(url: str, snapshot: dict[str, Any], tags: dict[str, Any], autostart: bool) -> DaemonState:
+    """The state from /api/dashboard/state and /api/tags answers (recorded ones in tests)."""
+    models = [m for m in snapshot.get("models", []) if m.get("state") == "loaded"]
+    queued = {lane: sum(int(m.get("waiting", {}).get(lane, 0)) for m in models) for lane in LANES}
+    busy = any(m.get("running") or m.get("busy") for m in models) or any(queued.values())
+    pulls = int(snapshot.get("pulls", 0))
+    status = "generating" if busy else "pulling" if pulls else "idle"
+    return DaemonState(
+        status=status, url=url,
+        installed=tuple(sorted(m["name"] for m in tags.get("models", []))),
+        loaded=tuple(m["name"] for m in models), queued=queued,
+        tokens_per_s=round(sum(float(m.get("tokens_per_s", 0.0)) for m in models), 1),
+        api_key_set=bool(snapshot.get("api_key")), autostart=autostart, pulls=pulls,
+    )
+
+
+def read_state(client: DaemonClient | None, url: str, autostart: bool) -> DaemonState:
+    """None for a client means no daemon runs; a daemon that answers badly is an "error" state."""
+    if client is None:
+        return DaemonState("stopped", url, autostart=autostart)
+    try:
+        return from_snapshot(url, client.request_json("GET", "/api/dashboard/state"),
+                             client.request_json("GET", "/api/tags"), autostart)
+    except LocalserveError as e:
+        return DaemonState("error", url, autostart=autostart, error=str(e))
