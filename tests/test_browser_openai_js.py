@@ -26,6 +26,7 @@ from urllib.parse import urlencode
 import pytest
 from aiohttp import web
 
+from browser_util import CHROMEDRIVER, CHROMIUM, chromium
 from daemon_util import cli_env, free_port, register_model, serving, stop_quietly, wait_published
 
 pytestmark = pytest.mark.model
@@ -38,8 +39,6 @@ MODEL = "smollm2-135m"
 N_EMBD = 576  # SmolLM2-135M's embedding width
 API_KEY = "browser-test-key"
 
-CHROMIUM = shutil.which("chromium")
-CHROMEDRIVER = shutil.which("chromedriver")
 NPM = shutil.which("npm")
 if not (CHROMIUM and CHROMEDRIVER and NPM):
     pytest.skip("needs Debian's chromium and chromium-driver and npm (apt-get install chromium chromium-driver npm)",
@@ -128,22 +127,8 @@ def pages(openai_js) -> Iterator[dict[str, str]]:
 
 @pytest.fixture(scope="module")
 def browser() -> Iterator[Any]:
-    from selenium import webdriver
-    from selenium.webdriver.chrome.service import Service
-
-    options = webdriver.ChromeOptions()
-    options.binary_location = CHROMIUM
-    # --no-sandbox: CI runs as root, where Chromium's sandbox refuses to start.
-    for arg in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--disable-gpu",
-                "--no-first-run", "--disable-extensions"):
-        options.add_argument(arg)
-    options.set_capability("goog:loggingPrefs", {"browser": "ALL"})
-    driver = webdriver.Chrome(options=options, service=Service(executable_path=CHROMEDRIVER))
-    driver.set_script_timeout(30)
-    try:
+    with chromium() as driver:
         yield driver
-    finally:
-        driver.quit()
 
 
 @pytest.fixture(scope="module", params=[None, API_KEY], ids=["no-key", "api-key"])

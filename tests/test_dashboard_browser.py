@@ -1,0 +1,235 @@
+"""The dashboard in a real headless Chromium against the real daemon and the real model, with and
+without an API key: the scheduler view moves while concurrent chats run, the chat playground streams
+and stops, a pull from a local server shows its progress, and the console stays clean. The no-key
+run saves the README's screenshot (docs/dashboard.png) while the load runs."""
+
+from __future__ import annotations
+
+import io
+import json
+import threading
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+import pytest
+
+from browser_util import CHROMEDRIVER, CHROMIUM, MISSING, chromium, console_errors
+from daemon_util import cli_env, free_port, register_model, serving, stop_quietly, wait_published
+from test_gguf_facts import write_tiny_llama
+from test_pull import LocalServer, Served
+
+pytestmark = pytest.mark.model
+if not (CHROMIUM and CHROMEDRIVER):
+    pytest.skip(MISSING, allow_module_level=True)
+
+REPO = Path(__file__).resolve().parent.parent
+SCREENSHOT = REPO / "docs" / "dashboard.png"
+MODEL = "smollm2-135m"
+API_KEY = "dashboard-test-key"
+CHATS = 6  # two more than the daemon's 4 sequences (daemon_util.cli_env): the default lane queues
+LIVE_S = 60  # liveness bounds only: a 135M model answers in seconds even on a shared 2-core machine
+
+
+def call(url: str, key: str | None, body: dict[str, Any] | None = None, timeout: float = 120) -> dict[str, Any]:
+    headers = {"Content-Type": "application/json"} | ({"Authorization": f"Bearer {key}"} if key else {})
+    data = None if body is None else json.dumps(body).encode()
+    with urllib.request.urlopen(urllib.request.Request(url, data=data, headers=headers), timeout=timeout) as r:
+        return json.loads(r.read())
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory) -> Iterator[LocalServer]:
+    """A local file server with a GGUF big enough for several progress events (one a MiB), sent
+    in 64 KiB chunks 20 ms apart: a few seconds of visible progress."""
+    gguf = write_tiny_llama(tmp_path_factory.mktemp("gguf") / "tiny.gguf").read_bytes()
+    server = LocalServer().start()
+    server.files["dash-pull.gguf"] = Served(gguf + bytes(4 << 20), delay=0.02)  # GGUF readers ignore the tail
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module", params=[None, API_KEY], ids=["no-key", "api-key"])
+def daemon(request, smollm2_gguf, tmp_path_factory) -> Iterator[tuple[str, str | None]]:
+    home = tmp_path_factory.mktemp("home")
+    # The pull test downloads from the local file server, which the pull policy refuses by default.
+    extra = {"LOCALSERVE_PULL_ALLOW_HTTP_HOSTS": "127.0.0.1"}
+    if request.param:
+        extra["LOCALSERVE_API_KEY"] = request.param
+    env = cli_env(home, free_port(), **extra)
+    register_model(env, smollm2_gguf)
+    with serving(env) as proc:
+        try:
+            url = wait_published(home, proc)["url"]
+            call(url + "/api/generate", request.param, {"model": MODEL})  # loaded before the page opens
+            yield url, request.param
+        finally:
+            stop_quietly(env, proc)
+
+
+@pytest.fixture(scope="module")
+def page(daemon) -> Iterator[Any]:
+    """The dashboard, open and live; with a key, after typing it into the page's own prompt."""
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    url, key = daemon
+    with chromium(window=(1100, 820)) as driver:
+        driver.get(url + "/")
+        form = driver.find_element(By.ID, "key-form")
+        assert form.is_displayed() is bool(key)
+        if key:
+            driver.find_element(By.ID, "key-input").send_keys(key)
+            driver.find_element(By.CSS_SELECTOR, "#key-form button").click()
+        wait = WebDriverWait(driver, LIVE_S, poll_frequency=0.1)
+        wait.until(lambda d: d.find_element(By.ID, "conn").text == "live")
+        if key:
+            # Asked once: the tab keeps the key, a reload goes straight to live, and no URL holds it.
+            assert driver.execute_script("return sessionStorage.getItem('localserve-api-key')") == key
+            driver.refresh()
+            wait.until(lambda d: d.find_element(By.ID, "conn").text == "live")
+            assert not driver.find_element(By.ID, "key-form").is_displayed() and key not in driver.current_url
+        yield driver
+        # Every test's console is checked by `clean_console`; this catches what teardown's last reads caused.
+        assert console_errors(driver) == []
+
+
+@pytest.fixture
+def clean_console(page) -> Iterator[None]:
+    page.get_log("browser")  # what earlier tests left
+    yield
+    assert console_errors(page) == []
+
+
+FIGURES = """
+const card = document.querySelector(`.card[data-model^="${arguments[0]}"]`);
+if (!card) return null;
+const out = {};
+for (const e of card.querySelectorAll("[data-field]")) out[e.dataset.field] = e.textContent;
+return out;"""
+
+
+def until(wait: Any, read: Callable[[Any], Any], ok: Callable[[Any], bool]) -> Any:
+    """The first value of read(driver) that passes ok, within the wait's bound."""
+    def check(driver: Any) -> Any:
+        value = read(driver)
+        return value if value and ok(value) else None
+
+    return wait.until(check)
+
+
+HISTORY = """
+const name = Object.keys(window.__dashboard.history).find((n) => n.startsWith(arguments[0]));
+return name ? window.__dashboard.history[name].tps.length : 0;"""
+
+
+def figures(page: Any) -> dict[str, str] | None:
+    return page.execute_script(FIGURES, MODEL)
+
+
+def busy(f: dict[str, str]) -> bool:
+    return float(f["tps"]) > 0 and int(f["lane-default"]) > 0 and int(f["running"].split("/")[0]) > 0
+
+
+def test_scheduler_view_moves_under_load(page, daemon, clean_console):
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    url, key = daemon
+    page.get(url + "/#scheduler")
+    wait = WebDriverWait(page, LIVE_S, poll_frequency=0.1)
+    idle = wait.until(lambda d: figures(d))
+    assert idle["lane-default"] == "0" and idle["running"].startswith("0 /"), idle
+
+    def chat(i: int) -> None:
+        call(url + "/v1/chat/completions", key, {"model": MODEL, "max_tokens": 128, "temperature": 0.8, "seed": i,
+                                                 "messages": [{"role": "user", "content": f"Tell story number {i}"}]})
+
+    threads = [threading.Thread(target=chat, args=(i,), daemon=True) for i in range(CHATS)]
+    for t in threads:
+        t.start()
+    try:
+        loaded = until(wait, figures, busy)
+        # The page moved from the idle read: lanes and tok/s both show the load.
+        assert loaded["tps"] != idle["tps"] and loaded["lane-default"] != idle["lane-default"]
+        assert loaded["running"] != idle["running"] and loaded["steps"] != idle["steps"]
+        # And it keeps moving while the load runs: the next snapshots count more engine steps.
+        later = until(wait, figures, lambda f: int(f["steps"]) > int(loaded["steps"]))
+        assert float(later["tps"]) > 0
+        if key is None:
+            # A few seconds of chart history make a picture worth looking at.
+            wait.until(lambda d: d.execute_script(HISTORY, MODEL) >= 8)
+            save_screenshot(page)
+    finally:
+        for t in threads:
+            t.join(LIVE_S * 2)
+    assert not any(t.is_alive() for t in threads)
+
+
+def save_screenshot(page: Any) -> None:
+    """The README's picture, as a 64-colour PNG: a few tens of kB instead of a few hundred."""
+    from PIL import Image
+
+    image = Image.open(io.BytesIO(page.get_screenshot_as_png())).convert("RGB")
+    SCREENSHOT.parent.mkdir(exist_ok=True)
+    image.quantize(colors=64).save(SCREENSHOT, optimize=True)
+
+
+def test_chat_playground_streams_and_stops(page, daemon, clean_console):
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import Select, WebDriverWait
+
+    url, key = daemon
+    page.get(url + "/#chat")
+    wait = WebDriverWait(page, LIVE_S, poll_frequency=0.05)
+    names = wait.until(lambda d: [o.text for o in Select(d.find_element(By.ID, "chat-model")).options])
+    Select(page.find_element(By.ID, "chat-model")).select_by_visible_text(next(n for n in names if n.startswith(MODEL)))
+    Select(page.find_element(By.ID, "chat-lane")).select_by_visible_text("interactive")
+    temperature = page.find_element(By.ID, "chat-temp")
+    temperature.clear()
+    temperature.send_keys("0")
+    page.find_element(By.ID, "chat-input").send_keys("Write a very long story about a lighthouse keeper.")
+    page.find_element(By.ID, "chat-send").click()
+
+    answer = lambda d: d.execute_script("const a = document.querySelector('#chat-log .assistant'); "  # noqa: E731
+                                        "return a ? [a.textContent, a.dataset.done || ''] : null")
+    # Streamed: the answer shows up in pieces, before it is done.
+    first = until(wait, answer, lambda a: bool(a[0]))
+    grown = until(wait, answer, lambda a: len(a[0]) > len(first[0]))
+    assert first[1] == "" and grown[0].startswith(first[0])
+    assert page.find_element(By.ID, "chat-send").get_attribute("disabled")
+
+    page.find_element(By.ID, "chat-stop").click()
+    stopped = until(wait, answer, lambda a: a[1] == "1")
+    assert page.find_element(By.ID, "chat-stop").get_attribute("disabled")
+    assert not page.find_element(By.ID, "chat-send").get_attribute("disabled")
+    # Stopped means the daemon freed the sequence, and the text grows no more.
+    deadline = time.monotonic() + LIVE_S
+    while any(m["running"] for m in call(url + "/api/dashboard/state", key)["models"]):
+        assert time.monotonic() < deadline, "the stopped chat still runs"
+        time.sleep(0.1)
+    assert answer(page)[0] == stopped[0] and "error" not in page.find_element(By.CSS_SELECTOR, "#chat-log > div:last-child").get_attribute("class")
+
+
+def test_pull_shows_progress(page, daemon, files, clean_console):
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    url, key = daemon
+    page.get(url + "/#pull")
+    page.find_element(By.ID, "pull-name").send_keys(f"{files.url}/files/dash-pull.gguf")
+    page.find_element(By.CSS_SELECTOR, "#pull-form button").click()
+    wait = WebDriverWait(page, LIVE_S, poll_frequency=0.05)
+    assert wait.until(lambda d: d.find_element(By.ID, "pull-progress").is_displayed())
+    wait.until(lambda d: d.find_element(By.ID, "pull-status").text in ("success",) or
+               d.find_element(By.ID, "pull-status").text.startswith("failed"))
+    assert page.find_element(By.ID, "pull-status").text == "success"
+    seen = page.execute_script("return window.__dashboard.pullSeen")
+    # Several steps on the way up, ending full: progress, not a bar that jumps to done.
+    assert len(set(seen)) >= 3 and seen == sorted(seen) and seen[-1] == 100 and seen[0] < 50, seen
+    assert page.find_element(By.ID, "pull-progress").get_attribute("value") == "100"
+    installed = wait.until(lambda d: [r.get_attribute("data-model") for r in
+                                      d.find_elements(By.CSS_SELECTOR, "#installed tbody tr")] or None)
+    assert "dash-pull:latest" in installed, installed
+    assert "dash-pull:latest" in [m["name"] for m in call(url + "/api/tags", key)["models"]]
