@@ -22,19 +22,18 @@ FinishReason = Literal["stop", "length", "cancelled", "error"]
 
 _request_ids = itertools.count(1)
 
-# The one set of sampling bounds (SamplingParams.validate), for every entry point (HTTP bodies, batch
-# lines, direct engine callers) and every backend: (low, high, low bound inclusive).
+# What every backend can sample with (SamplingParams.validate), for every entry point (HTTP bodies,
+# batch lines, direct engine callers): (low, high, low bound inclusive). The HTTP dialects accept
+# narrower, documented ranges inside these (OpenAI's penalties -2..2, server/validation.py), and
+# call validate too, so nothing a body passes can fail later in a backend after a model load.
 SAMPLING_BOUNDS: dict[str, tuple[float, float, bool]] = {
-    "temperature": (0.0, 2.0, True),
+    "temperature": (0.0, math.inf, True),
     "top_p": (0.0, 1.0, False),  # 0 keeps no token at all: llama.cpp's top-p then has nothing to sample
     "min_p": (0.0, 1.0, True),
-    "repeat_penalty": (0.0, 10.0, False),  # the penalty divides logits: 0 would divide by zero
-    "frequency_penalty": (-2.0, 2.0, True),
-    "presence_penalty": (-2.0, 2.0, True),
+    "repeat_penalty": (0.0, math.inf, False),  # the penalty divides logits: 0 would divide by zero
+    "frequency_penalty": (-math.inf, math.inf, True),
+    "presence_penalty": (-math.inf, math.inf, True),
 }
-MAX_PENALTY_LAST_N = 1 << 20  # llama.cpp allocates a ring buffer of this many tokens
-MAX_TOP_K = 1 << 20  # used when the vocabulary size is not known yet
-MAX_LOGIT_BIAS = 100.0  # in magnitude; -inf is also allowed: the way to ban a token outright
 MAX_LOGPROBS = 20  # alternatives per token, as OpenAI's top_logprobs
 
 
@@ -63,7 +62,7 @@ class SamplingParams:
                  param: Callable[[str], str] = lambda name: name) -> "SamplingParams":
         """Self, or InvalidRequestError naming the field (as `param` spells it for the caller, e.g.
         Ollama's `options.top_p`). Cheap and model-free, so the server refuses before any model
-        load; `n_vocab` (when known) bounds top_k and logit_bias ids."""
+        load; `n_vocab` (when known) bounds logit_bias ids."""
         def bad(name: str, problem: str) -> InvalidRequestError:
             return InvalidRequestError(f"'{param(name)}' {problem}", param=param(name))
 
@@ -74,20 +73,19 @@ class SamplingParams:
             if not ((lo <= value) if lo_inclusive else (lo < value)) or value > hi:
                 low = f"at least {lo:g}" if lo_inclusive else f"greater than {lo:g}"
                 raise bad(name, f"must be {low} and at most {hi:g} (got {value:g})")
-        top_k_max = max(n_vocab, 1) if n_vocab else MAX_TOP_K
-        if not 0 <= self.top_k <= top_k_max:
-            raise bad("top_k", f"must be between 0 and {top_k_max} (got {self.top_k})")
-        if not -1 <= self.penalty_last_n <= MAX_PENALTY_LAST_N:
-            raise bad("penalty_last_n", f"must be between -1 and {MAX_PENALTY_LAST_N} (got {self.penalty_last_n})")
+        if self.top_k < 0:
+            raise bad("top_k", f"must not be negative (got {self.top_k})")
+        if self.penalty_last_n < -1:  # -1 = the whole context; backends cap larger windows to it
+            raise bad("penalty_last_n", f"must be -1 or more (got {self.penalty_last_n})")
         if self.seed is not None and not 0 <= self.seed <= 0xFFFFFFFF:
             raise bad("seed", "must be between 0 and 4294967295")
         for token, bias in self.logit_bias.items():
             if not isinstance(token, int) or token < 0 or (n_vocab and token >= n_vocab):
                 upto = f" (0..{n_vocab - 1})" if n_vocab else ""
                 raise bad("logit_bias", f"token id {token!r} is outside the vocabulary{upto}")
-            if not (bias == -math.inf or -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS):
-                # +inf or NaN would turn the softmax into NaN.
-                raise bad("logit_bias", f"biases must be numbers between -{MAX_LOGIT_BIAS:g} and {MAX_LOGIT_BIAS:g}")
+            if math.isnan(bias) or bias == math.inf:
+                # +inf turns the softmax into NaN; -inf is the documented way to ban a token.
+                raise bad("logit_bias", "biases must be finite numbers or -inf")
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
             raise bad("logprobs", f"must be between 0 and {MAX_LOGPROBS}")
         return self

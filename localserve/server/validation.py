@@ -181,8 +181,8 @@ def parse_seed(body: Body, name: str = "seed") -> int | None:
 
 
 def parse_logit_bias(value: Any, param: str = "logit_bias") -> dict[int, float]:
-    """OpenAI's {"token id": bias} -> {int: float}; the ids' and biases' ranges are
-    SamplingParams.validate's."""
+    """OpenAI's {"token id": bias} -> {int: float}, biases in OpenAI's -100..100; whether the ids are
+    in the vocabulary is SamplingParams.validate's to say."""
     if value is None:
         return {}
     if not isinstance(value, dict):
@@ -195,8 +195,8 @@ def parse_logit_bias(value: Any, param: str = "logit_bias") -> dict[int, float]:
             token = int(key)
         except (TypeError, ValueError):
             raise invalid(f"'{param}' keys must be token ids (got {str(key)[:20]!r})", param) from None
-        if isinstance(b, bool) or not isinstance(b, (int, float)):
-            raise invalid(f"'{param}' biases must be numbers", param)
+        if isinstance(b, bool) or not isinstance(b, (int, float)) or not -100 <= b <= 100:
+            raise invalid(f"'{param}' biases must be numbers between -100 and 100", param)
         bias[token] = float(b)
     return bias
 
@@ -237,28 +237,27 @@ def sampling_from(body: Body, *, n_vocab: int | None, seed: int | None, names: d
                   **fields: Any) -> SamplingParams:
     """Validated SamplingParams from OpenAI-named fields (`names` maps our names to the body's, e.g.
     for Ollama's `repeat_last_n`) plus `fields` parsed elsewhere (logit_bias, json_schema, ...).
-    The body's getters check types; the ranges are SamplingParams.validate's, the same every
-    backend applies. `n_vocab=None`: the model is not loaded yet (a fail-fast check before loading
-    it). Unset fields keep SamplingParams' defaults (llama.cpp's, as llama-server does), which suit
+    The body's getters check types and the API's documented ranges; SamplingParams.validate then
+    applies what every backend needs (top_p and repeat_penalty above 0, ...), so nothing that passes
+    here fails in a backend after a model load. `n_vocab=None`: the model is not loaded yet (a
+    fail-fast check before loading it). Unset fields keep SamplingParams' defaults (llama.cpp's, as llama-server does), which suit
     small local models better than OpenAI's 1.0/1.0."""
     names = names or {}
     d = SamplingParams()
-    any_number = {"lo": -math.inf, "hi": math.inf}
-    any_int = {"lo": -(1 << 63), "hi": (1 << 63) - 1}
 
     def key(ours: str) -> str:
         return names.get(ours, ours)
 
     sampling = SamplingParams(
-        temperature=body.get_float(key("temperature"), d.temperature, **any_number),
-        top_k=body.get_int(key("top_k"), d.top_k, **any_int),
-        top_p=body.get_float(key("top_p"), d.top_p, **any_number),
-        min_p=body.get_float(key("min_p"), d.min_p, **any_number),
+        temperature=body.get_float(key("temperature"), d.temperature, lo=0.0, hi=2.0),
+        top_k=body.get_int(key("top_k"), d.top_k, lo=0, hi=max(n_vocab or 1 << 20, 1)),
+        top_p=body.get_float(key("top_p"), d.top_p, lo=0.0, hi=1.0),
+        min_p=body.get_float(key("min_p"), d.min_p, lo=0.0, hi=1.0),
         seed=seed,
-        repeat_penalty=body.get_float(key("repeat_penalty"), d.repeat_penalty, **any_number),
-        frequency_penalty=body.get_float(key("frequency_penalty"), d.frequency_penalty, **any_number),
-        presence_penalty=body.get_float(key("presence_penalty"), d.presence_penalty, **any_number),
-        penalty_last_n=body.get_int(key("penalty_last_n"), d.penalty_last_n, **any_int),
+        repeat_penalty=body.get_float(key("repeat_penalty"), d.repeat_penalty, lo=0.0, hi=10.0),
+        frequency_penalty=body.get_float(key("frequency_penalty"), d.frequency_penalty, lo=-2.0, hi=2.0),
+        presence_penalty=body.get_float(key("presence_penalty"), d.presence_penalty, lo=-2.0, hi=2.0),
+        penalty_last_n=body.get_int(key("penalty_last_n"), d.penalty_last_n, lo=-1, hi=1 << 20),
         **fields,
     )
     return sampling.validate(n_vocab, param=lambda ours: body.param(key(ours)))
