@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import copy
 import logging
+import socket
 import threading
 import time
 from contextlib import asynccontextmanager
@@ -38,6 +39,11 @@ if TYPE_CHECKING:
     from ..models import ModelManager
 
 DISCONNECT_POLL_S = 0.1
+# Bytes a guarded connection may hold unsent, in the kernel and in the transport each. Linux
+# autotunes a socket's send buffer up to tcp_wmem's 4 MiB: a client that stops reading would
+# absorb ~8,000 stream events there before any write blocked, so the write timeout would never
+# fire and its sequence would decode to max_tokens. Token streams need a few KB/s; this is ample.
+SEND_BUFFER_BYTES = 16 * 1024
 log = logging.getLogger(__name__)
 LONG_PROMPT_CHARS = 20_000  # tokenize longer texts in a thread so the event loop keeps serving
 T = TypeVar("T")
@@ -226,9 +232,24 @@ def _writes_blocked(request: web.Request) -> bool:
     return bool(protocol is not None and getattr(protocol, "writing_paused", False))
 
 
+def _bound_send_buffers(request: web.Request) -> None:
+    """Make a client that stops reading block our writes after SEND_BUFFER_BYTES, not megabytes."""
+    transport = request.transport
+    if transport is None:
+        return
+    sock = transport.get_extra_info("socket")
+    if sock is not None:
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SEND_BUFFER_BYTES)
+        except OSError:  # not a TCP socket (a test transport): the timeout still works, later
+            pass
+    transport.set_write_buffer_limits(high=SEND_BUFFER_BYTES)
+
+
 async def guard_disconnect(request: web.Request, work: Awaitable[T]) -> T:
     """Run `work`; cancel it if the client disconnects first, or stops reading for
     settings.stream_write_timeout seconds (then the connection is dropped), and raise ClientGone."""
+    _bound_send_buffers(request)
     task = asyncio.ensure_future(work)
     write_timeout = request.app[SETTINGS_KEY].stream_write_timeout
     blocked_since: float | None = None
