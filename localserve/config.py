@@ -45,16 +45,22 @@ class Settings:
     keep_alive: float = 300.0  # seconds a model stays loaded after its last request
     max_loaded_models: int = 2
     shutdown_timeout: float = 10.0  # seconds in-flight requests get to finish when the daemon stops
-    context_length: int = 0  # per request; 0 = min(trained context, 4096 with KV streams, 8192 unified)
+    context_length: int = 0  # per request; 0 = min(trained context, 8192)
     max_sequences: int = 0  # 0 = sized from memory and the machine
     batch_tokens: int = 0  # per-step token budget; 0 = sized from the machine
     queue_size: int = 64  # per lane
     queue_timeout: float = 600.0
     threads: int = 0  # 0 = physical cores
-    # False: one KV stream per sequence, so a request's output does not depend on what else runs
-    # (llama.cpp's attention sums over interleaved cells of a shared pool round differently);
-    # True: one shared pool, longer contexts for the same memory, outputs may vary with load.
-    kv_unified: bool = False
+    # "streams": one KV stream per sequence id, so a request's output does not depend on what else
+    # runs (llama.cpp's attention sums over interleaved cells of a shared pool round differently),
+    # but every id, parked prefix-cache ones too, holds a full-length stream. "unified": one shared
+    # cell pool with flash attention, long contexts for the same memory, outputs may vary with load.
+    # "auto": streams where they give every running request its full context within the KV budget
+    # (exact answers where that costs nothing), else unified (batching/limits.py).
+    kv_layout: str = "auto"
+    # KV cache element type: "f16", "q8_0" (half the memory; needs flash attention, so only where
+    # exactness is given up anyway), or "auto" = f16 with streams, q8_0 in a unified pool.
+    kv_cache_type: str = "auto"
     # llama.cpp's CPU flash-attention kernel rounds differently for chunks of 64+ tokens, so with it
     # on a prompt's output depends on how its prefill was chunked beside other requests.
     flash_attention: bool = False

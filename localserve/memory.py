@@ -50,16 +50,18 @@ def kv_cache_bytes(facts: GGUFFacts, n_cells: int, kv_bytes_per_elem: float = 2.
     return math.ceil(n_cells * facts.kv_heads_all_layers * (facts.head_dim + facts.head_dim_v) * kv_bytes_per_elem)
 
 
-def compute_buffer_bytes(facts: GGUFFacts, n_cells: int, n_ubatch: int = DEFAULT_UBATCH, n_outputs: int = 1) -> int:
+def compute_buffer_bytes(facts: GGUFFacts, n_cells: int, n_ubatch: int = DEFAULT_UBATCH, n_outputs: int = 1,
+                         flash_attention: bool = False) -> int:
     """Scratch memory of one forward pass, from Ollama's GraphSize estimate for llama-style models
     (fs/ggml/ggml.go, "fullOffload"): the larger of the attention working set
     4·b·(1 + 4·embd + ctx·(1 + heads)) — dominated by the b x ctx x heads f32 KQ score matrix — and
     the output projection 4·b·(embd + vocab), with b = min(ctx, n_ubatch); plus the f32 logits
     buffer of one output row per sequence. Measured on SmolLM2-135M at ctx 8192 with llama.cpp
     (llama-cpp-python 0.3.36, CPU): estimate 164.7 MiB; llama.cpp reserves 166.4 MiB without flash
-    attention and 98.3 MiB + 0.2 MiB with it (tests/test_memory.py checks the live figure)."""
+    attention and 98.3 MiB + 0.2 MiB with it (tests/test_memory.py checks the live figure).
+    With flash attention no score matrix is kept, so the projection term is what remains."""
     b = min(n_cells, n_ubatch)
-    attention = F32 * b * (1 + 4 * facts.n_embd + n_cells * (1 + facts.n_heads))
+    attention = 0 if flash_attention else F32 * b * (1 + 4 * facts.n_embd + n_cells * (1 + facts.n_heads))
     projection = F32 * b * (facts.n_embd + facts.vocab_size)
     logits = F32 * facts.vocab_size * n_outputs
     return max(attention, projection) + logits
@@ -71,8 +73,10 @@ def estimate_memory(
     kv_bytes_per_elem: float = 2.0,
     n_seq: int = 1,
     n_ubatch: int = DEFAULT_UBATCH,
+    flash_attention: bool = False,
 ) -> MemoryEstimate:
-    """Memory to run `facts`' model with `n_ctx` tokens of context for each of `n_seq` sequences.
+    """Memory to run `facts`' model with `n_ctx` tokens of context for each of `n_seq` sequences
+    (per-sequence KV streams: attention spans one stream of n_ctx cells).
 
     With llama.cpp's unified KV cache (one pool shared by all sequences) pass the pool size as
     `n_ctx` and keep n_seq=1. `kv_bytes_per_elem` is 2 for the default f16 cache (see KV_BYTES)."""
@@ -82,7 +86,7 @@ def estimate_memory(
         raise InvalidRequestError(f"KV bytes per element must be positive (got {kv_bytes_per_elem})")
     cells = n_ctx * n_seq
     kv = kv_cache_bytes(facts, cells, kv_bytes_per_elem)
-    compute = compute_buffer_bytes(facts, cells, n_ubatch, n_seq)
+    compute = compute_buffer_bytes(facts, n_ctx, n_ubatch, n_seq, flash_attention)
     weights = facts.weights_bytes
     per_layer = 0
     if facts.n_layers:

@@ -11,12 +11,11 @@
   When every loaded model is busy the request gets OverloadedError (503 + Retry-After), not a wait
   of unknown length.
 
-Context size per model (EngineLimits.from_settings decides; see batching/limits.py): by default
-every sequence id (running ones and parked prefix-cache ones) gets its own KV stream of
-settings.context_length cells, or min(trained context, 4096), shrunk to fit a share of the RAM the
-weights leave over (fewer sequences run before a stream drops below 2048 cells). With
-settings.kv_unified one shared pool of max_sequences x min(context, 2048) cells (at least one
-full-length request, context up to 8192) serves them all instead. The memory charged to the
+Context size per model (EngineLimits.from_settings decides; see batching/limits.py): every request
+gets settings.context_length, or min(trained context, 8192). Where a share of the RAM the weights
+leave over holds a KV stream of that length for every sequence id (running and parked prefix-cache
+ones), each id gets one (exact answers); otherwise one shared q8_0 pool of up to max_sequences x
+context cells serves them all (settings.kv_layout, kv_cache_type). The memory charged to the
 budget is the estimate for the whole KV cache plus weights and compute buffers
 (memory.estimate_memory); the device and GPU layer count come from placement.choose_backend over
 the hardware report.
@@ -42,6 +41,8 @@ from .store import InstalledModel, ModelStore
 if TYPE_CHECKING:  # the engine pulls in llama.cpp; the manager itself must import without it
     from .batching.limits import EngineLimits
     from .engine import Engine
+    from .gguf_facts import GGUFFacts
+    from .memory import MemoryEstimate
 
 log = logging.getLogger(__name__)
 
@@ -79,7 +80,6 @@ def plan_model(installed: InstalledModel, settings: Settings) -> ModelPlan:
     from .backends import registry
     from .batching.limits import EngineLimits
     from .gguf_facts import GGUFFacts, read_gguf_facts
-    from .memory import estimate_memory, kv_cache_bytes
 
     estimate = None
     if installed.gguf is not None:
@@ -87,13 +87,7 @@ def plan_model(installed: InstalledModel, settings: Settings) -> ModelPlan:
             facts = GGUFFacts.from_dict(installed.facts) if installed.facts else read_gguf_facts(installed.gguf.path)
         except LocalserveError:
             facts = read_gguf_facts(installed.gguf.path)  # an older manifest without every fact: read the file
-        limits = EngineLimits.from_settings(
-            settings,
-            n_ctx_train=facts.context_length,
-            model_bytes=facts.weights_bytes,
-            kv_bytes_per_token=kv_cache_bytes(facts, 1),
-        )
-        estimate = estimate_memory(facts, limits.n_ctx)
+        limits, estimate = gguf_limits(facts, settings)
         memory = estimate.total_bytes
     else:
         folder = next(iter(installed.variants.values()))
@@ -115,6 +109,19 @@ def plan_model(installed: InstalledModel, settings: Settings) -> ModelPlan:
         vram_bytes=vram,
         choice=choice,
     )
+
+
+def gguf_limits(facts: "GGUFFacts", settings: Settings) -> tuple["EngineLimits", "MemoryEstimate"]:
+    """The engine limits a load of this GGUF gets here and their memory (what `show` prints too)."""
+    from .batching.limits import EngineLimits
+    from .memory import KV_BYTES, estimate_memory, kv_cache_bytes
+
+    limits = EngineLimits.from_settings(settings, n_ctx_train=facts.context_length, model_bytes=facts.weights_bytes,
+                                        kv_bytes_per_token=kv_cache_bytes(facts, 1))
+    streams = 1 if limits.kv_unified else limits.n_seq_max
+    estimate = estimate_memory(facts, limits.n_ctx // streams, KV_BYTES[limits.kv_type], n_seq=streams,
+                               flash_attention=limits.flash_attention)
+    return limits, estimate
 
 
 def load_engine(installed: InstalledModel, settings: Settings) -> "Engine":
@@ -217,6 +224,9 @@ class ModelManager:
                     "pinned": m.pinned,
                     "running": stats.get("running", 0),
                     "waiting": stats.get("waiting", {}),
+                    # What the engine was sized to: tokens per request and requests decoding at once.
+                    "context_length": m.engine.n_ctx_per_seq,
+                    "max_sequences": stats.get("max_sequences", 0),
                     "stats": stats,
                 }
             )

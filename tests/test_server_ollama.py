@@ -137,6 +137,8 @@ def test_ps_and_keep_alive_unload(server):
     (row,) = ps["models"]
     assert row["name"] == FULL and row["size"] > 0 and row["expires_at"].endswith("Z")
     assert row["details"]["family"] == "llama" and set(row["waiting"]) == {"interactive", "default", "batch"}
+    # The harness sizes the engine with context_length=1024, max_sequences=8 (server_harness.py).
+    assert (row["context_length"], row["max_sequences"]) == (1024, 8)
 
     status, r = server.json("POST", "/api/generate", {"model": MODEL, "keep_alive": 0})
     assert status == 200 and r["done"] and r["done_reason"] == "unload"

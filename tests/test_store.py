@@ -170,6 +170,11 @@ def test_cli_show_reports_facts_memory_and_placement(tmp_path, smollm2_gguf):
 
     text = run_cli("show", "smol", home=home)
     assert text.returncode == 0 and "llama" in text.stdout and "8192" in text.stdout and "Q4_1" in text.stdout
-    assert "memory @ 8192 ctx" in text.stdout
+    assert "memory as loaded" in text.stdout
+    # The context per request and the concurrency a load here gets (batching/limits.py).
+    engine = json.loads(run_cli("show", "smol", "--json", home=home).stdout)["engine"]
+    assert engine["context_per_request"] == 8192 and engine["concurrent_requests"] >= 4
+    assert engine["kv_layout"] in ("streams", "unified") and engine["kv_cells"] >= 8192
+    assert f"8192 tokens per request, {engine['concurrent_requests']} at once" in text.stdout
     missing = run_cli("show", "smoll", home=home)
     assert missing.returncode == 1 and missing.stderr.startswith("Error: model 'smoll' is not installed")

@@ -38,6 +38,7 @@ log = logging.getLogger(__name__)
 
 _INT32_MIN = -(2**31)
 _META_VALUE_MAX = 4096  # longer metadata values (token lists, merges) are not worth carrying around
+_KV_TYPES = {"f16": llama_cpp.GGML_TYPE_F16, "q8_0": llama_cpp.GGML_TYPE_Q8_0}
 
 
 def default_threads() -> int:
@@ -137,6 +138,7 @@ class LlamaCppBackend(Backend):
         exact_attention: bool = False,
         kv_unified: bool = True,
         flash_attention: bool = True,
+        kv_type: str = "f16",
     ) -> LlamaCppBackend:
         """Load a GGUF model and create its batching context.
 
@@ -167,6 +169,9 @@ class LlamaCppBackend(Backend):
             prompt prefilled in other chunk sizes (alone vs. beside other requests) can end in other
             greedy tokens. With per-sequence streams and flash attention off, outputs are identical
             whatever the batch (tests/test_engine_llamacpp.py), with the F16 cache.
+        kv_type: "f16" or "q8_0" for K and V (q8_0 halves KV memory; llama.cpp needs flash
+            attention for a quantized V cache, so it turns flash attention on). Ignored with
+            exact_attention, which keeps F32.
         """
         path = Path(path)
         max_seq = llama_cpp.llama_max_parallel_sequences()
@@ -196,6 +201,11 @@ class LlamaCppBackend(Backend):
         cparams.n_threads = n_threads
         cparams.n_threads_batch = n_threads
         cparams.embeddings = False
+        if kv_type not in _KV_TYPES:
+            raise ValueError(f"kv_type must be one of {sorted(_KV_TYPES)}")
+        cparams.type_k = cparams.type_v = _KV_TYPES[kv_type]
+        if kv_type != "f16":
+            flash_attention = True  # llama.cpp refuses a quantized V cache without it
         if exact_attention:
             cparams.type_k = cparams.type_v = llama_cpp.GGML_TYPE_F32
         if exact_attention or not flash_attention:

@@ -55,7 +55,8 @@ def _load_llamacpp(installed: "InstalledModel", variant: "StoredVariant", plan: 
         n_threads=settings.threads or None,
         n_gpu_layers=plan.n_gpu_layers,
         kv_unified=limits.kv_unified,
-        flash_attention=settings.flash_attention,
+        flash_attention=limits.flash_attention,
+        kv_type=limits.kv_type,
     )
     engine = Engine(backend, limits, installed.ref)
     engine.start()

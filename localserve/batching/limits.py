@@ -8,6 +8,7 @@ so the scheduler's accounting and llama.cpp's cache always agree.
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass
 
@@ -19,13 +20,14 @@ from ..errors import ConfigError
 # KV bytes per token when the model does not tell us: f16 K+V of a ~1B llama-style model
 # (16 layers x 2 x 512 dims x 2 bytes). Larger models pass their real figure.
 _DEFAULT_KV_BYTES_PER_TOKEN = 32 * 1024
-_MAX_AUTO_CONTEXT = 8192  # per sequence; llama.cpp allocates the whole cache up front
-# With one KV stream per sequence id every id (parked prefix-cache ones too) holds a full-length
-# stream, so the automatic per-request context is smaller; settings.context_length overrides it.
-_MAX_AUTO_CONTEXT_STREAMS = 4096
+# Per request by default: editor plugins send 4-16k-token prompts, Ollama and LM Studio give 4,096.
+_MAX_AUTO_CONTEXT = 8192
 _MIN_AUTO_CONTEXT = 2048  # below this, run fewer sequences rather than cramp every request
 _KV_RAM_SHARE = 0.25  # at most this share of the RAM left after the weights goes to the KV cache
 _LLAMA_MAX_SEQ = 256  # llama.cpp refuses contexts with more sequence ids
+_KV_LAYOUTS = ("auto", "streams", "unified")
+# Bytes per K/V element (q8_0: blocks of 32 values in 34 bytes); memory.KV_BYTES has the same.
+_KV_ELEMENT_BYTES = {"f16": 2.0, "q8_0": 34 / 32}
 
 
 @dataclass
@@ -38,12 +40,16 @@ class EngineLimits:
     n_ctx_seq: int = 8192  # prompt + completion of one request
     prefix_cache: bool = True
     kv_unified: bool = False  # one shared cell pool instead of a stream per sequence (see config.py)
+    kv_type: str = "f16"  # KV element type ("f16" or "q8_0")
+    flash_attention: bool = False
     aging_steps: int = 256  # a waiting/running request gains one lane of priority per this many steps
 
     def __post_init__(self) -> None:
         for name in ("max_sequences", "batch_tokens", "queue_size", "n_ctx", "n_ctx_seq", "aging_steps"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"engine limit {name} must be at least 1 (got {getattr(self, name)})")
+        if self.kv_type not in _KV_ELEMENT_BYTES:
+            raise ConfigError(f"KV cache type must be one of {', '.join(_KV_ELEMENT_BYTES)} (got {self.kv_type!r})")
         self.max_sequences = _max_running(self.max_sequences, self.batch_tokens)
         self.n_ctx_seq = min(self.n_ctx_seq, self.n_ctx)
 
@@ -52,6 +58,21 @@ class EngineLimits:
         """Sequence ids the backend context needs: the running ones plus as many parked prefix-cache
         entries (a finished request's KV stays resident under its own id until evicted)."""
         return _seq_ids(self.max_sequences, self.prefix_cache)
+
+    @property
+    def full_length_requests(self) -> int:
+        """Requests that can hold a full context at once: the running count with streams, the cells
+        of the pool over one request's context in a unified pool (fewer when all run long)."""
+        if not self.kv_unified:
+            return self.max_sequences
+        return min(self.max_sequences, self.n_ctx // self.n_ctx_seq)
+
+    def describe(self) -> dict[str, object]:
+        """What `show` reports: tokens per request, requests at once, and the KV layout behind them."""
+        return {"context_per_request": self.n_ctx_seq, "concurrent_requests": self.max_sequences,
+                "full_length_requests": self.full_length_requests,
+                "kv_layout": "unified" if self.kv_unified else "streams", "kv_type": self.kv_type,
+                "kv_cells": self.n_ctx, "exact": not self.kv_unified and not self.flash_attention}
 
     @classmethod
     def from_settings(
@@ -64,7 +85,13 @@ class EngineLimits:
         cores: int | None = None,
         ram_bytes: int | None = None,
     ) -> "EngineLimits":
-        """Limits for one model. Settings win where they are non-zero; the rest is derived."""
+        """Limits for one model. Settings win where they are non-zero; the rest is derived.
+
+        `kv_bytes_per_token` is the f16 cache's figure (memory.kv_cache_bytes(facts, 1))."""
+        if settings.kv_layout not in _KV_LAYOUTS:
+            raise ConfigError(f"setting kv_layout must be one of {', '.join(_KV_LAYOUTS)} (got {settings.kv_layout!r})")
+        if settings.kv_cache_type not in ("auto", *_KV_ELEMENT_BYTES):
+            raise ConfigError(f"setting kv_cache_type must be auto, f16 or q8_0 (got {settings.kv_cache_type!r})")
         cores = cores or settings.threads or psutil.cpu_count(logical=False) or os.cpu_count() or 1
         ram = ram_bytes or psutil.virtual_memory().total
         kv_token = kv_bytes_per_token or _DEFAULT_KV_BYTES_PER_TOKEN
@@ -79,34 +106,44 @@ class EngineLimits:
         batch_tokens = settings.batch_tokens or max(256, min(2048, 128 * cores))
         # Clamped here, not only in __post_init__: the KV cache below is sized for this count.
         max_sequences = _max_running(max_sequences, batch_tokens)
+        kv_budget = int(max(ram - model_bytes, 0) * _KV_RAM_SHARE)
 
-        kv_budget_cells = int(max(ram - model_bytes, 0) * _KV_RAM_SHARE) // kv_token
-        if settings.kv_unified:
-            # Total KV cells: room for every sequence to hold a good share of its context, capped by
-            # the RAM the weights leave over, and never below one full-length request.
-            wanted = max_sequences * min(n_ctx_seq, 2048)
-            n_ctx = max(n_ctx_seq, min(wanted, kv_budget_cells, 65536))
-            n_ctx = -(-n_ctx // 256) * 256  # llama.cpp pads its cache to 256 cells anyway
-        else:
-            # One stream of n_ctx_seq cells per sequence id: llama.cpp needs n_ctx = streams x cells.
-            if not settings.context_length:
-                n_ctx_seq = min(n_ctx_seq, _MAX_AUTO_CONTEXT_STREAMS)
-            floor = min(n_ctx_seq, _MIN_AUTO_CONTEXT)
-            while max_sequences > 1 and kv_budget_cells // _seq_ids(max_sequences, settings.prefix_cache) < floor:
-                max_sequences //= 2
-            per_stream = kv_budget_cells // _seq_ids(max_sequences, settings.prefix_cache)
-            n_ctx_seq = max(256, max(floor, min(n_ctx_seq, per_stream)) // 256 * 256)
-            n_ctx = n_ctx_seq * _seq_ids(max_sequences, settings.prefix_cache)
-        return cls(
-            max_sequences=max_sequences,
-            batch_tokens=batch_tokens,
-            queue_size=settings.queue_size or 64,
-            queue_timeout=settings.queue_timeout or 600.0,
-            n_ctx=n_ctx,
-            n_ctx_seq=n_ctx_seq,
-            prefix_cache=settings.prefix_cache,
-            kv_unified=settings.kv_unified,
-        )
+        layout = settings.kv_layout
+        if layout == "auto":
+            # Streams (exact answers) only when every id gets a full-length f16 stream: shrinking
+            # requests or concurrency to keep exactness is the wrong trade for a desktop (an 8B
+            # model on 16 GB would get 4 x 2,816 tokens), a unified q8_0 pool gives 8,192 x 5 there.
+            fits = _seq_ids(max_sequences, settings.prefix_cache) * n_ctx_seq * kv_token <= kv_budget
+            layout = "streams" if fits else "unified"
+        unified = layout == "unified"
+        kv_type = settings.kv_cache_type
+        if kv_type == "auto":
+            # q8_0 V needs flash attention, whose CPU kernel rounds by chunk size: only where the
+            # unified pool gave exactness up anyway. Half the bytes, so twice the cells.
+            kv_type = "q8_0" if unified else "f16"
+        kv_token = max(1, math.ceil(kv_token * _KV_ELEMENT_BYTES[kv_type] / 2))
+        kv_budget_cells = kv_budget // kv_token
+        common = dict(batch_tokens=batch_tokens, queue_size=settings.queue_size or 64,
+                      queue_timeout=settings.queue_timeout or 600.0, prefix_cache=settings.prefix_cache,
+                      kv_unified=unified, kv_type=kv_type,
+                      # In a unified pool flash attention is what keeps attention per sequence: its
+                      # CPU kernel skips the other sequences' masked cells, and its scratch does not
+                      # grow with the pool (without it, a micro-batch x pool x heads score matrix).
+                      flash_attention=settings.flash_attention or unified or kv_type != "f16")
+        if unified:
+            # Room for every running request at full length, within the budget, and never below one.
+            # llama.cpp pads its cache to 256 cells: round the budget down, the request up.
+            n_ctx = max(n_ctx_seq, min(max_sequences * n_ctx_seq, kv_budget_cells // 256 * 256))
+            n_ctx = -(-n_ctx // 256) * 256
+            return cls(max_sequences=max_sequences, n_ctx=n_ctx, n_ctx_seq=n_ctx_seq, **common)
+        # One stream of n_ctx_seq cells per sequence id: llama.cpp needs n_ctx = streams x cells.
+        floor = min(n_ctx_seq, _MIN_AUTO_CONTEXT)
+        while max_sequences > 1 and kv_budget_cells // _seq_ids(max_sequences, settings.prefix_cache) < floor:
+            max_sequences //= 2
+        per_stream = kv_budget_cells // _seq_ids(max_sequences, settings.prefix_cache)
+        n_ctx_seq = max(256, max(floor, min(n_ctx_seq, per_stream)) // 256 * 256)
+        n_ctx = n_ctx_seq * _seq_ids(max_sequences, settings.prefix_cache)
+        return cls(max_sequences=max_sequences, n_ctx=n_ctx, n_ctx_seq=n_ctx_seq, **common)
 
 
 def _max_running(max_sequences: int, batch_tokens: int) -> int:

@@ -98,7 +98,7 @@ def _print_ps(models: list[dict[str, Any]]) -> None:
         return
     table = Table(box=None, header_style="bold")
     # no_wrap: `ps` is often piped or read by scripts, where rich assumes 80 columns.
-    for column in ("NAME", "MEMORY", "PROCESSOR", "RUNNING", "QUEUED i/d/b", "UNTIL"):
+    for column in ("NAME", "MEMORY", "PROCESSOR", "CONTEXT", "RUNNING", "QUEUED i/d/b", "UNTIL"):
         table.add_column(column, no_wrap=True)
     for m in models:
         queued = m.get("waiting") or {}
@@ -108,6 +108,8 @@ def _print_ps(models: list[dict[str, Any]]) -> None:
             str(m.get("name") or m.get("model")),
             format_bytes(memory) if memory else "-",
             _processor(m),
+            # Tokens per request x requests decoding at once, as the engine was sized.
+            f"{m['context_length']} x {m.get('max_sequences', 0)}" if m.get("context_length") else "-",
             str(m.get("running", 0)),
             lanes,
             _until(m),

@@ -154,6 +154,7 @@ def describe_model(model: InstalledModel, settings: Settings, n_ctx: int | None 
     """Everything `show` prints, as data: GGUF facts, memory at a context, where it would run."""
     from ..gguf_facts import read_gguf_facts
     from ..memory import estimate_memory
+    from ..models import gguf_limits
 
     if n_ctx is not None and n_ctx <= 0:
         raise InvalidRequestError("--ctx must be a positive number of tokens")
@@ -163,11 +164,12 @@ def describe_model(model: InstalledModel, settings: Settings, n_ctx: int | None 
                 "context_length": meta.get("context_length"), "memory": None,
                 "placement": _placement(None, model, settings)}
     facts = read_gguf_facts(model.gguf.path)
+    limits, estimate = gguf_limits(facts, settings)  # what a load here gets
+    ctx_given = n_ctx is not None
     if n_ctx is None:
-        n_ctx = settings.context_length or min(facts.context_length or 8192, 8192)
-    if n_ctx <= 0:
-        raise InvalidRequestError("--ctx must be a positive number of tokens")
-    estimate = estimate_memory(facts, n_ctx)
+        n_ctx = limits.n_ctx  # all KV cells, every stream or the whole pool
+    else:
+        estimate = estimate_memory(facts, n_ctx)
     info: dict[str, Any] = {
         **_summary(model),
         "architecture": facts.architecture,
@@ -182,6 +184,8 @@ def describe_model(model: InstalledModel, settings: Settings, n_ctx: int | None 
         "license": model.manifest.get("license") or facts.license,
         "source": (model.manifest.get("source") or {}).get("ref"),
         "memory": {"n_ctx": n_ctx, **estimate.as_dict()},
+        "engine": limits.describe(),
+        "ctx_given": ctx_given,
     }
     info["placement"] = _placement(estimate, model, settings)
     return info
@@ -197,6 +201,15 @@ def _placement(estimate: Any, model: InstalledModel, settings: Settings) -> dict
         return choose(model, settings, detect_hardware(), estimate).as_dict()
     except LocalserveError as e:  # nothing installed here runs it: `show` still shows the model
         return {"backend": None, "reason": str(e)}
+
+
+def _engine_line(engine: dict[str, Any]) -> str:
+    """'8192 tokens per request, 8 at once (a KV stream each, f16: exact answers)'."""
+    line = f"{engine['context_per_request']} tokens per request, {engine['concurrent_requests']} at once"
+    if engine["kv_layout"] == "streams":
+        return line + f" (a KV stream each, {engine['kv_type']}" + (": exact answers)" if engine["exact"] else ")")
+    return line + (f" ({engine['full_length_requests']} at full length: one {engine['kv_type']} pool of "
+                   f"{engine['kv_cells']} cells)")
 
 
 def runs_on(place: dict[str, Any]) -> str:
@@ -240,7 +253,8 @@ def run_show(args: argparse.Namespace, settings: Settings) -> int:
         ("sha256", str(model.sha256)),
         ("file", str(model.path) + ("  (registered in place)" if model.in_place else "")),
         ("source", str(info["source"] or "")),
-        (f"memory @ {mem['n_ctx']} ctx",
+        ("engine", _engine_line(info["engine"])),
+        (f"memory @ {mem['n_ctx']} ctx" if info["ctx_given"] else "memory as loaded",
          f"{format_bytes(mem['total_bytes'])} (weights {format_bytes(mem['weights_bytes'])} + "
          f"KV {format_bytes(mem['kv_bytes'])} + compute {format_bytes(mem['compute_bytes'])})"),
         *variant_rows,

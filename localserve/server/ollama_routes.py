@@ -418,6 +418,7 @@ async def ps(request: web.Request) -> web.Response:
             "size_vram": row.get("vram_bytes", 0),
             "state": row.get("state", "loaded"), "pinned": row.get("pinned", 0),
             "running": row.get("running", 0), "waiting": row.get("waiting", {}),
+            "context_length": row.get("context_length", 0), "max_sequences": row.get("max_sequences", 0),
         })
     return web.json_response({"models": out}, dumps=json_dumps)
 
