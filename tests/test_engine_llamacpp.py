@@ -234,3 +234,31 @@ async def test_stop_string_spanning_tokens_is_cut(backend):
     assert last.finish_reason == "stop"
     assert got == expected and stop not in got
     assert got_tokens == tokens[: len(got_tokens)]
+
+
+async def test_unified_q8_pool_serves_concurrent_requests_sharing_a_prefix(smollm2_gguf):
+    """The layout consumer machines get when per-sequence streams do not fit (kv_layout unified,
+    batching/limits.py): one q8_0 pool with flash attention. Concurrent requests with a shared
+    system prompt all run to their full length, the prefix is computed once and shared, and a
+    request alone answers as it does on a fresh engine (exactness under load is what this layout
+    gives up; kv_layout=streams keeps it, tested above)."""
+    limits = EngineLimits(max_sequences=8, batch_tokens=256, n_ctx=8 * 1024, n_ctx_seq=2048,
+                          kv_unified=True, kv_type="q8_0", flash_attention=True)
+    pool = LlamaCppBackend.load(smollm2_gguf, n_ctx=limits.n_ctx, n_seq_max=limits.n_seq_max, n_batch=256,
+                                n_threads=2, kv_unified=True, kv_type=limits.kv_type)
+    try:
+        assert pool.capabilities.prefix_sharing == "share" and pool.n_ctx_seq == limits.n_ctx
+        system = "You are a careful assistant. " * 40
+        prompts = [chat(pool, f"{system} Question {i}: tell me about {topic}.")
+                   for i, topic in enumerate(["owls", "tides", "maps", "salt", "glass", "bees"])]
+        requests = lambda: [GenerationRequest(p, GREEDY, max_tokens=24, ignore_eos=True) for p in prompts]
+        with running_engine(pool, **{k: getattr(limits, k) for k in ("max_sequences", "batch_tokens", "n_ctx_seq")}) as engine:
+            first = (await run(engine, requests()[0]))[0]
+            together = await asyncio.gather(*(run(engine, r) for r in requests()))
+            assert engine.stats().prefix_cache_hits > 5 * 200  # the system prompt, once per later request
+        with running_engine(pool, n_ctx_seq=2048, batch_tokens=256) as engine:
+            assert (await run(engine, requests()[0]))[0] == first
+        for tokens, text, last in together:
+            assert len(tokens) == 24 and last.finish_reason == "length" and text.strip()
+    finally:
+        pool.close()
