@@ -10,6 +10,7 @@ status and an OpenAI error body (`server/errors.py`) through `http_status`, `err
     │   ├── InvalidNameError         a model name/tag that could escape the cache directory
     │   └── ContextLengthExceededError
     ├── ModelNotFoundError           not in the catalog / not pulled (404)
+    ├── NotFoundError                an unknown file or batch id (404)
     ├── GGUFError                    malformed, truncated or non-GGUF file
     ├── ModelDirError                an ONNX / onnxruntime-genai model folder that is incomplete or corrupt
     ├── DownloadError                pull failures
@@ -81,6 +82,12 @@ class ModelNotFoundError(LocalserveError):
         super().__init__(text, param="model")
         self.name = name
         self.suggestions = list(suggestions)
+
+
+class NotFoundError(LocalserveError):
+    http_status = 404
+    error_type = "invalid_request_error"
+    code = "not_found"
 
 
 class GGUFError(LocalserveError):

@@ -72,14 +72,23 @@ def error_response(
     return web.json_response(body, status=status, headers=all_headers)
 
 
+def safe_message(exc: LocalserveError, what: str) -> str:
+    """The message a client may see; internal failures (their text may name files or native
+    errors) are logged with `what` and answered as "internal server error"."""
+    if exc.http_status >= 500 and not isinstance(exc, OverloadedError):
+        log.error("%s failed: %s", what, exc, exc_info=exc)
+        return "internal server error" if exc.http_status == 500 else exc.message
+    return exc.message
+
+
+def openai_exception_body(exc: LocalserveError, what: str) -> dict:
+    """The OpenAI error body a /v1 route answers `exc` with (a batch line's error body too)."""
+    return openai_error_body(safe_message(exc, what), exc.error_type, exc.param, exc.code)
+
+
 def exception_response(request: web.Request, exc: LocalserveError) -> web.Response:
     retry_after = exc.retry_after if isinstance(exc, (QueueFullError, OverloadedError)) else None
-    if exc.http_status >= 500 and not isinstance(exc, OverloadedError):
-        # Backend and other internal failures: the message may name files or native errors.
-        log.error("request %s %s failed: %s", request.method, request.path, exc, exc_info=exc)
-        message = "internal server error" if exc.http_status == 500 else exc.message
-    else:
-        message = exc.message
+    message = safe_message(exc, f"request {request.method} {request.path}")
     return error_response(
         request, exc.http_status, message, exc.error_type, param=exc.param, code=exc.code, retry_after=retry_after
     )
