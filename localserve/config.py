@@ -95,6 +95,16 @@ class Settings:
     pull_allow_http_hosts: tuple[str, ...] = ()
     pull_min_free_disk: int = 64 * 1024 * 1024  # bytes a download always leaves free on the disk
     partial_max_age_days: float = 7.0  # abandoned .partial downloads older than this are deleted
+    # Batch API (localserve/batches/): input files of at most this many bytes and lines (OpenAI's
+    # own limits); unfinished lines expire this many seconds after the batch was created (OpenAI's
+    # completion_window "24h"); lines in flight at once (0 = twice the model's max_sequences, at
+    # most queue_size: the continuous batch stays full and the next line is already queued); free
+    # disk that writing a batch's files must leave, or the batch fails (its results stay saved).
+    batch_max_file_bytes: int = 200 * 1024 * 1024
+    batch_max_lines: int = 50_000
+    batch_completion_window: float = 86_400.0
+    batch_in_flight: int = 0
+    batch_min_free_disk: int = 64 * 1024 * 1024
     log_level: str = "info"
     # Where each value came from, for `localserve config`.
     sources: dict[str, str] = field(default_factory=dict, compare=False, repr=False)
