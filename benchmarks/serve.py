@@ -4,9 +4,16 @@
     python benchmarks/serve.py --url http://127.0.0.1:11480 --model smollm2-135m
     python benchmarks/serve.py --url http://127.0.0.1:11480 --url http://127.0.0.1:8000 --model smollm2-135m
 
-    # start localserve and llama-cpp-python's own server on the same GGUF, one after the other
-    # (needs `pip install -e .[bench]` for llama_cpp.server), and compare them
-    python benchmarks/serve.py --launch --model-path .test-cache/home/models/smollm2-135m/Q4_1/SmolLM2-135M-Instruct.Q4_1.gguf
+    # start localserve, llama.cpp's own llama-server (built once from the sources the pinned
+    # llama-cpp-python vendors: benchmarks/llama_server_build.py) and llama-cpp-python's server
+    # (`pip install -e .[bench]`) on the same GGUF, one after the other, and print one table
+    python benchmarks/serve.py --launch --load A --model-path .test-cache/home/models/smollm2-135m/Q4_1/SmolLM2-135M-Instruct.Q4_1.gguf
+    # interactive TTFT while 16 batch-lane requests saturate each server, idle vs under the flood
+    python benchmarks/serve.py --launch --flood --model-path ...
+
+Loads (--load), as issue 8 defines them: A prompts of 5-300 words, 64 tokens out; B 5-40 words,
+128 out; C the same ~1,000-token system prompt on every request, 5-40-word questions, 64 out.
+Every answer has its full length: end-of-generation tokens are banned with logit_bias.
 
 Workload: N streaming chat requests with prompts of mixed lengths (seeded, so every server gets the
 same prompts), at a fixed concurrency or with Poisson arrivals (--request-rate), each asking for
@@ -39,6 +46,7 @@ from typing import Any
 import aiohttp
 
 REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # llama_server_build
 WORDS = (
     "the river carried small boats past the old mill while children counted clouds above the hills "
     "and a baker opened his shop early to sell warm bread to farmers who arrived from distant villages "
@@ -63,6 +71,35 @@ def make_prompts(n: int, seed: int, lengths: tuple[int, ...] = PROMPT_WORDS) -> 
         prompts.append(f"Note {i}: {text}. Continue this story in your own words.")
     rng.shuffle(prompts)
     return prompts
+
+
+# name: (prompt words lo, hi, tokens out, system prompt words)
+LOADS = {"A": (5, 300, 64, 0), "B": (5, 40, 128, 0), "C": (5, 40, 64, 750)}
+FLOOD_REQUESTS, FLOOD_PROBES = 16, 8
+
+
+def make_chats(n: int, seed: int, lo: int, hi: int, system_words: int = 0) -> list[list[dict[str, str]]]:
+    """n distinct chats of lo..hi words each, behind one shared system prompt when system_words."""
+    rng = random.Random(seed)
+    system = " ".join(rng.choice(WORDS) for _ in range(system_words))
+    chats = []
+    for i in range(n):
+        text = " ".join(rng.choice(WORDS) for _ in range(rng.randint(lo, hi)))
+        chat = [{"role": "user", "content": f"Note {i}: {text}. Continue this story in your own words."}]
+        chats.append(([{"role": "system", "content": f"You are a storyteller. {system}"}] if system else []) + chat)
+    return chats
+
+
+def eog_bias(model_path: Path | None) -> dict[str, float]:
+    """logit_bias that bans the model's end-of-generation tokens, so every answer runs to max_tokens."""
+    if model_path is None:
+        return {}
+    sys.path.insert(0, str(REPO))
+    from localserve.gguf_facts import read_gguf_facts
+
+    facts = read_gguf_facts(model_path)
+    ids = {t for t in (facts.eos_token_id, 0) if t is not None}  # 0: <|endoftext|> of gpt2-style vocabularies
+    return {str(t): -100 for t in sorted(ids)}
 
 
 @dataclass
@@ -114,8 +151,8 @@ async def one_request(session: aiohttp.ClientSession, url: str, body: dict[str, 
 
 
 async def run_load(
-    url: str, model: str, prompts: list[str], *, concurrency: int, request_rate: float, max_tokens: int,
-    seed: int, api_key: str | None, extra: dict[str, Any],
+    url: str, model: str, prompts: list[str] | list[list[dict[str, str]]], *, concurrency: int, request_rate: float,
+    max_tokens: int, seed: int, api_key: str | None, extra: dict[str, Any],
 ) -> tuple[list[Result], float]:
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     gaps = random.Random(seed + 1)
@@ -124,10 +161,10 @@ async def run_load(
 
     async with aiohttp.ClientSession(timeout=timeout) as session:
 
-        async def task(prompt: str) -> Result:
+        async def task(prompt: str | list[dict[str, str]]) -> Result:
             body = {
                 "model": model,
-                "messages": [{"role": "user", "content": prompt}],
+                "messages": [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt,
                 "max_tokens": max_tokens,
                 "temperature": 0.0,
                 "stream": True,
@@ -193,11 +230,15 @@ def print_table(columns: list[tuple[str, dict[str, float]]]) -> None:
     print("".ljust(width) + "".join(name.rjust(col) for name, _ in columns))
     for key, label, fmt in ROWS:
         print(label.ljust(width) + "".join(fmt.format(s[key]).rjust(col) for _, s in columns))
-    if len(columns) == 2:
-        (a_name, a), (b_name, b) = columns
-        ratio = a["output_tokens_per_s"] / b["output_tokens_per_s"] if b["output_tokens_per_s"] else float("inf")
-        print(f"\n{a_name} / {b_name}: output tokens/s x{ratio:.2f}; "
-              f"TTFT p95 {a['ttft_ms_p95']:.0f} ms vs {b['ttft_ms_p95']:.0f} ms")
+    anchor = next((c for c in columns if c[0] == "llama-server"), columns[-1] if len(columns) == 2 else None)
+    for name, c in columns:
+        if anchor is None or name == anchor[0]:
+            continue
+        b = anchor[1]
+        ratio = c["output_tokens_per_s"] / b["output_tokens_per_s"] if b["output_tokens_per_s"] else float("inf")
+        ttft = c["ttft_ms_p95"] / b["ttft_ms_p95"] if b["ttft_ms_p95"] else float("inf")
+        print(f"{name} / {anchor[0]}: output tokens/s x{ratio:.2f}, TTFT p95 x{ttft:.2f} "
+              f"({c['ttft_ms_p95']:.0f} ms vs {b['ttft_ms_p95']:.0f} ms)")
 
 
 # --- launching servers -------------------------------------------------------------------------
@@ -250,6 +291,17 @@ def start_localserve(model_path: Path, threads: int, sequences: int, work: Path)
     return proc, f"http://127.0.0.1:{port}", "bench"
 
 
+def start_llama_server(model_path: Path, threads: int, sequences: int, work: Path) -> tuple[subprocess.Popen[bytes], str, str]:
+    """llama.cpp's C++ server, as issue 8 anchors it: -np 8 -c 16384 (2,048 cells per slot)."""
+    from llama_server_build import llama_server_binary
+
+    port = free_port()
+    log = open(work / "llama_server.out", "wb")
+    cmd = [str(llama_server_binary()), "-m", str(model_path), "--port", str(port), "--host", "127.0.0.1",
+           "-np", str(sequences), "-c", str(2048 * sequences), "-t", str(threads), "-a", "bench"]
+    return subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=log), f"http://127.0.0.1:{port}", "bench"
+
+
 def start_llama_cpp_server(model_path: Path, threads: int, n_ctx: int, work: Path) -> tuple[subprocess.Popen[bytes], str, str]:
     port = free_port()
     log = open(work / "llama_cpp_server.out", "wb")
@@ -262,24 +314,36 @@ def start_llama_cpp_server(model_path: Path, threads: int, n_ctx: int, work: Pat
     return proc, f"http://127.0.0.1:{port}", "bench"
 
 
-async def bench_launched(args: argparse.Namespace, prompts: list[str]) -> list[tuple[str, dict[str, float]]]:
+SERVERS = ("localserve", "llama-server", "llama_cpp.server")
+READY = {"localserve": "/health", "llama-server": "/health", "llama_cpp.server": "/v1/models"}
+
+
+def launch(name: str, args: argparse.Namespace, model_path: Path, work: Path) -> tuple[subprocess.Popen[bytes], str, str]:
+    if name == "localserve":
+        return start_localserve(model_path, args.threads, args.concurrency, work)
+    if name == "llama-server":
+        return start_llama_server(model_path, args.threads, args.concurrency, work)
+    return start_llama_cpp_server(model_path, args.threads, args.n_ctx, work)
+
+
+async def bench_launched(args: argparse.Namespace, prompts: list[Any]) -> list[tuple[str, dict[str, float]]]:
+    """Each server in turn on the same workload (never two at once: they would share the cores)."""
     model_path = Path(args.model_path).resolve()
     work = Path(tempfile.mkdtemp(prefix="localserve-bench-"))
     columns = []
     try:
-        for name in ("localserve", "llama_cpp.server"):
-            if name == "localserve":
-                proc, url, model = start_localserve(model_path, args.threads, args.concurrency, work)
-                ready = "/health"
-            else:
-                proc, url, model = start_llama_cpp_server(model_path, args.threads, args.n_ctx, work)
-                ready = "/v1/models"
+        for name in args.servers:
+            proc, url, model = launch(name, args, model_path, work)
             try:
-                await wait_ready(url, ready, proc)
+                await wait_ready(url, READY[name], proc)
                 # Warm-up: loads the model (localserve loads on first use) outside the measurement.
                 await run_load(url, model, ["Hello"], concurrency=1, request_rate=math.inf, max_tokens=4,
                                seed=args.seed, api_key=None, extra={})
-                print(f"running {len(prompts)} requests against {name} ({url}) ...", file=sys.stderr)
+                print(f"running {'the flood' if args.flood else f'{len(prompts)} requests'} against {name} "
+                      f"({url}) ...", file=sys.stderr)
+                if args.flood:
+                    columns.append((name, await flood(url, model, args)))
+                    continue
                 results, duration = await run_load(
                     url, model, prompts, concurrency=args.concurrency, request_rate=args.request_rate,
                     max_tokens=args.max_tokens, seed=args.seed, api_key=None, extra=args.extra)
@@ -295,6 +359,48 @@ async def bench_launched(args: argparse.Namespace, prompts: list[str]) -> list[t
     return columns
 
 
+async def probe_ttfts(url: str, model: str, args: argparse.Namespace, seed: int) -> list[float]:
+    """TTFT (ms) of FLOOD_PROBES short interactive chats, one after another."""
+    out = []
+    for chat in make_chats(FLOOD_PROBES, seed, 5, 20):
+        results, _ = await run_load(url, model, [chat], concurrency=1, request_rate=math.inf, max_tokens=8,
+                                    seed=seed, api_key=None, extra={**args.extra, "priority": "interactive"})
+        out += [r.ttft * 1000 for r in results if r.ok]
+        await asyncio.sleep(0.3)
+    return out
+
+
+async def flood(url: str, model: str, args: argparse.Namespace) -> dict[str, float]:
+    """Interactive TTFT idle, then while FLOOD_REQUESTS long-prompt batch-lane chats saturate the server."""
+    idle = await probe_ttfts(url, model, args, args.seed + 100)
+    batch = make_chats(FLOOD_REQUESTS, args.seed + 200, 250, 300)
+    flood_task = asyncio.create_task(run_load(
+        url, model, batch, concurrency=FLOOD_REQUESTS, request_rate=math.inf, max_tokens=128, seed=args.seed,
+        api_key=None, extra={**args.extra, "priority": "batch"}))
+    await asyncio.sleep(1.0)  # the flood's prompts are in
+    loaded = await probe_ttfts(url, model, args, args.seed + 300)
+    results, duration = await flood_task
+    report_errors("flood", results)
+    flood_tokens = sum(r.output_tokens for r in results if r.ok)
+    return {"idle_ttft_ms_p50": percentile(idle, 50), "idle_ttft_ms_p95": percentile(idle, 95),
+            "flood_ttft_ms_p50": percentile(loaded, 50), "flood_ttft_ms_p95": percentile(loaded, 95),
+            "flood_over_idle_p95": percentile(loaded, 95) / percentile(idle, 95),
+            "flood_tokens_per_s": flood_tokens / duration if duration else 0.0,
+            "flood_errors": sum(not r.ok for r in results), "flood_duration_s": duration}
+
+
+FLOOD_ROWS = [
+    ("idle_ttft_ms_p50", "interactive TTFT idle p50 (ms)", "{:.0f}"),
+    ("idle_ttft_ms_p95", "interactive TTFT idle p95 (ms)", "{:.0f}"),
+    ("flood_ttft_ms_p50", "... under the flood p50 (ms)", "{:.0f}"),
+    ("flood_ttft_ms_p95", "... under the flood p95 (ms)", "{:.0f}"),
+    ("flood_over_idle_p95", "flood / idle p95", "x{:.2f}"),
+    ("flood_tokens_per_s", "flood output tokens/s", "{:.1f}"),
+    ("flood_duration_s", "flood duration (s)", "{:.1f}"),
+    ("flood_errors", "flood errors", "{:.0f}"),
+]
+
+
 def report_errors(name: str, results: list[Result]) -> None:
     errors = [r.error for r in results if not r.ok]
     for error in sorted(set(errors))[:5]:
@@ -302,7 +408,14 @@ def report_errors(name: str, results: list[Result]) -> None:
 
 
 async def main_async(args: argparse.Namespace) -> int:
-    prompts = make_prompts(args.num_requests, args.seed, args.prompt_words)
+    if args.load:
+        lo, hi, args.max_tokens, system_words = LOADS[args.load]
+        prompts: list[Any] = make_chats(args.num_requests, args.seed, lo, hi, system_words)
+        args.prompt_words = (lo, hi)
+    else:
+        prompts = make_prompts(args.num_requests, args.seed, args.prompt_words)
+    if args.model_path and "logit_bias" not in args.extra:
+        args.extra = {**args.extra, "logit_bias": eog_bias(Path(args.model_path))}
     if args.launch:
         if not args.model_path:
             raise SystemExit("--launch needs --model-path")
@@ -318,10 +431,20 @@ async def main_async(args: argparse.Namespace) -> int:
                 max_tokens=args.max_tokens, seed=args.seed, api_key=args.api_key, extra=args.extra)
             report_errors(url, results)
             columns.append((url, summarize(results, duration)))
-    mode = "fixed concurrency" if math.isinf(args.request_rate) else f"Poisson {args.request_rate}/s"
-    print(f"\n{args.num_requests} streaming requests, concurrency {args.concurrency}, {mode}, "
-          f"max_tokens {args.max_tokens}, prompts of {min(args.prompt_words)}-{max(args.prompt_words)} words\n")
-    print_table(columns)
+    if args.flood:
+        print(f"\n{FLOOD_PROBES} interactive chats (5-20 words, 8 out), idle, then while {FLOOD_REQUESTS} batch-lane "
+              f"chats (250-300 words, 128 out) run\n")
+        width = max(len(label) for _, label, _ in FLOOD_ROWS) + 2
+        print("".ljust(width) + "".join(name.rjust(18) for name, _ in columns))
+        for key, label, fmt in FLOOD_ROWS:
+            print(label.ljust(width) + "".join(fmt.format(c[key]).rjust(18) for _, c in columns))
+    else:
+        mode = "fixed concurrency" if math.isinf(args.request_rate) else f"Poisson {args.request_rate}/s"
+        load = f"load {args.load}, " if args.load else ""
+        print(f"\n{load}{args.num_requests} streaming requests, concurrency {args.concurrency}, {mode}, "
+              f"max_tokens {args.max_tokens}, prompts of {min(args.prompt_words)}-{max(args.prompt_words)} words"
+              + (f" behind a {LOADS['C'][3]}-word system prompt" if args.load == "C" else "") + "\n")
+        print_table(columns)
     if args.json:
         Path(args.json).write_text(json.dumps(dict(columns), indent=2))
     return 0
@@ -332,9 +455,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--url", action="append", help="OpenAI-compatible base URL (give twice to compare)")
     p.add_argument("--model", help="model name to send")
     p.add_argument("--api-key")
-    p.add_argument("--launch", action="store_true", help="start localserve and llama_cpp.server on --model-path")
+    p.add_argument("--launch", action="store_true", help="start the --servers one after another on --model-path")
+    p.add_argument("--servers", type=lambda t: tuple(t.split(",")), default=None,
+                   help=f"comma-separated, of {','.join(SERVERS)} (default: all; --flood: the first two)")
+    p.add_argument("--load", choices=sorted(LOADS), help="issue 8's workloads (sets prompts and --max-tokens)")
+    p.add_argument("--flood", action="store_true", help="interactive TTFT idle vs under a batch-lane flood")
     p.add_argument("--model-path", help="GGUF file for --launch")
-    p.add_argument("--threads", type=int, default=os.cpu_count() or 2, help="llama.cpp threads of both servers")
+    p.add_argument("--threads", type=int, default=os.cpu_count() or 2, help="llama.cpp threads of every server")
     p.add_argument("--n-ctx", type=int, default=2048, help="llama_cpp.server context")
     p.add_argument("--num-requests", type=int, default=32)
     p.add_argument("--concurrency", type=int, default=8)
@@ -346,7 +473,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--extra-body", dest="extra", type=json.loads, default={}, help="JSON merged into every request")
     p.add_argument("--json", help="write the figures to this file")
     p.add_argument("--keep-logs", action="store_true", help="keep the launched servers' logs")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    # llama_cpp.server decodes one request at a time: a 16-request flood would only time its queue.
+    args.servers = args.servers or (SERVERS[:2] if args.flood else SERVERS)
+    if unknown := set(args.servers) - set(SERVERS):
+        p.error(f"unknown server(s): {', '.join(sorted(unknown))}")
+    return args
 
 
 if __name__ == "__main__":

@@ -1,0 +1,69 @@
+"""Build llama.cpp's own `llama-server` from the sources llama-cpp-python vendors, once, cached.
+
+    python benchmarks/llama_server_build.py        # prints the binary's path (builds it if needed)
+
+The anchor of benchmarks/serve.py must be the very llama.cpp localserve runs on, so the sources
+come from the pinned llama-cpp-python sdist (its vendor/llama.cpp), fetched with pip into a cache
+directory outside the repository (~/.cache/localserve-bench, or LOCALSERVE_BENCH_CACHE). The build
+runs under `nice` so other work on a shared machine keeps its cores, and happens only when the
+binary is missing.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import subprocess
+import sys
+import tarfile
+from pathlib import Path
+
+LLAMA_CPP_PYTHON = "0.3.36"  # pyproject.toml pins the same version
+# Some x86-64 VMs (this project's CI: Firecracker) advertise AMX in cpuid but trap its tile
+# instructions; a -march=native build then dies with SIGILL in its first prompt (see .ci/run).
+NO_AMX = "-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("LOCALSERVE_BENCH_CACHE") or Path.home() / ".cache" / "localserve-bench")
+
+
+def _sdist_sources(cache: Path) -> Path:
+    """vendor/llama.cpp of the pinned sdist, unpacked under the cache."""
+    unpacked = cache / f"llama_cpp_python-{LLAMA_CPP_PYTHON}"
+    if (unpacked / "vendor" / "llama.cpp" / "CMakeLists.txt").is_file():
+        return unpacked / "vendor" / "llama.cpp"
+    dl = cache / "sdist"
+    dl.mkdir(parents=True, exist_ok=True)
+    subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
+                    "-d", str(dl), f"llama-cpp-python=={LLAMA_CPP_PYTHON}"], check=True)
+    archive = next(dl.glob(f"llama_cpp_python-{LLAMA_CPP_PYTHON}.tar.gz"))
+    with tarfile.open(archive) as tar:
+        tar.extractall(cache, filter="data")
+    return unpacked / "vendor" / "llama.cpp"
+
+
+def llama_server_binary() -> Path:
+    """Path of the built llama-server; builds it on first use (minutes on a small CPU)."""
+    cache = cache_dir()
+    binary = cache / "build" / "bin" / "llama-server"
+    if binary.is_file():
+        return binary
+    src = _sdist_sources(cache)
+    env = dict(os.environ)
+    if platform.machine() in ("x86_64", "AMD64"):
+        env["CFLAGS"] = f"{env.get('CFLAGS', '')} {NO_AMX}".strip()
+        env["CXXFLAGS"] = f"{env.get('CXXFLAGS', '')} {NO_AMX}".strip()
+    build = cache / "build"
+    # No CURL: the benchmark serves a local file. Release: the figures must be the optimised build's.
+    subprocess.run(["cmake", "-S", str(src), "-B", str(build), "-DCMAKE_BUILD_TYPE=Release",
+                    "-DLLAMA_CURL=OFF", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF",
+                    "-DLLAMA_BUILD_SERVER=ON", "-DLLAMA_BUILD_TOOLS=ON"], check=True, env=env)
+    jobs = str(max(1, (os.cpu_count() or 1)))
+    subprocess.run(["nice", "-n", "10", "cmake", "--build", str(build), "--target", "llama-server",
+                    "-j", jobs], check=True, env=env)
+    return binary
+
+
+if __name__ == "__main__":
+    print(llama_server_binary())
