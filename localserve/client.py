@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import http.client
 import json
+import uuid
 from typing import Any, Iterator
 from urllib.parse import urlsplit
 
@@ -38,12 +39,16 @@ class DaemonClient:
         return headers
 
     def _open(
-        self, method: str, path: str, body: Any = None, timeout: float | None = None
+        self, method: str, path: str, body: Any = None, timeout: float | None = None, *,
+        raw: bytes | None = None, content_type: str | None = None,
     ) -> tuple[http.client.HTTPConnection, http.client.HTTPResponse]:
-        data = None if body is None else json.dumps(body).encode("utf-8")
+        data = raw if raw is not None else None if body is None else json.dumps(body).encode("utf-8")
+        headers = self._headers(data)
+        if content_type:
+            headers["Content-Type"] = content_type
         conn = http.client.HTTPConnection(self._host, self._port, timeout=timeout or self.timeout)
         try:
-            conn.request(method, path, body=data, headers=self._headers(data))
+            conn.request(method, path, body=data, headers=headers)
             resp = conn.getresponse()
         except (OSError, http.client.HTTPException) as e:
             conn.close()
@@ -58,14 +63,19 @@ class DaemonClient:
                 conn.close()
         return conn, resp
 
-    def request_json(self, method: str, path: str, body: Any = None) -> Any:
-        conn, resp = self._open(method, path, body)
+    def request_bytes(self, method: str, path: str, body: Any = None, *, raw: bytes | None = None,
+                      content_type: str | None = None) -> bytes:
+        """The whole answer; `raw` + `content_type` send a body as it is (a multipart upload)."""
+        conn, resp = self._open(method, path, body, raw=raw, content_type=content_type)
         try:
-            raw = resp.read()
+            return resp.read()
         except (OSError, http.client.HTTPException) as e:
             raise DaemonError(f"the daemon at {self.base_url} closed the connection: {e}") from None
         finally:
             conn.close()
+
+    def request_json(self, method: str, path: str, body: Any = None, **kw: Any) -> Any:
+        raw = self.request_bytes(method, path, body, **kw)
         try:
             return json.loads(raw) if raw else None
         except ValueError:
@@ -116,6 +126,15 @@ class DaemonClient:
     def ps(self) -> list[dict[str, Any]]:
         data = self.request_json("GET", "/api/ps")
         return list(data.get("models", [])) if isinstance(data, dict) else []
+
+    def upload_file(self, filename: str, data: bytes, purpose: str = "batch") -> dict[str, Any]:
+        """POST /v1/files as multipart/form-data (what OpenAI's clients send)."""
+        boundary = f"localserve-{uuid.uuid4().hex}"
+        safe_name = filename.replace('"', "_").replace("\r", "_").replace("\n", "_")
+        form = (f'--{boundary}\r\nContent-Disposition: form-data; name="purpose"\r\n\r\n{purpose}\r\n'
+                f'--{boundary}\r\nContent-Disposition: form-data; name="file"; filename="{safe_name}"\r\n'
+                "Content-Type: application/jsonl\r\n\r\n").encode("utf-8") + data + f"\r\n--{boundary}--\r\n".encode()
+        return self.request_json("POST", "/v1/files", raw=form, content_type=f"multipart/form-data; boundary={boundary}")
 
     def chat_stream(self, model: str, messages: list[dict[str, str]], **options: Any) -> Iterator[str]:
         """Text deltas of a streamed chat completion (OpenAI endpoint)."""

@@ -32,6 +32,7 @@ from .state import SETTINGS_KEY
 
 MAX_JSON_DEPTH = 128
 MAX_INT_DIGITS = 256
+UPLOAD_SLACK = 64 * 1024  # form fields and boundaries around a file in a multipart upload
 _BRACKETS = np.frombuffer(b"[]{}", dtype=np.uint8)
 
 class BodyTooLargeError(InvalidRequestError):
@@ -52,7 +53,11 @@ def _too_large(limit: int) -> BodyTooLargeError:
 async def body_limits_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
     """413 for a declared oversize body before the handler runs; 408/413 raised while a handler
     reads the body get a response that closes the connection."""
-    limit = request.app[SETTINGS_KEY].max_body_bytes
+    settings = request.app[SETTINGS_KEY]
+    limit = settings.max_body_bytes
+    if request.method == "POST" and request.path == "/v1/files":
+        # Batch input files are uploaded whole; batch_routes streams them to disk, not memory.
+        limit = settings.batch_max_file_bytes + UPLOAD_SLACK
     try:
         if request.content_length is not None and request.content_length > limit:
             raise _too_large(limit)
