@@ -22,7 +22,7 @@ from .. import __version__
 from ..config import Settings
 from ..errors import ConfigError
 from ..store import ModelStore
-from . import dashboard_routes, ollama_routes, openai_routes, pull_routes
+from . import batch_routes, dashboard_routes, ollama_routes, openai_routes, pull_routes
 from .body import body_limits_middleware
 from .errors import error_middleware
 from .metrics import Metrics, handle_metrics, metrics_middleware
@@ -76,8 +76,11 @@ def create_app(settings: Settings, manager: "ModelManager") -> web.Application:
     app.add_routes(ollama_routes.routes)
     app.add_routes(pull_routes.routes)
     app.add_routes(dashboard_routes.routes)  # `/` (page or plain text), its files, live stats
+    app.add_routes(batch_routes.routes)  # /v1/files, /v1/batches
     app.cleanup_ctx.append(pull_routes.pull_slots)
     app.cleanup_ctx.append(_manager_lifecycle)
+    # Last: cleanup runs in reverse, so the runner stops (its pinned models released) first.
+    app.cleanup_ctx.append(batch_routes.batch_runner)
     return app
 
 
