@@ -51,6 +51,9 @@ class Settings:
     queue_size: int = 64  # per lane
     queue_timeout: float = 600.0
     threads: int = 0  # 0 = physical cores
+    # Milliseconds a step's batch-lane prompt chunks may take, converted to tokens with the costs
+    # measured on this machine: bounds what an interactive request arriving meanwhile waits. 0 = off.
+    batch_step_ms: float = 50.0
     # "streams": one KV stream per sequence id, so a request's output does not depend on what else
     # runs (llama.cpp's attention sums over interleaved cells of a shared pool round differently),
     # but every id, parked prefix-cache ones too, holds a full-length stream. "unified": one shared

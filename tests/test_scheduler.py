@@ -408,3 +408,49 @@ def test_kv_pool_block_is_the_cheapest_consecutive_window():
     assert pool.block([0, 1, 5], [2]) == range(0, 3)  # one move in, one parked entry out
     assert pool.block([0, 6, 7], [1, 2, 3, 4]) == range(5, 8)  # one move, no entry disturbed
     assert pool.block([], [0]) == range(0, 0)
+
+
+def _frozen_clock(h: Harness, s_per_decode: float, s_per_prompt: float) -> None:
+    """Step costs as if measured on a slow machine, kept fixed: the fake backend's own (real, tiny)
+    timings must not move them, so the test does not depend on how fast this machine is."""
+    clock = h.sched.clock
+    clock.observe(8, 0, 8 * s_per_decode)
+    clock.observe(8, 100, 8 * s_per_decode + 100 * s_per_prompt)
+    clock.observe = lambda *args: None
+
+
+def test_batch_lane_chunks_fit_the_step_time_target():
+    # 2.5 ms per prompt token: the 50 ms default target is 20 tokens of batch-lane prompt per step,
+    # whatever the token budget; a default-lane prompt still takes the whole budget.
+    rng = random.Random(11)
+    h = Harness(FakeBackend(n_ctx=8192, n_batch=256, n_seq_max=16), max_sequences=4)
+    _frozen_clock(h, 0.005, 0.0025)
+    assert h.sched.clock.prompt_tokens_within(256) == 20
+    jobs = [h.submit(_prompt(rng, 200), max_tokens=5, lane="batch") for _ in range(2)]
+    peer = h.submit(_prompt(rng, 200), max_tokens=5, lane="default")
+    batch_per_step, peer_chunks = [], []
+    while not all(r.tokens for r in jobs):
+        prefilling = [r for r in jobs if not r.tokens]  # the others decode one token a step
+        plan = h.step()
+        fed = {seq.request_id: n for seq, n in plan.scheduled}
+        batch_per_step.append(sum(fed.get(r.seq.request_id, 0) for r in prefilling))
+        peer_chunks.append(fed.get(peer.seq.request_id, 0))
+    # Both batch prompts together stay within the target every step, and still advance.
+    assert max(batch_per_step) <= 20 and sum(batch_per_step) >= 400
+    assert max(peer_chunks) > 20
+    h.run()
+    for r in [*jobs, peer]:
+        assert r.tokens == alone(r.seq.request.prompt_tokens, 5)
+    h.assert_drained()
+
+
+def test_no_time_target_before_any_step_is_measured_or_when_it_is_off():
+    from localserve.batching.step_clock import StepClock
+
+    assert StepClock().prompt_tokens_within(256) == 256  # nothing measured yet
+    off = StepClock(target_s=0)
+    off.observe(0, 100, 1.0)
+    assert off.prompt_tokens_within(256) == 256
+    slow = StepClock(target_s=0.05)
+    slow.observe(0, 100, 10.0)  # 0.1 s a token: one token per step, never none
+    assert slow.prompt_tokens_within(256) == 1

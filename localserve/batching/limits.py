@@ -16,6 +16,7 @@ import psutil
 
 from ..config import Settings
 from ..errors import ConfigError
+from .step_clock import DEFAULT_TARGET_S
 
 # KV bytes per token when the model does not tell us: f16 K+V of a ~1B llama-style model
 # (16 layers x 2 x 512 dims x 2 bytes). Larger models pass their real figure.
@@ -43,6 +44,7 @@ class EngineLimits:
     kv_type: str = "f16"  # KV element type ("f16" or "q8_0")
     flash_attention: bool = False
     aging_steps: int = 256  # a waiting/running request gains one lane of priority per this many steps
+    batch_step_s: float = DEFAULT_TARGET_S  # time a step's batch-lane prompt chunks may take (0 = no cap)
 
     def __post_init__(self) -> None:
         for name in ("max_sequences", "batch_tokens", "queue_size", "n_ctx", "n_ctx_seq", "aging_steps"):
@@ -124,6 +126,7 @@ class EngineLimits:
         kv_token = max(1, math.ceil(kv_token * _KV_ELEMENT_BYTES[kv_type] / 2))
         kv_budget_cells = kv_budget // kv_token
         common = dict(batch_tokens=batch_tokens, queue_size=settings.queue_size or 64,
+                      batch_step_s=settings.batch_step_ms / 1000,
                       queue_timeout=settings.queue_timeout or 600.0, prefix_cache=settings.prefix_cache,
                       kv_unified=unified, kv_type=kv_type,
                       # In a unified pool flash attention is what keeps attention per sequence: its

@@ -23,6 +23,7 @@ from .kvpool import KVPool
 from .lanes import LaneQueues, priority_key
 from .limits import EngineLimits
 from .prefix_cache import CachedPrefix, PrefixCache
+from .step_clock import StepClock
 from .sequence import Sequence, Status
 
 log = logging.getLogger(__name__)
@@ -55,6 +56,8 @@ class Scheduler:
         self.budget = min(limits.batch_tokens, caps.max_batch_tokens)
         self.max_running = max(1, min(limits.max_sequences, caps.max_seqs, self.budget))
         self.worse_lane_share = _WORSE_LANE_SHARE  # benchmarks/engine.py compares it with 1 (no cap)
+        # Batch-lane prompt chunks are cut to a time target from measured step costs (step_clock.py).
+        self.clock = StepClock(limits.batch_step_s)
         self.pool = KVPool(backend, min(limits.n_ctx, caps.kv_cells), caps.max_seqs, self.max_running)
         self.n_ctx_seq = min(limits.n_ctx_seq, self.pool.n_cells_seq)
         self.cache = PrefixCache(self.pool, limits.prefix_cache, caps.min_recompute)
@@ -114,6 +117,9 @@ class Scheduler:
         best_decoding = min((self.key(s)[0] for s, _ in feeds), default=None)
         min_chunk = self.caps.min_chunk
         worse_share = max(min_chunk, self.budget // self.worse_lane_share)
+        # Whatever else runs, batch-lane chunks together add at most the time target to the step,
+        # so an interactive request arriving meanwhile waits for little more than its own prefill.
+        background_room = max(min_chunk, self.clock.prompt_tokens_within(self.budget))
         for seq in prefillers:
             if budget < min_chunk:
                 break
@@ -122,6 +128,9 @@ class Scheduler:
                 continue
             worse = best_decoding is not None and rank > best_decoding
             room = min(budget, worse_share) if worse else budget
+            background = seq.request.lane == "batch"
+            if background:
+                room = min(room, background_room)
             n = self._reserve(seq, self.caps.chunk(seq.pending, room), unscheduled, shrink=True)
             if n:
                 feeds.append((seq, n))
@@ -129,6 +138,8 @@ class Scheduler:
                 budget -= n
                 if worse:
                     worse_share -= n
+                if background:
+                    background_room -= n
         if self.caps.consecutive_ids:
             # Ids are final only now (finishes, preemptions and adoptions leave holes).
             block = self.pool.block([q.seq_id for q in self.running], list(self.cache.parked))
@@ -149,7 +160,9 @@ class Scheduler:
 
     def execute(self, plan: StepPlan) -> None:
         try:
+            started = time.perf_counter()
             self.backend.decode(plan.batch)
+            self.clock.observe(plan.decode_tokens, plan.prompt_tokens, time.perf_counter() - started)
         except KVFullError:
             log.debug("KV cache full at step %d; freeing cells", self.step)
             self.on_kv_full(plan)
