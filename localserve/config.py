@@ -16,6 +16,7 @@ from typing import Any, Mapping
 import platformdirs
 
 from .errors import ConfigError
+from .upstream.config import UpstreamConfig, parse_upstreams, resolve_keys
 
 try:  # Python 3.11+
     import tomllib
@@ -109,6 +110,14 @@ class Settings:
     batch_in_flight: int = 0
     batch_min_free_disk: int = 64 * 1024 * 1024
     log_level: str = "info"
+    # OpenAI-compatible engines whose models are served here too ([[upstreams]] tables, JSON in the
+    # environment; upstream/config.py). Their keys come from the file or api_key_env, never shown.
+    upstreams: tuple[UpstreamConfig, ...] = ()
+    upstream_health_interval: float = 10.0  # seconds between health checks of an upstream that is up
+    # Bytes of one non-streamed upstream answer, and of one streamed event: a broken or hostile
+    # upstream cannot make the daemon buffer without bound.
+    upstream_max_response_bytes: int = 32 * 1024 * 1024
+    upstream_connect_timeout: float = 10.0  # seconds to connect and get response headers
     # Where each value came from, for `localserve config`.
     sources: dict[str, str] = field(default_factory=dict, compare=False, repr=False)
 
@@ -168,6 +177,8 @@ def _coerce(name: str, value: Any) -> Any:
     """Turn a raw value (TOML value, env string, flag) into the field's type, or raise ConfigError."""
     default = getattr(Settings(), name)
     try:
+        if name == "upstreams":
+            return parse_upstreams(value)
         if name in ("home", "catalog"):
             return Path(os.path.expanduser(str(value))) if value not in (None, "") else None
         if isinstance(default, tuple):  # comma-separated in env and flags, a list in TOML
@@ -227,6 +238,7 @@ def load_settings(
         setattr(settings, name, _coerce(name, value))
         sources[name] = f"flag --{name.replace('_', '-')}"
 
+    settings.upstreams = resolve_keys(settings.upstreams, environ)
     if settings.hf_token is None and (fallback := _hf_token_fallback(environ)):
         settings.hf_token, sources["hf_token"] = fallback
     settings.sources = sources
@@ -240,6 +252,8 @@ def describe(settings: Settings) -> list[tuple[str, str, str]]:
         value = getattr(settings, name)
         if name in _SECRETS and value:
             shown = "****"
+        elif name == "upstreams":
+            shown = "; ".join(u.shown() for u in value)  # each key masked
         elif isinstance(value, tuple):
             shown = ",".join(value)
         else:
