@@ -109,3 +109,15 @@ class ModelEngine(Protocol):
 
     def shutdown(self, timeout: float = 10.0) -> None:
         """Cancel everything in flight (each stream ends "cancelled") and free the model. Blocking."""
+
+
+@runtime_checkable
+class TextEngine(ModelEngine, Protocol):
+    """A ModelEngine that applies its own chat template and tokenizer (a remote upstream): the
+    server hands it the client's text (GenerationRequest.text) instead of tokens, and embeds
+    texts through `embed_text`. Its `tokenize` raises InvalidRequestError, so a path that needs
+    our tokens (Ollama's dialect) refuses such a model with a 400 instead of guessing."""
+
+    async def embed_text(self, inputs: list[str | list[int]],
+                         dimensions: int | None = None) -> tuple[list[list[float]], int]:
+        """(one vector per input, prompt tokens counted by the engine); `dimensions` as OpenAI's."""

@@ -22,6 +22,7 @@ status and an OpenAI error body (`server/errors.py`) through `http_status`, `err
     ├── QueueFullError               a lane's queue is full (429 + Retry-After)
     ├── OverloadedError              the whole server is full or a model is loading (503)
     ├── BackendError                 a model failed to load or decode (500, details only in the log)
+    ├── UpstreamError                a remote upstream failed or refused (502)
     └── DaemonError                  the daemon cannot be started, reached or stopped, or answered an error
 """
 
@@ -153,6 +154,14 @@ class OverloadedError(LocalserveError):
 
 class BackendError(LocalserveError):
     code = "backend_error"
+
+
+class UpstreamError(LocalserveError):
+    """A remote upstream failed or refused in a way the client cannot fix (502). The message names
+    the upstream and its status, never its URL's key or its internal details."""
+
+    http_status = 502
+    code = "upstream_error"
 
 
 class DaemonError(LocalserveError):

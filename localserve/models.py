@@ -34,9 +34,10 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, AsyncIterator, Callable
 
 from .config import Settings
-from .errors import BackendError, LocalserveError, OverloadedError
+from .errors import BackendError, InvalidNameError, LocalserveError, ModelNotFoundError, OverloadedError
 from .engine_api import ModelEngine
 from .store import InstalledModel, ModelStore
+from .upstream.pool import UpstreamPool
 
 if TYPE_CHECKING:  # the engine pulls in llama.cpp; the manager itself must import without it
     from .batching.limits import EngineLimits
@@ -152,7 +153,7 @@ def memory_budget(settings: Settings) -> int:
 class LoadedModel:
     name: str  # "name:tag"
     engine: ModelEngine
-    info: InstalledModel
+    info: InstalledModel | None  # None for a remote model (served by upstreams, nothing loaded here)
     loaded_at: float  # epoch seconds
     memory_bytes: int
     device: str = "cpu"
@@ -179,6 +180,8 @@ class ModelManager:
         self._reaper: asyncio.Task[None] | None = None
         self._background: set[asyncio.Task[None]] = set()
         self._closed = False
+        # Remote models: names the store does not hold resolve to upstreams (upstream/), if any.
+        self.upstreams = UpstreamPool(settings) if settings.upstreams else None
 
     @property
     def budget_bytes(self) -> int:
@@ -189,8 +192,18 @@ class ModelManager:
     # --- public API ------------------------------------------------------------------------
     @asynccontextmanager
     async def use(self, model_ref: str, keep_alive: float | None = None) -> AsyncIterator[LoadedModel]:
-        """The loaded model for `model_ref`, loading it if needed; pinned while inside."""
-        installed = await asyncio.to_thread(self._store.find, model_ref)
+        """The loaded model for `model_ref`, loading it if needed; pinned while inside. A name the
+        store does not hold (or refuses as a local name, like an upstream's "org/model" id) may be a
+        remote model: then its upstream engine, with nothing to load, pin or unload."""
+        try:
+            installed = await asyncio.to_thread(self._store.find, model_ref)
+        except (ModelNotFoundError, InvalidNameError):
+            remote = await self.upstreams.engine_for(model_ref) if self.upstreams is not None else None
+            if remote is None:
+                raise
+            yield LoadedModel(name=model_ref, engine=remote, info=None, loaded_at=time.time(), memory_bytes=0,
+                              device="remote")
+            return
         model = await self._acquire(installed)
         try:
             yield model
@@ -232,6 +245,8 @@ class ModelManager:
             )
         for name in sorted(self._loading):
             rows.append({"name": name, "state": "loading", "memory_bytes": self._reserved.get(name, 0), "pinned": 0})
+        if self.upstreams is not None:
+            rows.extend(self.upstreams.model_rows())
         return rows
 
     async def unload(self, model_ref: str) -> bool:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import itertools
 import math
 from dataclasses import dataclass, field
-from typing import Callable, Literal
+from typing import Any, Callable, Literal
 
 from .errors import InvalidRequestError
 
@@ -92,6 +92,19 @@ class SamplingParams:
 
 
 @dataclass
+class TextPrompt:
+    """The prompt as the client wrote it, for an engine that templates and tokenizes by itself
+    (engine_api.TextEngine, e.g. a remote upstream): prompt_tokens then stay empty."""
+
+    kind: Literal["chat", "completion"]
+    messages: list[dict[str, Any]] | None = None  # chat
+    prompt: str | list[int] | None = None  # completion
+    # The client's own generation fields (OpenAI names, only those it sent), so the engine passes
+    # exactly them on and its defaults stay the engine's, as when a client calls it directly.
+    options: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
 class GenerationRequest:
     prompt_tokens: list[int]
     sampling: SamplingParams = field(default_factory=SamplingParams)
@@ -100,6 +113,7 @@ class GenerationRequest:
     lane: Lane = "default"
     ignore_eos: bool = False
     request_id: str = field(default_factory=lambda: f"req-{next(_request_ids)}")
+    text: TextPrompt | None = None  # set for TextEngines only
 
 
 @dataclass

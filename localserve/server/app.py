@@ -25,7 +25,7 @@ from ..store import ModelStore
 from . import batch_routes, dashboard_routes, ollama_routes, openai_routes, pull_routes
 from .body import body_limits_middleware
 from .errors import error_middleware
-from .metrics import Metrics, handle_metrics, metrics_middleware
+from .metrics import Metrics, UpstreamCollector, handle_metrics, metrics_middleware
 from .security import WILDCARD_HOSTS, add_cors_headers, security_middleware
 from .state import MANAGER_KEY, METRICS_KEY, SETTINGS_KEY, STARTED_KEY, STORE_KEY
 
@@ -79,9 +79,21 @@ def create_app(settings: Settings, manager: "ModelManager") -> web.Application:
     app.add_routes(batch_routes.routes)  # /v1/files, /v1/batches
     app.cleanup_ctx.append(pull_routes.pull_slots)
     app.cleanup_ctx.append(_manager_lifecycle)
+    if manager.upstreams is not None:
+        metrics.registry.register(UpstreamCollector(manager.upstreams.status))
+        app.cleanup_ctx.append(_upstreams_lifecycle)
     # Last: cleanup runs in reverse, so the runner stops (its pinned models released) first.
     app.cleanup_ctx.append(batch_routes.batch_runner)
     return app
+
+
+async def _upstreams_lifecycle(app: web.Application) -> AsyncIterator[None]:
+    """The upstreams' HTTP session and health checks live exactly as long as the app."""
+    pool = app[MANAGER_KEY].upstreams
+    assert pool is not None
+    await pool.start()
+    yield
+    await pool.close()
 
 
 async def _manager_lifecycle(app: web.Application) -> AsyncIterator[None]:

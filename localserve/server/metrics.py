@@ -47,8 +47,8 @@ class EngineCollector(Collector):
         moves = CounterMetricFamily("localserve_kv_moves", "Sequences whose KV moved to keep running ids consecutive",
                                     labels=["model"])
         loaded = GaugeMetricFamily("localserve_models_loaded", "Models loaded")
-        rows = [r for r in self.status() if r.get("state", "loaded") == "loaded"]
-        loaded.add_metric([], len(rows))
+        rows = [r for r in self.status() if r.get("state", "loaded") in ("loaded", "remote")]
+        loaded.add_metric([], sum(1 for r in rows if r.get("state", "loaded") == "loaded"))
         for row in rows:
             model = str(row.get("name", "?"))
             stats = row.get("stats") or {}
@@ -67,6 +67,30 @@ class EngineCollector(Collector):
             queries.add_metric([model], _num(stats.get("prefix_cache_queries", 0)))
             moves.add_metric([model], _num(stats.get("kv_moves", 0)))
         return [loaded, running, waiting, occupancy, kv_used, kv_total, tps, hits, queries, moves]
+
+
+class UpstreamCollector(Collector):
+    """Each remote upstream's state (upstream/pool.py rows): up, outstanding, failures, errors."""
+
+    def __init__(self, status: StatusSource):
+        self.status = status
+
+    def collect(self) -> Iterable[Any]:
+        up = GaugeMetricFamily("localserve_upstream_up", "1 while the upstream is in service", labels=["upstream"])
+        outstanding = GaugeMetricFamily("localserve_upstream_outstanding", "Our requests in flight there",
+                                        labels=["upstream"])
+        failures = GaugeMetricFamily("localserve_upstream_consecutive_failures", "Failed checks/requests in a row",
+                                     labels=["upstream"])
+        served = CounterMetricFamily("localserve_upstream_requests", "Requests the upstream answered", labels=["upstream"])
+        errors = CounterMetricFamily("localserve_upstream_errors", "Failures that took it out", labels=["upstream"])
+        for row in self.status():
+            name = [str(row["name"])]
+            up.add_metric(name, 0.0 if row.get("state") == "down" else 1.0)
+            outstanding.add_metric(name, _num(row.get("outstanding")))
+            failures.add_metric(name, _num(row.get("failures")))
+            served.add_metric(name, _num(row.get("served")))
+            errors.add_metric(name, _num(row.get("errors")))
+        return [up, outstanding, failures, served, errors]
 
 
 def _num(value: Any) -> float:

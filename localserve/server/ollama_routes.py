@@ -357,10 +357,23 @@ def tag_entry(model: Any) -> dict[str, Any]:
             "digest": model.sha256 or "", "details": details(model)}
 
 
+def remote_tag(name: str, upstreams: list[str]) -> dict[str, Any]:
+    # Ollama marks its cloud models with remote_model / remote_host; ours name the upstream.
+    return {"name": name, "model": name, "modified_at": now_iso(0), "size": 0, "digest": "",
+            "details": {"format": "remote", "family": "", "families": [], "parameter_size": "",
+                        "quantization_level": ""},
+            "remote_model": name, "remote_host": ",".join(upstreams)}
+
+
 @routes.get("/api/tags")
 async def tags(request: web.Request) -> web.Response:
     models = await asyncio.to_thread(request.app[STORE_KEY].list)
-    return web.json_response({"models": [tag_entry(m) for m in models]})
+    entries = [tag_entry(m) for m in models]
+    pool = request.app[MANAGER_KEY].upstreams
+    if pool is not None:
+        local = {m.ref for m in models}
+        entries += [remote_tag(name, ups) for name, ups in pool.models().items() if name not in local]
+    return web.json_response({"models": entries})
 
 
 @routes.post("/api/show")
@@ -419,8 +432,11 @@ async def ps(request: web.Request) -> web.Response:
             "state": row.get("state", "loaded"), "pinned": row.get("pinned", 0),
             "running": row.get("running", 0), "waiting": row.get("waiting", {}),
             "context_length": row.get("context_length", 0), "max_sequences": row.get("max_sequences", 0),
+            **({"remote": True, "upstreams": row.get("upstreams", [])} if row.get("remote") else {}),
         })
-    return web.json_response({"models": out}, dumps=json_dumps)
+    pool = request.app[MANAGER_KEY].upstreams
+    extra = {"upstreams": pool.status()} if pool is not None else {}
+    return web.json_response({"models": out, **extra}, dumps=json_dumps)
 
 
 @routes.delete("/api/delete")

@@ -24,8 +24,8 @@ from typing import TYPE_CHECKING, Any, AsyncContextManager, Callable, Sequence, 
 
 from .. import __version__
 from ..config import Settings
-from ..engine_api import ModelEngine
-from ..requests import MAX_LOGPROBS, GenerationRequest, Lane, TokenLogprob, Usage
+from ..engine_api import ModelEngine, TextEngine
+from ..requests import MAX_LOGPROBS, GenerationRequest, Lane, TextPrompt, TokenLogprob, Usage
 from ..schema_bounds import check_schema
 from .generation import (
     Choice,
@@ -147,6 +147,22 @@ def build_request(body: Body, opts: Options, engine: ModelEngine | None, tokens:
     )
 
 
+# The generation fields a TextEngine (a remote upstream) receives as the client sent them.
+FORWARDED_FIELDS = ("temperature", "top_p", "top_k", "min_p", "frequency_penalty", "presence_penalty",
+                    "repeat_penalty", "seed", "stop", "max_tokens", "max_completion_tokens", "logit_bias",
+                    "response_format", "logprobs", "top_logprobs")
+
+
+def text_request(body: Body, opts: Options, prompt: TextPrompt) -> GenerationRequest:
+    """The request of one choice for an engine that templates and tokenizes itself: our checks
+    ran in parse_*, the client's own fields travel on in `prompt.options`."""
+    sampling = sampling_from(body, n_vocab=None, seed=opts.seed, logit_bias=parse_logit_bias(body.raw("logit_bias")),
+                             json_schema=opts.json_schema, logprobs=opts.logprobs)
+    prompt.options = {name: body.raw(name) for name in FORWARDED_FIELDS if body.has(name)}
+    return GenerationRequest(prompt_tokens=[], sampling=sampling, max_tokens=opts.max_tokens or 0, stop=opts.stop,
+                             lane=opts.lane, text=prompt)
+
+
 def finish_reason(reason: str | None) -> str:
     return "length" if reason == "length" else "stop"
 
@@ -219,6 +235,12 @@ class ChatCall:
     forced: list[dict[str, Any]] | None  # tools one of which must be called
 
     async def prepare(self, engine: ModelEngine) -> list[GenerationRequest]:
+        if isinstance(engine, TextEngine):
+            if self.tools:
+                # The upstream answers tool calls as structured deltas, which we do not relay yet.
+                raise invalid(f"'tools' are not supported with the remote model {engine.name}", "tools")
+            base = text_request(self.body, self.opts, TextPrompt("chat", messages=self.body.raw("messages")))
+            return [with_seed_offset(base, i) for i in range(self.opts.n)]
         template = chat_template(engine)
         prompt = await template.render_async(self.messages, tools=self.tools or None)
         tokens = await tokenize_async(engine, prompt, template)
@@ -291,6 +313,10 @@ class CompletionCall:
     async def prepare(self, engine: ModelEngine) -> list[GenerationRequest]:
         requests = []
         for p in self.prompts:
+            if isinstance(engine, TextEngine):
+                base = text_request(self.body, self.opts, TextPrompt("completion", prompt=p))
+                requests.extend(with_seed_offset(base, i) for i in range(self.opts.n))
+                continue
             if isinstance(p, str):
                 tokens = await tokenize_async(engine, p)
                 if not tokens:
@@ -372,11 +398,15 @@ def parse_embeddings(body: Body, env: ApiEnv) -> EmbeddingsCall:
 async def embeddings(call: EmbeddingsCall, env: ApiEnv) -> dict[str, Any]:
     """The embeddings list object for a parsed call."""
     async with env.manager.use(call.model) as loaded:
-        n_embd = loaded.engine.info.n_embd
-        if call.dimensions is not None and call.dimensions != n_embd:
-            raise invalid(f"'dimensions' must be {n_embd} for this model (no reduction supported)", "dimensions")
-        token_lists, vectors = await embed_texts(loaded.engine, call.inputs, truncate=False, param="input",
-                                                 max_tokens=env.settings.max_embed_tokens)
+        if isinstance(loaded.engine, TextEngine):  # the upstream tokenizes, counts and checks dimensions
+            vectors, n_tokens = await loaded.engine.embed_text(call.inputs, call.dimensions)
+        else:
+            n_embd = loaded.engine.info.n_embd
+            if call.dimensions is not None and call.dimensions != n_embd:
+                raise invalid(f"'dimensions' must be {n_embd} for this model (no reduction supported)", "dimensions")
+            token_lists, vectors = await embed_texts(loaded.engine, call.inputs, truncate=False, param="input",
+                                                     max_tokens=env.settings.max_embed_tokens)
+            n_tokens = sum(len(t) for t in token_lists)
     data = []
     for i, vector in enumerate(vectors):
         if call.encoding == "base64":
@@ -385,6 +415,5 @@ async def embeddings(call: EmbeddingsCall, env: ApiEnv) -> dict[str, Any]:
         else:
             encoded = [float(x) for x in vector]
         data.append({"object": "embedding", "index": i, "embedding": encoded})
-    n_tokens = sum(len(t) for t in token_lists)
     return {"object": "list", "data": data, "model": loaded.name,
             "usage": {"prompt_tokens": n_tokens, "total_tokens": n_tokens}}

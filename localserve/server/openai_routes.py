@@ -21,6 +21,7 @@ from typing import Any, Awaitable, Callable
 from aiohttp import web
 
 from ..engine_api import EventStream
+from ..errors import InvalidNameError, LocalserveError, ModelNotFoundError
 from ..requests import GenerationEvent, Usage
 from .errors import ClientGone, json_dumps, openai_error_body
 from .generation import UsageTotals, guard_disconnect, merge
@@ -131,6 +132,9 @@ class _Reply:
             await guard_disconnect(self.request, body_writer(response, streams))
         except (ClientGone, ConnectionResetError):
             pass  # the client left; the caller's finally cancels the streams
+        except LocalserveError as e:  # an engine's refusal after the headers (a remote upstream's 400)
+            with contextlib.suppress(ConnectionResetError):
+                await send_sse(response, openai_error_body(e.message, e.error_type, e.param, e.code))
         except Exception:  # noqa: BLE001 - headers are out: the error middleware can no longer answer
             log.exception("stream of %s failed", self.id)
             with contextlib.suppress(ConnectionResetError):
@@ -234,13 +238,32 @@ def model_entry(model: Any) -> dict[str, Any]:
     return {"id": model.ref, "object": "model", "created": int(model.modified), "owned_by": "localserve"}
 
 
+def remote_entry(name: str, upstreams: list[str]) -> dict[str, Any]:
+    """A model an upstream serves: owned_by names the upstream(s), `remote` marks it."""
+    return {"id": name, "object": "model", "created": 0, "owned_by": "remote:" + ",".join(upstreams),
+            "remote": True}
+
+
 @routes.get("/v1/models")
 async def list_models(request: web.Request) -> web.Response:
     models = await asyncio.to_thread(request.app[STORE_KEY].list)
-    return web.json_response({"object": "list", "data": [model_entry(m) for m in models]})
+    data = [model_entry(m) for m in models]
+    pool = request.app[MANAGER_KEY].upstreams
+    if pool is not None:
+        local = {m.ref for m in models}
+        data += [remote_entry(name, ups) for name, ups in pool.models().items() if name not in local]
+    return web.json_response({"object": "list", "data": data})
 
 
 @routes.get("/v1/models/{model:.+}")
 async def get_model(request: web.Request) -> web.Response:
-    model = await asyncio.to_thread(request.app[STORE_KEY].find, request.match_info["model"])
+    name = request.match_info["model"]
+    try:
+        model = await asyncio.to_thread(request.app[STORE_KEY].find, name)
+    except (ModelNotFoundError, InvalidNameError):
+        pool = request.app[MANAGER_KEY].upstreams
+        upstreams = pool.models().get(name) if pool is not None else None
+        if not upstreams:
+            raise
+        return web.json_response(remote_entry(name, upstreams))
     return web.json_response(model_entry(model))
