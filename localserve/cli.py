@@ -19,7 +19,7 @@ from .config import load_settings
 from .errors import LocalserveError
 
 # Modules under localserve/commands/, each registering its own subcommands.
-COMMAND_MODULES = ("models", "hw", "settings", "daemon", "desktop", "setup", "service", "convert", "batch")
+COMMAND_MODULES = ("models", "hw", "settings", "daemon", "desktop", "setup", "service", "convert", "upstream", "batch")
 
 # Flags shared by every subcommand; each maps 1:1 to a Settings field.
 SETTING_FLAGS = {

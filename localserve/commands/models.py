@@ -114,9 +114,13 @@ def run_pull(args: argparse.Namespace, settings: Settings) -> int:
 
 def run_list(args: argparse.Namespace, settings: Settings) -> int:
     models = ModelStore(settings).list()
+    remote = [(alias, u.name) for u in settings.upstreams for alias in u.config_names()]
     if args.json:
-        print(json.dumps([_summary(m) for m in models], indent=2))
+        print(json.dumps([_summary(m) for m in models]
+                         + [{"model": alias, "remote": True, "upstream": up} for alias, up in remote], indent=2))
         return 0
+    for alias, up in remote:  # served by an upstream (`localserve upstream list`), nothing on disk
+        Console().print(f"{alias}  remote ({up})")
     if not models:
         Console().print(f"No models installed. Try `localserve pull {settings.default_model}`.")
         return 0

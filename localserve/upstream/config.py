@@ -59,6 +59,10 @@ class UpstreamConfig:
             out[(alias or remote).strip()] = remote.strip()
         return out
 
+    def config_names(self) -> list[str]:
+        """The names the config gives: aliases, or "*@NAME" for all the upstream lists."""
+        return list(self.aliases()) + ([f"*@{self.name}"] if self.exposes_all else [])
+
     def shown(self) -> str:
         """One line for `localserve config` / `upstream list`: never the key itself."""
         key = "key ****" if self.api_key else "no key"
