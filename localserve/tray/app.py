@@ -8,7 +8,7 @@ import logging
 import shutil
 import subprocess
 import threading
-from typing import Any
+from typing import Any, Callable
 
 from .. import autostart
 from ..config import Settings
@@ -40,6 +40,10 @@ class TrayApp:
         self.pystray = _pystray()
         self.state = DaemonState("stopped", settings.base_url)
         self.stopped = threading.Event()
+        # pystray runs icon changes on its X loop and waits for the answer: one that starts after
+        # stop() waits forever (and stop() joins the poller that is waiting). Changes and quit take
+        # this lock in turn, and no change starts once stopped is set.
+        self.icon_lock = threading.Lock()
         self.actions = TrayActions(settings, self.quit, **action_options)
         self.icon = self.pystray.Icon("localserve", icon_image("stopped"), tooltip(self.state),
                                       menu=self.pystray.Menu(lambda: self._items(build_menu(self.state))))
@@ -55,9 +59,17 @@ class TrayApp:
         if item.children:
             return p.MenuItem(item.text, p.Menu(*self._items(item.children)), enabled=item.enabled)
         return p.MenuItem(
-            item.text, (lambda icon, _item, it=item: self.invoke(it)) if item.action else None,
+            item.text, self._on_click(item) if item.action else None,
             checked=(lambda _item, it=item: bool(it.checked)) if item.checked is not None else None,
             enabled=item.enabled and item.action is not None, default=item.default)
+
+    def _on_click(self, item: Item) -> Callable[[Any, Any], threading.Thread]:
+        # A closure, not a lambda with a default argument: pystray counts an action's parameters
+        # (defaults included) and refuses anything but 0, 1 or 2.
+        def clicked(_icon: Any, _menu_item: Any) -> threading.Thread:
+            return self.invoke(item)
+
+        return clicked
 
     def invoke(self, item: Item) -> threading.Thread:
         """Run an item's action on its own thread, then refresh the icon."""
@@ -84,9 +96,11 @@ class TrayApp:
             pulled = set(new.installed) - set(old.installed)
             self.notify(f"Pulled {', '.join(sorted(pulled))}" if pulled else "A pull ended without a new model")
         if new != old:
-            self.icon.icon = icon_image(new.status)
-            self.icon.title = tooltip(new)
-            self.icon.update_menu()
+            with self.icon_lock:
+                if not self.stopped.is_set():
+                    self.icon.icon = icon_image(new.status)
+                    self.icon.title = tooltip(new)
+                    self.icon.update_menu()
         return new
 
     def notify(self, message: str) -> None:
@@ -116,8 +130,35 @@ class TrayApp:
         self.icon.run(setup=self._poll)
 
     def quit(self) -> None:
-        self.stopped.set()
+        with self.icon_lock:
+            self.stopped.set()
         self.icon.stop()
+        if type(self.icon).__module__.endswith("_xorg"):
+            wake_x_loop(self.icon._window.id)
+
+
+def wake_x_loop(window_id: int) -> None:
+    """Deliver a no-op event to the icon's window from a second X connection.
+
+    pystray's X backend stops by asking its own loop to destroy the icon, but that loop sits in
+    python-xlib's next_event, which can hold the request until some event arrives: under Xvfb, half
+    of 20 stops never ended. Any event wakes it; the window may already be gone, which is fine."""
+    import Xlib.display
+    from Xlib import X
+    from Xlib.protocol import event
+
+    try:
+        display = Xlib.display.Display()
+    except Exception:  # no display left to wake: nothing waits on it either
+        return
+    try:
+        display.set_error_handler(lambda *_: None)  # BadWindow when the loop already ended
+        window = display.create_resource_object("window", window_id)
+        window.send_event(event.ClientMessage(window=window, client_type=display.intern_atom("_LOCALSERVE_WAKE"),
+                                              data=(32, [0] * 5)), event_mask=X.NoEventMask)
+        display.sync()
+    finally:
+        display.close()
 
 
 def run_tray(settings: Settings) -> int:
