@@ -18,7 +18,9 @@ from localserve.requests import GenerationRequest, SamplingParams
 from localserve.engine import Engine
 from server_harness import MODEL, LiveServer, install_model, server_settings
 
-MAX_EMBED_TOKENS = 12_000
+# The configured cap (the default is 300k): small enough that a maximal request embeds in well
+# under the per-test timeout on a 2-core machine.
+MAX_EMBED_TOKENS = 6_000
 BAN_EOS = {"0": -100, "1": -100, "2": -100}  # SmolLM2's end tokens: the chat runs to max_tokens
 
 
@@ -73,24 +75,45 @@ def _count_embed_steps(engine) -> list[int]:
 
 
 def test_token_cap_is_checked_before_any_work(server):
-    text = "hello world " * 7000  # ~14k tokens: over the cap
-    status, body = server.json("POST", "/v1/embeddings", {"model": MODEL, "input": text})
+    # The cap counts the tokens a request would embed: inputs that each fit the context (1024) but
+    # together pass it. An input longer than the context is refused for that (without truncate)
+    # whatever the total, since no split of the request would help it; with truncate it counts as
+    # cut (see test_a_truncated_input_counts_as_cut).
+    part = "hello world " * 450  # 901 tokens
+    status, body = server.json("POST", "/v1/embeddings", {"model": MODEL, "input": [part] * 7})  # 6,307
     assert status == 400 and body["error"]["param"] == "input" and body["error"]["type"] == "invalid_request_error"
     assert str(MAX_EMBED_TOKENS) in body["error"]["message"] and "max_embed_tokens" in body["error"]["message"]
+    status, body = server.json("POST", "/v1/embeddings", {"model": MODEL, "input": "hello world " * 7000})
+    assert status == 400 and body["error"]["code"] == "context_length_exceeded" and body["error"]["param"] == "input"
+    assert "14001 tokens" in body["error"]["message"] and "1024" in body["error"]["message"]
     engine = _engine(server)
     counter = _count_embed_steps(engine)
     try:
-        status, body = server.json("POST", "/api/embed", {"model": MODEL, "input": ["hi there"] + [text[:30000]] * 3})
+        status, body = server.json("POST", "/api/embed", {"model": MODEL, "input": ["hi there"] + [part] * 7})
         assert status == 400 and isinstance(body["error"], str) and str(MAX_EMBED_TOKENS) in body["error"]
-        status, body = server.json("POST", "/v1/embeddings", {"model": MODEL, "input": [[60] * 1000] * 13})
+        status, body = server.json("POST", "/v1/embeddings", {"model": MODEL, "input": [[60] * 1000] * 7})
         assert status == 400
         assert counter[0] == 0  # nothing was embedded for the refused requests
-        status, body = server.json("POST", "/v1/embeddings", {"model": MODEL, "input": [[60] * 1000] * 12})
-        assert status == 200 and len(body["data"]) == 12 and counter[0] > 0  # exactly the cap passes
+        status, body = server.json("POST", "/v1/embeddings", {"model": MODEL, "input": [[60] * 1000] * 6},
+                                   timeout=280)
+        assert status == 200 and len(body["data"]) == 6 and counter[0] > 0  # exactly the cap passes
     finally:
         del engine.backend.embed_steps
 
 
+def test_a_truncated_input_counts_as_cut(server):
+    """Ollama's truncate (on by default) cuts each input to the context: what is embedded, and so
+    what the cap counts, is 1024 tokens an input, however long the texts were."""
+    long_text = "hello world " * 3000  # 6,001 tokens: two are past the cap before truncation
+    status, body = server.json("POST", "/api/embed", {"model": MODEL, "input": [long_text] * 2})
+    assert status == 200 and len(body["embeddings"]) == 2 and body["prompt_eval_count"] == 2 * 1024
+    status, body = server.json("POST", "/api/embed", {"model": MODEL, "input": [long_text] * 6})  # 6,144
+    assert status == 400 and str(MAX_EMBED_TOKENS) in body["error"]
+    status, body = server.json("POST", "/api/embed", {"model": MODEL, "input": long_text, "truncate": False})
+    assert status == 400 and "6001 tokens" in body["error"]
+
+
+@pytest.mark.timeout(900)  # a liveness bound: ~12k tokens of model work on a shared 2-core machine
 def test_maximal_embeddings_request_while_a_chat_streams(server):
     inputs = _maximal_inputs(server)
     alone = server.json("POST", "/v1/embeddings", {"model": MODEL, "input": [inputs[3]]})[1]["data"][0]["embedding"]
@@ -102,7 +125,7 @@ def test_maximal_embeddings_request_while_a_chat_streams(server):
         body = json.dumps({"model": MODEL, "stream": True, "max_tokens": 400, "temperature": 0,
                            "logit_bias": BAN_EOS, "messages": [{"role": "user", "content": "Tell a long story."}]})
         with socket.create_connection(("127.0.0.1", server.port), timeout=300) as s:
-            s.sendall(f"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            s.sendall(f"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
                       f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n{body}".encode())
             buf = b""
             while chunk := s.recv(65536):
@@ -136,7 +159,7 @@ def test_a_client_that_leaves_cancels_the_remaining_inputs(server):
     try:
         body = json.dumps({"model": MODEL, "input": _maximal_inputs(server)})
         s = socket.create_connection(("127.0.0.1", server.port), timeout=60)
-        s.sendall(f"POST /v1/embeddings HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        s.sendall(f"POST /v1/embeddings HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
                   f"Content-Length: {len(body)}\r\n\r\n{body}".encode())
         deadline = time.monotonic() + 120
         while counter[0] < 2 and time.monotonic() < deadline:
