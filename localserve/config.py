@@ -81,7 +81,8 @@ class Settings:
     # its next request are complete: keep-alive reuse, and the bound on a client that trickles
     # headers to hold connections open (slowloris).
     idle_timeout: float = 60.0
-    # Tokens of all inputs of one embeddings request together (OpenAI's limit is 300k). Memory is
+    # Tokens of all inputs of one embeddings request together, as embedded (after truncation;
+    # OpenAI's limit is 300k). Memory is
     # not what bounds it (a request's token lists take ~40 bytes a token, ~12 MB at this cap, and
     # the embeddings context holds one group of inputs at a time); time is: it runs between
     # generation steps, so a big request slows chats a little but for long.
