@@ -32,6 +32,12 @@ class ModelInfo:
     bos_token: str | None
     eos_token: str | None
     metadata: dict[str, Any] = field(default_factory=dict)
+    # Where it runs, as the backend loaded it (not as planned): layers on the GPU (llama.cpp counts
+    # the output layer as one) out of those it could offload, and the device memory its buffers
+    # took. All 0 on the CPU and for engines that cannot say.
+    gpu_layers: int = 0
+    offloadable_layers: int = 0
+    gpu_memory_bytes: int = 0
 
 
 @dataclass

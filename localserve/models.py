@@ -149,6 +149,13 @@ def memory_budget(settings: Settings) -> int:
     return int((ram + vram) * BUDGET_FRACTION)
 
 
+def _offload_row(engine: ModelEngine) -> dict[str, int]:
+    """Where the engine says the load went (vram_bytes beside it is our estimate from the plan)."""
+    info = engine.info
+    return {"gpu_layers": info.gpu_layers, "offloadable_layers": info.offloadable_layers,
+            "gpu_memory_bytes": info.gpu_memory_bytes}
+
+
 @dataclass
 class LoadedModel:
     name: str  # "name:tag"
@@ -240,6 +247,7 @@ class ModelManager:
                     # What the engine was sized to: tokens per request and requests decoding at once.
                     "context_length": m.engine.n_ctx_per_seq,
                     "max_sequences": stats.get("max_sequences", 0),
+                    **_offload_row(m.engine),
                     "stats": stats,
                 }
             )

@@ -139,6 +139,8 @@ def test_ps_and_keep_alive_unload(server):
     assert row["details"]["family"] == "llama" and set(row["waiting"]) == {"interactive", "default", "batch"}
     # The harness sizes the engine with context_length=1024, max_sequences=8 (server_harness.py).
     assert (row["context_length"], row["max_sequences"]) == (1024, 8)
+    # CI's CPU build of llama.cpp: the loaded engine reports no layer and no byte on a GPU.
+    assert (row["gpu_layers"], row["offloadable_layers"], row["size_vram"]) == (0, 0, 0)
 
     status, r = server.json("POST", "/api/generate", {"model": MODEL, "keep_alive": 0})
     assert status == 200 and r["done"] and r["done_reason"] == "unload"

@@ -31,7 +31,8 @@ from ..errors import BackendError, GGUFError, InvalidRequestError, ModelNotFound
 from .base import Backend, BatchToken, Capabilities, KVFullError, ModelInfo
 from .llamacpp_batch import PackedBatch, stream_groups
 from .llamacpp_embed import EmbeddingContext
-from .llamacpp_runtime import ensure_runtime, error_count, last_error_since
+from .llamacpp_offload import OffloadFacts, parse_load_log
+from .llamacpp_runtime import captured_log, ensure_runtime, error_count, last_error_since
 from .llamacpp_sampling import LlamaCppSampler
 
 log = logging.getLogger(__name__)
@@ -96,6 +97,7 @@ class LlamaCppBackend(Backend):
         self._closed = False
         self._finalizer = weakref.finalize(self, _free_native, model, ctx, self._embedder_box)
         self.info = self._read_info(path)
+        self.offload = OffloadFacts()  # load() fills it in from the load's log lines
         self._capabilities = self._read_capabilities()
 
     @property
@@ -187,7 +189,8 @@ class LlamaCppBackend(Backend):
         errors_before = error_count()
         mparams = llama_cpp.llama_model_default_params()
         mparams.n_gpu_layers = n_gpu_layers
-        model = llama_cpp.llama_model_load_from_file(os.fsencode(path), mparams)
+        with captured_log() as load_lines:
+            model = llama_cpp.llama_model_load_from_file(os.fsencode(path), mparams)
         if not model:
             reason = _without_paths(last_error_since(errors_before), path)
             raise GGUFError(f"could not load model file {path.name!r}" + (f": {reason}" if reason else ""))
@@ -210,15 +213,24 @@ class LlamaCppBackend(Backend):
             cparams.type_k = cparams.type_v = llama_cpp.GGML_TYPE_F32
         if exact_attention or not flash_attention:
             cparams.flash_attn_type = llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED
-        ctx = llama_cpp.llama_init_from_model(model, cparams)
+        with captured_log() as context_lines:
+            ctx = llama_cpp.llama_init_from_model(model, cparams)
         if not ctx:
             llama_cpp.llama_model_free(model)
             raise BackendError(f"could not create a context for {path.name!r} (n_ctx={n_ctx}; out of memory?)")
         backend = cls(model, ctx, path, n_threads=n_threads, kv_unified=kv_unified)
+        backend.set_offload(parse_load_log(load_lines + context_lines))
         backend.exact_attention = exact_attention
         if embeddings:
             backend._embedder()
         return backend
+
+    def set_offload(self, facts: OffloadFacts) -> None:
+        """Record where the load put the model (its log lines' facts) in `info`."""
+        self.offload = facts
+        self.info.gpu_layers = facts.gpu_layers
+        self.info.offloadable_layers = facts.offloadable_layers
+        self.info.gpu_memory_bytes = facts.gpu_memory_bytes
 
     def close(self) -> None:
         self._closed = True

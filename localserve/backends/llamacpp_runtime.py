@@ -42,6 +42,9 @@ class _LogRouter:
         self._partial: list[str] = []
         self.last_error = ""
         self.error_count = 0
+        # Per-thread line collectors (captured_log): a load's lines come from the loading thread,
+        # so two models loading at once each get only their own lines.
+        self._captures: dict[int, list[list[str]]] = {}  # nested captures each get every line
 
     def __call__(self, level: int, text: bytes | None, _user_data: ctypes.c_void_p) -> None:
         # Runs on whatever thread llama.cpp logs from; an exception here would be printed by ctypes
@@ -57,6 +60,9 @@ class _LogRouter:
                 line = "".join(self._partial).rstrip()
                 self._partial.clear()
                 log_level = self._level
+                if line:
+                    for capture in self._captures.get(threading.get_ident(), ()):
+                        capture.append(line)
                 if log_level >= logging.ERROR and line:
                     self.last_error = line
                     self.error_count += 1
@@ -92,6 +98,26 @@ def last_error_since(count: int) -> str:
 
 def error_count() -> int:
     return _router.error_count
+
+
+@contextlib.contextmanager
+def captured_log() -> Iterator[list[str]]:
+    """The llama.cpp log lines this thread emits meanwhile (they still reach the logger too).
+
+    Some facts of a load exist only as log lines: how many layers went to the GPU and each
+    device's buffer sizes (llamacpp_offload.py reads them)."""
+    lines: list[str] = []
+    key = threading.get_ident()
+    with _router._lock:
+        _router._captures.setdefault(key, []).append(lines)
+    try:
+        yield lines
+    finally:
+        with _router._lock:
+            active = _router._captures[key]
+            del active[next(i for i, c in enumerate(active) if c is lines)]  # by identity: equal lists abound
+            if not active:
+                del _router._captures[key]
 
 
 _stderr_lock = threading.Lock()

@@ -124,7 +124,9 @@ def _processor(m: dict[str, Any]) -> str:
     if not size or not vram:
         return "100% CPU"
     gpu = round(100 * vram / size)
-    return "100% GPU" if gpu >= 100 else f"{100 - gpu}%/{gpu}% CPU/GPU"
+    share = "100% GPU" if gpu >= 100 else f"{100 - gpu}%/{gpu}% CPU/GPU"
+    layers = f" ({m['gpu_layers']}/{m['offloadable_layers']} layers)" if m.get("gpu_layers") else ""
+    return share + layers
 
 
 def _until(m: dict[str, Any]) -> str:

@@ -428,7 +428,9 @@ async def ps(request: web.Request) -> web.Response:
             "name": row["name"], "model": row["name"], "size": row.get("memory_bytes", 0),
             "digest": row.get("sha256") or "", "details": model_details,
             "expires_at": now_iso(expires) if expires is not None else FOREVER,
-            "size_vram": row.get("vram_bytes", 0),
+            # llama.cpp's own device buffer sizes where the engine reported an offload, else the plan's.
+            "size_vram": row["gpu_memory_bytes"] if row.get("gpu_layers") else row.get("vram_bytes", 0),
+            "gpu_layers": row.get("gpu_layers", 0), "offloadable_layers": row.get("offloadable_layers", 0),
             "state": row.get("state", "loaded"), "pinned": row.get("pinned", 0),
             "running": row.get("running", 0), "waiting": row.get("waiting", {}),
             "context_length": row.get("context_length", 0), "max_sequences": row.get("max_sequences", 0),
