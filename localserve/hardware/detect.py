@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from . import apple, cpu, linux, nvidia, windows
+from .ggml import gpus_from_ggml
 from .env import ProbeEnv, ProbeError
 from .report import CPUInfo, GPUInfo, HardwareReport, NPUInfo
 from .runtimes import LlamaBuild
@@ -36,6 +37,7 @@ PROBES: dict[str, dict[str, Probe]] = {
 RUNTIME_PROBES: dict[str, Probe] = {
     "llama.cpp": lambda env: env.llama_build(),
     "onnxruntime": lambda env: env.onnx_providers(),
+    "gpu:ggml": lambda env: gpus_from_ggml(env.ggml_devices()),
 }
 
 
@@ -73,7 +75,13 @@ def _run_all(probes: dict[str, Probe], env: ProbeEnv, deadline_s: float) -> dict
 def _merge_gpus(found: list[GPUInfo]) -> list[GPUInfo]:
     """nvidia-smi knows NVIDIA cards best (free VRAM, compute capability): its entries replace the
     sysfs/registry view of the same cards, matched by PCI bus id where both give one. Discrete and
-    unified-memory GPUs come first, biggest first, so "gpu:0" is the one worth offloading to."""
+    unified-memory GPUs come first, biggest first, so "gpu:0" is the one worth offloading to.
+    ggml's devices (ggml.py) count only where no OS probe saw the card: another PCI bus id, or
+    none given while the OS probes found no GPU at all (a software device like lavapipe)."""
+    os_probed = [g for g in found if g.source != "ggml"]
+    os_bus = {g.bus_id for g in os_probed if g.bus_id}
+    found = os_probed + [g for g in found if g.source == "ggml" and (
+        g.bus_id not in os_bus if g.bus_id else not os_probed)]
     smi = [g for g in found if g.source == "nvidia-smi"]
     if not smi:
         return sorted(found, key=_gpu_rank)

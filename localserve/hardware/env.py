@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Protocol, Sequence
 
+from .ggml import GgmlDevice, probe_ggml_devices
 from .runtimes import LlamaBuild, probe_llama, probe_onnxruntime
 
 DEFAULT_TIMEOUT = 5.0
@@ -149,6 +150,7 @@ class ProbeEnv:
     processor_feature: Callable[[int], bool] | None = None  # Windows IsProcessorFeaturePresent
     llama_build: Callable[[], LlamaBuild] = probe_llama
     onnx_providers: Callable[[], list[str] | None] = probe_onnxruntime
+    ggml_devices: Callable[[], list[GgmlDevice]] = probe_ggml_devices
     timeout: float = DEFAULT_TIMEOUT
 
     def __post_init__(self) -> None:
