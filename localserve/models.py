@@ -96,12 +96,7 @@ def plan_model(installed: InstalledModel, settings: Settings) -> ModelPlan:
                                             model_bytes=folder.size)
         memory = folder.size
     choice = registry.choose(installed, settings, hardware_report(), estimate)
-    if choice.n_gpu_layers == 0:
-        vram = 0
-    elif estimate is None or choice.n_gpu_layers < 0 or not estimate.n_layers:
-        vram = memory
-    else:
-        vram = min(memory, choice.n_gpu_layers * estimate.layer_bytes)
+    vram = planned_vram(choice.n_gpu_layers, estimate, memory)
     return ModelPlan(
         limits=limits,
         memory_bytes=memory,
@@ -110,6 +105,15 @@ def plan_model(installed: InstalledModel, settings: Settings) -> ModelPlan:
         vram_bytes=vram,
         choice=choice,
     )
+
+
+def planned_vram(n_gpu_layers: int, estimate: "MemoryEstimate | None", memory: int) -> int:
+    """The part of `memory` a load with `n_gpu_layers` (-1: all) is expected to put on the GPU."""
+    if n_gpu_layers == 0:
+        return 0
+    if estimate is None or n_gpu_layers < 0 or not estimate.n_layers:
+        return memory
+    return min(memory, n_gpu_layers * estimate.layer_bytes)
 
 
 def gguf_limits(facts: "GGUFFacts", settings: Settings) -> tuple["EngineLimits", "MemoryEstimate"]:

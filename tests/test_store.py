@@ -167,6 +167,8 @@ def test_cli_show_reports_facts_memory_and_placement(tmp_path, smollm2_gguf):
     memory = info["memory"]
     assert memory["n_ctx"] == 2048 and memory["total_bytes"] > memory["weights_bytes"] + memory["kv_bytes"]
     assert info["placement"]["backend"] in ("llamacpp", "onnx") and info["placement"]["reason"]
+    # CI's CPU build: nothing planned on a GPU (SmolLM2: 30 layers + the output layer).
+    assert info["gpu"] == {"layers": 0, "of_layers": 31, "memory_bytes": 0}
 
     text = run_cli("show", "smol", home=home)
     assert text.returncode == 0 and "llama" in text.stdout and "8192" in text.stdout and "Q4_1" in text.stdout

@@ -158,7 +158,7 @@ def describe_model(model: InstalledModel, settings: Settings, n_ctx: int | None 
     """Everything `show` prints, as data: GGUF facts, memory at a context, where it would run."""
     from ..gguf_facts import read_gguf_facts
     from ..memory import estimate_memory
-    from ..models import gguf_limits
+    from ..models import gguf_limits, planned_vram
 
     if n_ctx is not None and n_ctx <= 0:
         raise InvalidRequestError("--ctx must be a positive number of tokens")
@@ -191,7 +191,12 @@ def describe_model(model: InstalledModel, settings: Settings, n_ctx: int | None 
         "engine": limits.describe(),
         "ctx_given": ctx_given,
     }
-    info["placement"] = _placement(estimate, model, settings)
+    info["placement"] = place = _placement(estimate, model, settings)
+    # Layers a load would put on the GPU (llama.cpp's count: the output layer is one more) and
+    # their memory; `ps` / /api/ps show what a loaded model actually got.
+    layers = place.get("n_gpu_layers") or 0
+    info["gpu"] = {"layers": facts.n_layers + 1 if layers < 0 else layers, "of_layers": facts.n_layers + 1,
+                   "memory_bytes": planned_vram(layers, estimate, estimate.total_bytes)}
     return info
 
 
@@ -265,6 +270,10 @@ def run_show(args: argparse.Namespace, settings: Settings) -> int:
         ("runs on", runs_on(place)),
         ("why", str(place["reason"])),
     ]
+    gpu = info["gpu"]
+    if gpu["layers"]:
+        rows.append(("on the GPU", f"{gpu['layers']} of {gpu['of_layers']} layers, "
+                                   f"{format_bytes(gpu['memory_bytes'])} (estimated)"))
     for key, value in rows:
         table.add_row(key, value)
     Console().print(table)
