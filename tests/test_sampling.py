@@ -273,3 +273,31 @@ def test_close_is_idempotent(backend):
     greedy = backend.new_sampler(SamplingParams(temperature=0.0), prompt)
     greedy.close()
     greedy.close()
+
+
+def test_greedy_logit_bias_fast_path_picks_what_llama_cpp_picks(backend):
+    """Greedy + logit_bias skips the native chain (numpy, llamacpp_sampling._biased_argmax); on the
+    model's own logits, with biases that move the pick, tie it with the runner-up or ban it, it
+    picks what llama.cpp's logit_bias + greedy chain picks."""
+    from localserve.backends.llamacpp_sampling import _build_chain, _Candidates, _biased_argmax
+    import llama_cpp
+    import numpy as np
+
+    prompt = backend.tokenize("The capital of France is")
+    backend.decode(prompt_batch(prompt, 0))
+    row = backend.logits(len(prompt) - 1)
+    first, second = (int(i) for i in np.argsort(-row, kind="stable")[:2])
+    gap = float(row[first] - row[second])
+    for bias in ({first: -100.0}, {first: -gap, second: 0.0}, {second: gap}, {second: gap + 0.5, 7: 3.0},
+                 {first: -math.inf, second: -math.inf}, {0: 100.0, 2: -100.0}):
+        params = SamplingParams(temperature=0.0, logit_bias=bias)
+        chain, _ = _build_chain(backend, params)
+        try:
+            cand = _Candidates(backend.n_vocab)
+            cand.fill(backend.token_ids, row)
+            llama_cpp.llama_sampler_apply(chain, cand.ref)
+            expected = cand.selected()[0]
+        finally:
+            llama_cpp.llama_sampler_free(chain)
+        ids = np.fromiter(bias, dtype=np.int64)
+        assert _biased_argmax(row, ids, np.fromiter(bias.values(), dtype=np.float32)) == expected, bias

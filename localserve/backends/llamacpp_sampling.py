@@ -11,8 +11,10 @@ left, and accepting an end-of-generation token that the grammar forbids is a GGM
 be reached from user input (a grammar plus a logit_bias banning what it needs). Here we check the
 choice before `llama_sampler_accept` and raise an error for that one request instead.
 
-Plain greedy requests (no bias, penalties or grammar) skip llama.cpp entirely: numpy argmax over
-the logits row picks the same token (first maximum) and is the engine's hot path.
+Plain greedy requests (no penalties or grammar) skip llama.cpp entirely: numpy argmax over the
+logits row, with any logit_bias added in float32 first, picks the same token (first maximum) as
+llama.cpp's logit_bias + greedy chain, and is the engine's hot path. (A chain filled a 49k-entry
+candidate array per sequence per step: a few ms a step with 8 greedy requests banning EOS.)
 """
 
 from __future__ import annotations
@@ -170,6 +172,15 @@ class _Candidates:
         return int(chosen.id), chosen.logit
 
 
+def _biased_argmax(row: np.ndarray, ids: np.ndarray, bias: np.ndarray) -> int:
+    biased = row.copy()
+    biased[ids] += bias  # float32, as llama.cpp adds it
+    token = int(biased.argmax())
+    if not math.isfinite(float(biased[token])):
+        raise InvalidRequestError("no token is allowed by the grammar and logit_bias together")
+    return token
+
+
 class LlamaCppSampler(Sampler):
     def __init__(self, backend: LlamaCppBackend, params: SamplingParams, prompt_tokens: Sequence[int]) -> None:
         params.validate(backend.n_vocab)  # the same bounds the server checks before any model load
@@ -178,9 +189,13 @@ class LlamaCppSampler(Sampler):
         self._chain = None
         self._grammar = None
         self._finalizer: weakref.finalize | None = None
+        self._bias: tuple[np.ndarray, np.ndarray] | None = None
         grammar = grammar_text(params)
-        if params.greedy and not params.logit_bias and not _penalties_active(params) and grammar is None:
-            return  # numpy argmax fast path
+        if params.greedy and not _penalties_active(params) and grammar is None:
+            if params.logit_bias:  # numpy argmax fast path, biased as llama.cpp's sampler does
+                self._bias = (np.fromiter(params.logit_bias, dtype=np.int64),
+                              np.fromiter(params.logit_bias.values(), dtype=np.float32))
+            return
         owned: list = []
         self._finalizer = weakref.finalize(self, _free_all, owned)
         if grammar is not None:
@@ -199,7 +214,9 @@ class LlamaCppSampler(Sampler):
 
     def sample(self, batch_index: int) -> SampledToken:
         row = self._backend.logits_row(batch_index)
-        if self._chain is None:
+        if self._bias is not None:
+            token = _biased_argmax(row, *self._bias)
+        elif self._chain is None:
             token = int(row.argmax())
         else:
             token = self._sample_chain(row)
