@@ -70,3 +70,15 @@ def test_this_build_lists_its_cpu_device() -> None:
     """The real registry through ctypes: whatever the build, ggml registered its CPU device."""
     devices = probe_ggml_devices()
     assert any(d.type == "cpu" and d.name == "CPU" and d.memory_total > 0 for d in devices)
+
+
+def test_registered_backends_name_the_build() -> None:
+    """probe_llama also reads ggml's registered backends (a Vulkan build's system info says only
+    "CPU"; recorded there: ['Vulkan', 'CPU'] -> apis ['Vulkan']). This CPU build: no GPU API."""
+    from localserve.hardware.ggml import backend_names
+    from localserve.hardware.runtimes import parse_system_info, probe_llama
+
+    names = backend_names()
+    assert "CPU" in names
+    assert parse_system_info(" | ".join(f"{n} :" for n in ["Vulkan", "CPU"])) == ["Vulkan"]
+    assert probe_llama().gpu_apis == parse_system_info(" | ".join(f"{n} :" for n in names))

@@ -50,17 +50,39 @@ def _text(raw: bytes | None) -> str:
     return (raw or b"").decode("utf-8", "replace")
 
 
-def probe_ggml_devices() -> list[GgmlDevice]:
-    """Every device the installed build registered, the CPU included; [] without llama_cpp."""
+def _ggml() -> ctypes.CDLL | None:
+    """libggml as llama_cpp loaded it (dlopen hands back the same handle, with the backends it
+    registered), after backend init; None without llama_cpp."""
     try:
         import llama_cpp
     except ImportError:
-        return []
+        return None
     from ..backends.llamacpp_runtime import ensure_runtime
 
     ensure_runtime()  # backend init with llama.cpp's log routed (Vulkan's init prints its devices)
-    # dlopen hands back the library llama_cpp already loaded, with the backends it registered.
-    lib = ctypes.CDLL(str(Path(llama_cpp.__file__).parent / "lib" / "libggml.so"))
+    return ctypes.CDLL(str(Path(llama_cpp.__file__).parent / "lib" / "libggml.so"))
+
+
+def backend_names() -> list[str]:
+    """The backends the build registered ("Vulkan", "CPU"), with or without a usable device:
+    llama_print_system_info names only those with CPU-style features, so a Vulkan build shows
+    just "CPU" there."""
+    lib = _ggml()
+    if lib is None:
+        return []
+    lib.ggml_backend_reg_count.restype = ctypes.c_size_t
+    lib.ggml_backend_reg_get.argtypes = [ctypes.c_size_t]
+    lib.ggml_backend_reg_get.restype = ctypes.c_void_p
+    lib.ggml_backend_reg_name.argtypes = [ctypes.c_void_p]
+    lib.ggml_backend_reg_name.restype = ctypes.c_char_p
+    return [_text(lib.ggml_backend_reg_name(lib.ggml_backend_reg_get(i))) for i in range(lib.ggml_backend_reg_count())]
+
+
+def probe_ggml_devices() -> list[GgmlDevice]:
+    """Every device the installed build registered, the CPU included; [] without llama_cpp."""
+    lib = _ggml()
+    if lib is None:
+        return []
     lib.ggml_backend_dev_count.restype = ctypes.c_size_t
     lib.ggml_backend_dev_get.argtypes = [ctypes.c_size_t]
     lib.ggml_backend_dev_get.restype = ctypes.c_void_p

@@ -34,9 +34,14 @@ def probe_llama() -> LlamaBuild:
         llama_cpp = importlib.import_module("llama_cpp")
     except ImportError:
         return LlamaBuild(None)
+    from .ggml import backend_names
+
     info = llama_cpp.llama_print_system_info()
     text = info.decode("utf-8", "replace") if isinstance(info, bytes) else str(info)
-    return LlamaBuild(bool(llama_cpp.llama_supports_gpu_offload()), parse_system_info(text))
+    apis = parse_system_info(text)
+    # The registered backends too: a Vulkan build's system info names only the CPU.
+    apis += [api for api in parse_system_info(" | ".join(f"{n} :" for n in backend_names())) if api not in apis]
+    return LlamaBuild(bool(llama_cpp.llama_supports_gpu_offload()), apis)
 
 
 def probe_onnxruntime() -> list[str] | None:
