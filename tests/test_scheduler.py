@@ -454,3 +454,7 @@ def test_no_time_target_before_any_step_is_measured_or_when_it_is_off():
     slow = StepClock(target_s=0.05)
     slow.observe(0, 100, 10.0)  # 0.1 s a token: one token per step, never none
     assert slow.prompt_tokens_within(256) == 1
+    # As long as the step's decodes take, when that is more than the target: 8 decoders of
+    # 0.1 s give a chunk 0.8 s, 8 tokens.
+    slow.observe(8, 0, 0.8)
+    assert slow.prompt_tokens_within(256, decoders=8) == 8

@@ -119,7 +119,7 @@ class Scheduler:
         worse_share = max(min_chunk, self.budget // self.worse_lane_share)
         # Whatever else runs, batch-lane chunks together add at most the time target to the step,
         # so an interactive request arriving meanwhile waits for little more than its own prefill.
-        background_room = max(min_chunk, self.clock.prompt_tokens_within(self.budget))
+        background_room = max(min_chunk, self.clock.prompt_tokens_within(self.budget, len(feeds)))
         for seq in prefillers:
             if budget < min_chunk:
                 break

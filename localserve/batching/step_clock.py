@@ -38,12 +38,15 @@ class StepClock:
             if rest > 0:
                 self.s_per_prompt = _smooth(self.s_per_prompt, rest / prompt_tokens)
 
-    def prompt_tokens_within(self, cap: int) -> int:
+    def prompt_tokens_within(self, cap: int, decoders: int = 0) -> int:
         """Prompt tokens a background chunk may have so that it adds at most the target to its
-        step; `cap` (the token budget) when nothing is measured yet or there is no target."""
+        step, or as long as the step's `decoders` take, whichever is more: on a slow or busy
+        machine the target alone shrank chunks to a few tokens, each paying a whole step of
+        decodes, and a flood's prefill crawled. `cap` when nothing is measured or no target."""
         if not self.s_per_prompt or self.target_s <= 0:
             return cap
-        return max(1, min(cap, int(self.target_s / self.s_per_prompt)))
+        allowed = max(self.target_s, self.s_per_decode * decoders)
+        return max(1, min(cap, int(allowed / self.s_per_prompt)))
 
 
 def _smooth(old: float, new: float) -> float:
