@@ -17,6 +17,16 @@ GGML_VK_VISIBLE_DEVICES names them). With the Vulkan build it checks:
 - greedy answers to --prompts short prompts vs the CPU build (how many agree), and tok/s.
 
 Prints a table and, as its last line, one JSON object with the figures.
+
+Measured 2026-11-30 (loaded shared 2-core VM, Mesa 22.3 lavapipe, SmolLM2-135M Q4_1, 1 thread,
+8 prompts x 6 greedy tokens). Vulkan wheel build: 1,479 s at nice 19 (Vulkan 1.4.309 headers).
+hw: lavapipe listed (gpu:ggml), build "vulkan"; placement gpu:0, all layers; ModelManager load:
+31/31 layers, llama.cpp device memory 163.2 MiB vs the plan's 212.1 MiB (compute overestimated).
+-ngl 10: 10/31 offloaded, device model 47.71 MiB (the output layer, 28 MiB with tied embeddings,
+goes too: our plan's 10 x 2.3 MiB misses it), KV 1.69, compute 12.14 MiB; 7/8 prompts equal, 8/8
+first tokens. -ngl 99: 31/31, model 92.10 MiB (estimate 92.10), KV 5.62 (5.63), compute 12.28
+(estimate 48.75); 6/8 equal, 8/8 first tokens. tok/s prompt/generation: CPU 22-66 / 12-31
+(two runs, machine load), Vulkan -ngl 10 0.6-2.8 / 1.3, -ngl 99 1.2 / 0.65.
 """
 
 from __future__ import annotations
