@@ -114,7 +114,12 @@ def _print_ps(models: list[dict[str, Any]]) -> None:
             lanes,
             _until(m),
         )
-    Console().print(table)
+    console = Console()
+    if not console.is_terminal:
+        # Piped or captured, rich assumes 80 columns and cuts cells with "…" (a script then reads
+        # "smol:late…"); the new CONTEXT and layers columns pushed rows past 80. Print full width.
+        console = Console(width=200)
+    console.print(table)
 
 
 def _processor(m: dict[str, Any]) -> str:
