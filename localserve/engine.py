@@ -218,6 +218,9 @@ class Engine:
         """The inputs' vectors, computed on the engine thread one decode at a time between
         generation steps (see _advance_embed), so a huge request neither races a decode nor holds
         up the running streams. Cancelling the awaiting task stops the work at the next decode."""
+        if not self._backend.capabilities.embeddings:
+            # A backend without embeddings (ONNX today) would fail on the engine thread: a 500.
+            raise InvalidRequestError("this model's backend does not compute embeddings", param="model")
         if not inputs or any(not tokens for tokens in inputs):
             raise InvalidRequestError("every embedding input needs at least one token", param="input")
         for tokens in inputs:

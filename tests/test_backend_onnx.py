@@ -247,3 +247,15 @@ def test_registry_loads_the_onnx_variant(tmp_path, smollm2_gguf, smollm2_onnx, o
         assert asyncio.run(_answer(engine, ids))[:end] == want[:end]
     finally:
         engine.shutdown()
+
+
+def test_embeddings_on_a_backend_without_them_are_a_400(onnx_backend):
+    # The ONNX graph returns logits only: the engine refuses before the engine thread would fail.
+    limits = EngineLimits(max_sequences=2, batch_tokens=64, n_ctx=onnx_backend.n_ctx, n_ctx_seq=512, prefix_cache=False)
+    engine = Engine(onnx_backend, limits, name="smollm2-onnx")
+    engine.start()
+    try:
+        with pytest.raises(InvalidRequestError, match="does not compute embeddings"):
+            asyncio.run(engine.embed([[1, 2, 3]]))
+    finally:
+        engine.shutdown()
