@@ -125,19 +125,8 @@ async function streamStats() {
       const response = await api("/api/dashboard/stats");
       if (!response.ok) throw new Error(await errorText(response));
       $("#conn").textContent = "live";
-      const reader = response.body.getReader();
-      const decoder = new TextDecoder();
-      let buffer = "";
-      for (;;) {
-        const { value, done } = await reader.read();
-        if (done) break;
-        buffer += decoder.decode(value, { stream: true });
-        let end;
-        while ((end = buffer.indexOf("\n\n")) >= 0) {
-          const event = buffer.slice(0, end);
-          buffer = buffer.slice(end + 2);
-          for (const line of event.split("\n")) if (line.startsWith("data:")) onSnapshot(JSON.parse(line.slice(5)));
-        }
+      for await (const event of pieces(response, "\n\n", false)) {
+        for (const line of event.split("\n")) if (line.startsWith("data:")) onSnapshot(JSON.parse(line.slice(5)));
       }
     } catch (e) {
       if (e.message === "unauthorized") return;
@@ -184,7 +173,9 @@ async function removeModel(name) {
   refreshModels();
 }
 
-async function* lines(response) {
+// The response body cut at `separator` (SSE events at "\n\n", NDJSON lines at "\n"); with
+// `keepTail`, an unterminated last piece is yielded too.
+async function* pieces(response, separator, keepTail) {
   const reader = response.body.getReader();
   const decoder = new TextDecoder();
   let buffer = "";
@@ -193,9 +184,16 @@ async function* lines(response) {
     if (done) break;
     buffer += decoder.decode(value, { stream: true });
     let end;
-    while ((end = buffer.indexOf("\n")) >= 0) { yield buffer.slice(0, end); buffer = buffer.slice(end + 1); }
+    while ((end = buffer.indexOf(separator)) >= 0) {
+      yield buffer.slice(0, end);
+      buffer = buffer.slice(end + separator.length);
+    }
   }
-  if (buffer.trim()) yield buffer;
+  if (keepTail && buffer.trim()) yield buffer;
+}
+
+function lines(response) {
+  return pieces(response, "\n", true);
 }
 
 $("#pull-form").addEventListener("submit", async (ev) => {
