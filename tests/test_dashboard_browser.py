@@ -30,6 +30,7 @@ SCREENSHOT = REPO / "docs" / "dashboard.png"
 MODEL = "smollm2-135m"
 API_KEY = "dashboard-test-key"
 CHATS = 6  # two more than the daemon's 4 sequences (daemon_util.cli_env): the default lane queues
+BATCH_LINES = 24  # a batch that takes several seconds: its progress is seen moving
 LIVE_S = 60  # liveness bounds only: a 135M model answers in seconds even on a shared 2-core machine
 
 
@@ -233,3 +234,38 @@ def test_pull_shows_progress(page, daemon, files, clean_console):
                                       d.find_elements(By.CSS_SELECTOR, "#installed tbody tr")] or None)
     assert "dash-pull:latest" in installed, installed
     assert "dash-pull:latest" in [m["name"] for m in call(url + "/api/tags", key)["models"]]
+
+
+BATCH_ROW = """
+const row = document.querySelector(`#batches tr[data-batch="${arguments[0]}"]`);
+if (!row) return null;
+const bar = row.querySelector("progress");
+return {status: row.dataset.status, text: row.textContent, value: bar.getAttribute("value"),
+        max: bar.getAttribute("max"), cancel: !!row.querySelector("button.cancel")};"""
+
+
+def test_batches_list_shows_progress(page, daemon, clean_console):
+    """A batch submitted through the official client shows up in the Batches tab, its progress bar
+    moves while the lines run, and it ends completed with every line counted."""
+    import openai
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    url, key = daemon
+    lines = [json.dumps({"custom_id": f"line-{i}", "method": "POST", "url": "/v1/chat/completions",
+                         "body": {"model": MODEL, "max_tokens": 48, "temperature": 0,
+                                  "messages": [{"role": "user", "content": f"Describe city number {i}"}]}})
+             for i in range(BATCH_LINES)]
+    client = openai.OpenAI(base_url=url + "/v1", api_key=key or "unused", max_retries=0)
+    upload = client.files.create(file=("dash.jsonl", ("\n".join(lines) + "\n").encode()), purpose="batch")
+    page.get(url + "/#batches")
+    batch = client.batches.create(input_file_id=upload.id, endpoint="/v1/chat/completions", completion_window="24h")
+    # The rows are redrawn on every poll: read them whole in the page, never hold an element.
+    read = lambda d: d.execute_script(BATCH_ROW, batch.id)  # noqa: E731
+    wait = WebDriverWait(page, LIVE_S * 3, poll_frequency=0.1)
+    done = until(wait, read, lambda r: r["status"] == "completed")
+    assert f"{BATCH_LINES} / {BATCH_LINES}" in done["text"] and "failed)" not in done["text"], done
+    assert done["value"] == done["max"] == str(BATCH_LINES) and not done["cancel"], done  # nothing left to cancel
+    seen = page.execute_script("return window.__dashboard.batchSeen[arguments[0]]", batch.id)
+    # Counted up on the way, not a row that jumps from nothing to done.
+    assert seen == sorted(seen) and seen[-1] == BATCH_LINES and any(0 < n < BATCH_LINES for n in seen), seen
+    assert client.batches.retrieve(batch.id).request_counts.completed == BATCH_LINES

@@ -1,4 +1,4 @@
-// The localserve dashboard: live scheduler view, models, chat playground, hardware.
+// The localserve dashboard: live scheduler view, models, chat playground, batches, hardware.
 // Talks to the daemon's own API with fetch (EventSource cannot send the API key header); the key,
 // when the server needs one, is asked once and kept in sessionStorage, never in a URL.
 "use strict";
@@ -6,8 +6,8 @@ const LANES = ["interactive", "default", "batch"];
 const HISTORY = 300; // chart points: five minutes at one snapshot a second
 const KEY_ITEM = "localserve-api-key";
 const $ = (sel) => document.querySelector(sel);
-const app = { key: sessionStorage.getItem(KEY_ITEM), history: {}, chat: [], abort: null, pullSeen: [], last: null };
-window.__dashboard = app; // tests and curious users read the last snapshot and the pull progress here
+const app = { key: sessionStorage.getItem(KEY_ITEM), history: {}, chat: [], abort: null, pullSeen: [], batchSeen: {}, last: null };
+window.__dashboard = app; // tests and curious users read the last snapshot and the pull and batch progress here
 const keyRequired = $('meta[name="localserve-key-required"]').content === "1";
 
 function authHeaders(extra) {
@@ -68,6 +68,7 @@ function showTab() {
   if (tab === "models") refreshModels();
   if (tab === "chat") refreshModels();
   if (tab === "hardware") showHardware();
+  if (tab === "batches") watchBatches();
   if (hash === "pull") $("#pull-name").focus();
 }
 window.addEventListener("hashchange", showTab);
@@ -260,6 +261,57 @@ $("#chat-form").addEventListener("submit", async (ev) => {
   }
 });
 $("#chat-stop").addEventListener("click", () => app.abort && app.abort.abort());
+
+// --- batches -----------------------------------------------------------------------------------
+// The Batch API's own list (GET /v1/batches), polled while the tab is open: batches change over
+// minutes, and a poll costs the daemon one SQLite read.
+const BATCH_POLL_MS = 1000;
+const BATCH_FINAL = new Set(["completed", "failed", "expired", "cancelled", "cancelling"]);
+let watchingBatches = false;
+
+async function watchBatches() {
+  if (watchingBatches) return;
+  watchingBatches = true;
+  try {
+    while (!$("#tab-batches").hidden) {
+      await refreshBatches();
+      await sleep(BATCH_POLL_MS);
+    }
+  } catch (e) {
+    if (e.message !== "unauthorized") $("#batches-error").textContent = e.message;
+  } finally {
+    watchingBatches = false;
+  }
+}
+
+async function refreshBatches() {
+  const response = await api("/v1/batches?limit=100");
+  if (!response.ok) { $("#batches-error").textContent = await errorText(response); return; }
+  $("#batches-error").textContent = "";
+  const batches = (await response.json()).data;
+  $("#no-batches").hidden = batches.length > 0;
+  $("#batches tbody").replaceChildren(...batches.map(batchRow));
+}
+
+function batchRow(b) {
+  const counts = b.request_counts || { total: 0, completed: 0, failed: 0 };
+  const done = counts.completed + counts.failed;
+  const seen = app.batchSeen[b.id] || (app.batchSeen[b.id] = []);
+  if (seen[seen.length - 1] !== done) seen.push(done);
+  const progress = el("td", {}, el("progress", { max: String(counts.total || 1), value: String(done) }),
+    ` ${done} / ${counts.total}` + (counts.failed ? ` (${counts.failed} failed)` : ""));
+  const action = BATCH_FINAL.has(b.status) ? "" : el("button", { class: "cancel", onclick: () => cancelBatch(b.id) }, "Cancel");
+  return el("tr", { "data-batch": b.id, "data-status": b.status },
+    el("td", {}, b.id), el("td", {}, b.endpoint), el("td", { class: "status" }, b.status), progress,
+    el("td", {}, new Date(b.created_at * 1000).toLocaleString()), el("td", {}, action));
+}
+
+async function cancelBatch(id) {
+  if (!confirm(`Cancel batch ${id}? Lines already answered stay in its output file.`)) return;
+  const response = await api(`/v1/batches/${encodeURIComponent(id)}/cancel`, { method: "POST" });
+  if (!response.ok) alert(await errorText(response));
+  refreshBatches();
+}
 
 // --- hardware ----------------------------------------------------------------------------------
 function table(rows) {
