@@ -159,7 +159,10 @@ async def run_load(
     limit = asyncio.Semaphore(concurrency)
     timeout = aiohttp.ClientTimeout(total=1800)
 
-    async with aiohttp.ClientSession(timeout=timeout) as session:
+    # A fresh connection per request: llama-server closes a streamed response's connection, and
+    # aiohttp reusing it from its pool failed a fifth of llama-server's requests with "Can not
+    # write request body". Connecting costs ~0.1 ms on localhost, the same for every server.
+    async with aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(force_close=True)) as session:
 
         async def task(prompt: str | list[dict[str, str]]) -> Result:
             body = {
@@ -221,6 +224,7 @@ ROWS = [
     ("output_tokens", "output tokens", "{:.0f}"),
     ("output_tokens_per_s", "output tokens/s", "{:.1f}"),
     *[(f"{m}_p{q}", f"{label} p{q} (ms)", "{:.1f}") for m, label in (("ttft_ms", "TTFT"), ("tpot_ms", "TPOT"), ("itl_ms", "ITL")) for q in (50, 95, 99)],
+    ("idle_cpu_percent", "idle CPU after (% core)", "{:.1f}"),
 ]
 
 
@@ -229,7 +233,8 @@ def print_table(columns: list[tuple[str, dict[str, float]]]) -> None:
     col = max(14, *(len(name) + 2 for name, _ in columns))
     print("".ljust(width) + "".join(name.rjust(col) for name, _ in columns))
     for key, label, fmt in ROWS:
-        print(label.ljust(width) + "".join(fmt.format(s[key]).rjust(col) for _, s in columns))
+        if any(key in s for _, s in columns):  # idle CPU: only servers this run launched
+            print(label.ljust(width) + "".join(fmt.format(s.get(key, math.nan)).rjust(col) for _, s in columns))
     anchor = next((c for c in columns if c[0] == "llama-server"), columns[-1] if len(columns) == 2 else None)
     for name, c in columns:
         if anchor is None or name == anchor[0]:
@@ -276,12 +281,13 @@ def stop(proc: subprocess.Popen[bytes]) -> None:
             proc.wait()
 
 
-def start_localserve(model_path: Path, threads: int, sequences: int, work: Path) -> tuple[subprocess.Popen[bytes], str, str]:
+def start_localserve(model_path: Path, threads: int, sequences: int, work: Path,
+                     extra_env: dict[str, str] | None = None) -> tuple[subprocess.Popen[bytes], str, str]:
     # Sequences decoded together = the benchmark's concurrency, as llama-server's --parallel would be
     # set; the automatic default ties it to the thread count.
     env = dict(os.environ, LOCALSERVE_HOME=str(work / "home"), LOCALSERVE_THREADS=str(threads),
                LOCALSERVE_MAX_SEQUENCES=str(sequences),
-               LOCALSERVE_CONFIG=str(work / "none.toml"))
+               LOCALSERVE_CONFIG=str(work / "none.toml"), **(extra_env or {}))
     subprocess.run([sys.executable, "-m", "localserve", "add", str(model_path), "--name", "bench"],
                    env=env, check=True, cwd=REPO, stdout=subprocess.DEVNULL)
     port = free_port()
@@ -308,9 +314,7 @@ def start_llama_cpp_server(model_path: Path, threads: int, n_ctx: int, work: Pat
     cmd = [sys.executable, "-m", "llama_cpp.server", "--model", str(model_path), "--port", str(port),
            "--host", "127.0.0.1", "--n_ctx", str(n_ctx), "--n_threads", str(threads),
            "--n_threads_batch", str(threads), "--interrupt_requests", "False", "--model_alias", "bench"]
-    # The same OpenMP idle policy localserve's daemon sets for itself, so only the servers differ.
-    env = dict(os.environ, OMP_WAIT_POLICY=os.environ.get("OMP_WAIT_POLICY", "PASSIVE"))
-    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=log)
+    proc = subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=log)
     return proc, f"http://127.0.0.1:{port}", "bench"
 
 
@@ -320,7 +324,7 @@ READY = {"localserve": "/health", "llama-server": "/health", "llama_cpp.server":
 
 def launch(name: str, args: argparse.Namespace, model_path: Path, work: Path) -> tuple[subprocess.Popen[bytes], str, str]:
     if name == "localserve":
-        return start_localserve(model_path, args.threads, args.concurrency, work)
+        return start_localserve(model_path, args.threads, args.concurrency, work, dict(args.localserve_env))
     if name == "llama-server":
         return start_llama_server(model_path, args.threads, args.concurrency, work)
     return start_llama_cpp_server(model_path, args.threads, args.n_ctx, work)
@@ -348,7 +352,9 @@ async def bench_launched(args: argparse.Namespace, prompts: list[Any]) -> list[t
                     url, model, prompts, concurrency=args.concurrency, request_rate=args.request_rate,
                     max_tokens=args.max_tokens, seed=args.seed, api_key=None, extra=args.extra)
                 report_errors(name, results)
-                columns.append((name, summarize(results, duration)))
+                summary = summarize(results, duration)
+                summary["idle_cpu_percent"] = await idle_cpu_percent(proc.pid)
+                columns.append((name, summary))
             finally:
                 stop(proc)
     finally:
@@ -357,6 +363,20 @@ async def bench_launched(args: argparse.Namespace, prompts: list[Any]) -> list[t
         else:
             shutil.rmtree(work, ignore_errors=True)
     return columns
+
+
+async def idle_cpu_percent(pid: int, settle_s: float = 2.0, window_s: float = 5.0) -> float:
+    """CPU the server burns with its model loaded and no requests, as % of one core, measured
+    over `window_s` after `settle_s` of quiet: a desktop daemon must idle at ~0 (OpenMP workers
+    that spin forever, OMP_WAIT_POLICY=ACTIVE, show up here as ~100)."""
+    import psutil
+
+    process = psutil.Process(pid)
+    await asyncio.sleep(settle_s)
+    before = process.cpu_times()
+    await asyncio.sleep(window_s)
+    after = process.cpu_times()
+    return 100 * ((after.user - before.user) + (after.system - before.system)) / window_s
 
 
 async def probe_ttfts(url: str, model: str, args: argparse.Namespace, seed: int) -> list[float]:
@@ -472,6 +492,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--extra-body", dest="extra", type=json.loads, default={}, help="JSON merged into every request")
     p.add_argument("--json", help="write the figures to this file")
+    p.add_argument("--localserve-env", action="append", default=[], type=lambda t: tuple(t.split("=", 1)),
+                   metavar="NAME=VALUE", help="environment of the launched localserve only (to try a setting)")
     p.add_argument("--keep-logs", action="store_true", help="keep the launched servers' logs")
     args = p.parse_args(argv)
     # llama_cpp.server decodes one request at a time: a 16-request flood would only time its queue.
