@@ -258,17 +258,6 @@ def run_daemon(settings: Settings, *, background: bool = False) -> int:
     """`localserve serve`: serve in the foreground until SIGINT/SIGTERM, then shut down gracefully."""
     import asyncio
 
-    # llama.cpp's CPU build uses OpenMP, whose idle worker threads spin between parallel regions by
-    # default. In a daemon that is exactly when our own threads need the cores (the engine thread
-    # samples between decodes, the event loop streams tokens): measured here with 2 threads on
-    # 2 cores, 8 concurrent streams fell from 52 to 10 tokens/s. libgomp reads this when llama.cpp
-    # is first loaded, which happens later (first model load), so setting it here is in time.
-    # Spinning pays only when the cores are ours: on an idle machine ACTIVE took issue 8's load B
-    # from 106 to 145 tokens/s, but with the machine shared (load average 10 on 2 cores) a short
-    # spin (GOMP_SPINCOUNT=10000, ~0.1 ms before sleeping) took it from 33.7 to 11.5, and ACTIVE
-    # keeps a core at 100% while idle. A desktop daemon shares its machine, so PASSIVE stays the
-    # default; OMP_WAIT_POLICY / GOMP_SPINCOUNT in the environment win for a dedicated box.
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     # create_app refuses a non-loopback bind without an API key before anything listens.
     lock = DaemonLock(settings)
     lock.acquire()
