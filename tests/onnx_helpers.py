@@ -83,8 +83,15 @@ def write_tiny_gguf(path: Path, arch: str = "llama", weights: dict[str, np.ndarr
 
 def reference_logits(weights: dict[str, np.ndarray], ids: list[int], arch: str = "llama",
                      rope_base: float = 10000.0) -> np.ndarray:
+    """The tiny model's logits: its final hidden states through the tied head."""
+    return reference_hidden(weights, ids, arch, rope_base) @ weights["token_embd.weight"].astype(np.float64).T
+
+
+def reference_hidden(weights: dict[str, np.ndarray], ids: list[int], arch: str = "llama",
+                     rope_base: float = 10000.0) -> np.ndarray:
     """A plain numpy forward pass of the tiny model (causal, GQA, llama.cpp's rope conventions:
-    adjacent pairs for llama's permuted q/k, halves for qwen2's NEOX), float64 throughout."""
+    adjacent pairs for llama's permuted q/k, halves for qwen2's NEOX), float64 throughout, up to
+    the final norm: llama.cpp's per-token embeddings."""
     d, h, kvh = TINY["n_embd"], TINY["n_head"], TINY["n_head_kv"]
     hd = d // h
     W = {k: v.astype(np.float64) for k, v in weights.items()}
@@ -123,4 +130,4 @@ def reference_logits(weights: dict[str, np.ndarray], ids: list[int], arch: str =
         y = rms(x, W[p + "ffn_norm.weight"])
         g, u = y @ W[p + "ffn_gate.weight"].T, y @ W[p + "ffn_up.weight"].T
         x = x + (g / (1 + np.exp(-g)) * u) @ W[p + "ffn_down.weight"].T
-    return rms(x, W["output_norm.weight"]) @ W["token_embd.weight"].T
+    return rms(x, W["output_norm.weight"])

@@ -9,7 +9,7 @@ import pytest
 
 from localserve.convert import UnsupportedModelError, convert_gguf
 from localserve.errors import GGUFError
-from onnx_helpers import TINY, reference_logits, tiny_weights, write_tiny_gguf
+from onnx_helpers import TINY, reference_hidden, reference_logits, tiny_weights, write_tiny_gguf
 
 ort = pytest.importorskip("onnxruntime")
 
@@ -18,15 +18,18 @@ def _session(folder):
     return ort.InferenceSession(str(folder / "model.onnx"), providers=["CPUExecutionProvider"])
 
 
-def _run(sess, ids, pos, slots, bias, rows, n_slots):
+def _run(sess, ids, pos, slots, bias, rows, n_slots, embd_rows=None, outputs=("logits",)):
     hd = TINY["n_embd"] // TINY["n_head"]
     feeds = {"input_ids": np.array(ids, np.int64), "positions": np.array(pos, np.int64),
              "slots": np.array(slots, np.int64), "attn_bias": bias.astype(np.float32),
              "logits_idx": np.array(rows, np.int64)}
+    if embd_rows is not None:  # else the graph's default: no embeddings rows
+        feeds["embd_idx"] = np.array(embd_rows, np.int64)
     for i in range(TINY["n_layer"]):
         for kind in ("key", "value"):
             feeds[f"cache.{i}.{kind}"] = np.zeros((TINY["n_head_kv"], n_slots, hd), np.float32)
-    return sess.run(["logits"], feeds)[0]
+    got = sess.run(list(outputs), feeds)
+    return got[0] if len(outputs) == 1 else got
 
 
 def _causal(n, n_slots):
@@ -47,6 +50,23 @@ def test_graph_matches_numpy_reference(tmp_path, arch):
     want = reference_logits(weights, ids, arch)
     assert got.shape == (7, TINY["n_vocab"])
     assert np.abs(got - want).max() < 1e-3 * max(1.0, np.abs(want).max())
+
+
+def test_embeddings_output_is_the_final_norm_of_the_asked_rows(tmp_path):
+    """embd_idx picks rows whose final-norm hidden states come out as `embeddings` (llama.cpp's
+    per-token embeddings); with no logits rows asked the LM head computes nothing, and a run that
+    binds no embd_idx (every generation step) gets an empty embeddings output."""
+    weights = tiny_weights("llama", seed=3)
+    convert_gguf(write_tiny_gguf(tmp_path / "t.gguf", "llama", weights), tmp_path / "out")
+    sess = _session(tmp_path / "out")
+    ids = [4, 9, 33, 2, 17]
+    want = reference_hidden(weights, ids)
+    logits, embd = _run(sess, ids, range(5), range(5), _causal(5, 8), [], 8, embd_rows=[0, 2, 4],
+                        outputs=("logits", "embeddings"))
+    assert logits.shape == (0, TINY["n_vocab"]) and embd.shape == (3, TINY["n_embd"])
+    assert np.abs(embd - want[[0, 2, 4]]).max() < 1e-4 * max(1.0, np.abs(want).max())
+    logits, embd = _run(sess, ids, range(5), range(5), _causal(5, 8), [4], 8, outputs=("logits", "embeddings"))
+    assert embd.shape == (0, TINY["n_embd"]) and logits.shape == (1, TINY["n_vocab"])
 
 
 def test_two_sequences_packed_in_one_run_match_separate_runs(tmp_path):
