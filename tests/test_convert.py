@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from localserve.convert import UnsupportedModelError, convert_gguf
-from localserve.errors import GGUFError
+from localserve.errors import ContextLengthExceededError, GGUFError
 from onnx_helpers import TINY, reference_hidden, reference_logits, tiny_weights, write_tiny_gguf
 
 ort = pytest.importorskip("onnxruntime")
@@ -18,13 +18,11 @@ def _session(folder):
     return ort.InferenceSession(str(folder / "model.onnx"), providers=["CPUExecutionProvider"])
 
 
-def _run(sess, ids, pos, slots, bias, rows, n_slots, embd_rows=None, outputs=("logits",)):
+def _run(sess, ids, pos, slots, bias, rows, n_slots, outputs=("logits",)):
     hd = TINY["n_embd"] // TINY["n_head"]
     feeds = {"input_ids": np.array(ids, np.int64), "positions": np.array(pos, np.int64),
              "slots": np.array(slots, np.int64), "attn_bias": bias.astype(np.float32),
              "logits_idx": np.array(rows, np.int64)}
-    if embd_rows is not None:  # else the graph's default: no embeddings rows
-        feeds["embd_idx"] = np.array(embd_rows, np.int64)
     for i in range(TINY["n_layer"]):
         for kind in ("key", "value"):
             feeds[f"cache.{i}.{kind}"] = np.zeros((TINY["n_head_kv"], n_slots, hd), np.float32)
@@ -52,21 +50,17 @@ def test_graph_matches_numpy_reference(tmp_path, arch):
     assert np.abs(got - want).max() < 1e-3 * max(1.0, np.abs(want).max())
 
 
-def test_embeddings_output_is_the_final_norm_of_the_asked_rows(tmp_path):
-    """embd_idx picks rows whose final-norm hidden states come out as `embeddings` (llama.cpp's
-    per-token embeddings); with no logits rows asked the LM head computes nothing, and a run that
-    binds no embd_idx (every generation step) gets an empty embeddings output."""
+def test_embeddings_output_is_every_tokens_final_norm(tmp_path):
+    """`embeddings` holds each token's hidden state after the final norm (llama.cpp's per-token
+    embeddings); a run asking no logits rows computes no LM head row."""
     weights = tiny_weights("llama", seed=3)
     convert_gguf(write_tiny_gguf(tmp_path / "t.gguf", "llama", weights), tmp_path / "out")
-    sess = _session(tmp_path / "out")
     ids = [4, 9, 33, 2, 17]
     want = reference_hidden(weights, ids)
-    logits, embd = _run(sess, ids, range(5), range(5), _causal(5, 8), [], 8, embd_rows=[0, 2, 4],
+    logits, embd = _run(_session(tmp_path / "out"), ids, range(5), range(5), _causal(5, 8), [], 8,
                         outputs=("logits", "embeddings"))
-    assert logits.shape == (0, TINY["n_vocab"]) and embd.shape == (3, TINY["n_embd"])
-    assert np.abs(embd - want[[0, 2, 4]]).max() < 1e-4 * max(1.0, np.abs(want).max())
-    logits, embd = _run(sess, ids, range(5), range(5), _causal(5, 8), [4], 8, outputs=("logits", "embeddings"))
-    assert embd.shape == (0, TINY["n_embd"]) and logits.shape == (1, TINY["n_vocab"])
+    assert logits.shape == (0, TINY["n_vocab"]) and embd.shape == (5, TINY["n_embd"])
+    assert np.abs(embd - want).max() < 1e-4 * max(1.0, np.abs(want).max())
 
 
 def test_two_sequences_packed_in_one_run_match_separate_runs(tmp_path):
@@ -158,3 +152,27 @@ def test_cli_convert_adds_the_onnx_variant_and_refuses_cleanly(tmp_path, capsys)
     assert set(store.find("tiny:a").variants) == {"gguf", "onnx"}
     assert set(store.find("tiny:b").variants) == {"gguf"}
     assert not any((home / "models" / ".tmp").iterdir())
+
+
+def test_onnx_embedder_pools_the_reference_rows(tmp_path):
+    """The ONNX backend's embedder on the tiny graph: each input's mean of its final-norm rows,
+    L2-normalised, whether inputs share a decode or one is cut across several (n_batch 3), and
+    however the inputs are grouped (n_ctx 8 cells, 2 sequence ids per group)."""
+    from localserve.backends.onnx_embed import OnnxEmbedder
+
+    weights = tiny_weights("llama", seed=4)
+    convert_gguf(write_tiny_gguf(tmp_path / "t.gguf", "llama", weights), tmp_path / "out")
+    inputs = [[3, 8, 1, 30, 7], [12], [5, 5, 6], [40, 2, 9, 9]]
+    want = []
+    for ids in inputs:
+        mean = reference_hidden(weights, ids).mean(axis=0)
+        want.append(mean / np.linalg.norm(mean))
+    embedder = OnnxEmbedder(_session(tmp_path / "out"), n_layer=TINY["n_layer"], n_head_kv=TINY["n_head_kv"],
+                            head_dim=TINY["n_embd"] // TINY["n_head"], n_ctx=8, n_batch=3, n_seq_max=2,
+                            n_embd=TINY["n_embd"], n_vocab=TINY["n_vocab"])
+    got = np.array(embedder.embed(inputs))
+    assert np.abs(got - np.array(want)).max() < 1e-4
+    steps = embedder.embed_steps(inputs[:2])
+    assert [next(steps), next(steps), next(steps)] == [False, False, True]  # 6 tokens: 2 decodes, then done
+    with pytest.raises(ContextLengthExceededError):  # longer than the embedder's cells: refused
+        embedder.embed([list(range(9))])

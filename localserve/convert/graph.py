@@ -5,18 +5,18 @@ One `session.run` computes any mix of sequences' tokens side by side, with no pa
     inputs   input_ids[T] int64, positions[T] int64 (each token's position in its sequence),
              slots[T] int64 (the KV row each token writes), attn_bias[T, S] float32 (0 where a
              token may attend a KV row, -inf elsewhere), logits_idx[R] int64 (rows needing logits),
-             cache.{i}.key / cache.{i}.value [n_head_kv, S, head_dim] float32,
-             embd_idx[E] int64 (rows needing embeddings; optional: defaults to none)
+             cache.{i}.key / cache.{i}.value [n_head_kv, S, head_dim] float32
     outputs  logits[R, n_vocab], cache_out.{i}.key / .value (the caches with this step's rows
              written; the backend binds them to the input buffers, so the cache is updated in place),
-             embeddings[E, n_embd] (the embd_idx rows after the final norm: llama.cpp's per-token
-             embeddings, which the backend pools)
+             embeddings[T, n_embd] (every token's hidden state after the final norm: llama.cpp's
+             per-token embeddings, which the backend pools; a norm of T rows costs next to nothing
+             beside the layers, so generation steps compute it unasked rather than need an input)
 
 Attention uses standard ops plus com.microsoft's RotaryEmbedding and FusedMatMul: the caches are
 kept head-major ([n_kv, S, hd]) so no layer transposes the whole cache each step; K is read
 transposed by FusedMatMul(transB) with the 1/sqrt(hd) scale folded in. Grouped-query heads attend
 as [n_kv, T*G, hd] against [n_kv, S, hd] without repeating K/V. The LM head runs only on the
-logits_idx rows (Gather before the final norm), the embeddings only on the embd_idx rows.
+logits_idx rows (Gather before the final norm).
 
 `dims` names T, S and R: strings give the dynamic flavour; integers freeze every shape (the static
 flavour NPU execution providers need), from the same code.
@@ -43,7 +43,6 @@ class Dims:
     tokens: int | str = "T"
     slots: int | str = "S"
     rows: int | str = "R"
-    embd_rows: int | str = "E"
 
 
 class _Nodes:
@@ -154,18 +153,17 @@ def build_graph(spec: ModelSpec, weight: Callable[[str], str], dims: Dims = Dims
         act = g.one("Mul", [g.one("Mul", [gate, g.one("Sigmoid", [gate])]), up])  # SiLU(gate) * up
         x = g.one("Add", [x, g.one("MatMul", [act, weight(p + "ffn_down")])])
 
-    def final_norm(idx: str) -> str:
-        rows = g.one("Gather", [x, idx], axis=0)
-        return g.one("SimplifiedLayerNormalization", [rows, weight("output_norm")], axis=-1, epsilon=s.rms_eps)
+    def final_norm(rows: str, out: str | None = None) -> str:
+        name = out or f"final_norm_{rows}"
+        g.nodes.append(helper.make_node("SimplifiedLayerNormalization", [rows, weight("output_norm")], [name],
+                                        axis=-1, epsilon=s.rms_eps))
+        return name
 
     # The LM head reads the [vocab, width] matrix transposed: tied models reuse the embedding table.
-    g.nodes.append(helper.make_node("Gemm", [final_norm("logits_idx"), weight("output")], ["logits"], transB=1))
-    # embd_idx is a graph input with an empty initializer as its default, so a generation step binds
-    # nothing for it and pays nothing; an embeddings run binds its rows (and no logits rows).
-    inputs.append(helper.make_tensor_value_info("embd_idx", TensorProto.INT64, [dims.embd_rows]))
-    g.inits.append(helper.make_tensor("embd_idx", TensorProto.INT64, [0], []))
-    outputs.append(helper.make_tensor_value_info("embeddings", TensorProto.FLOAT, [dims.embd_rows, s.n_embd]))
-    g.nodes.append(helper.make_node("Identity", [final_norm("embd_idx")], ["embeddings"]))
+    head_rows = final_norm(g.one("Gather", [x, "logits_idx"], axis=0))
+    g.nodes.append(helper.make_node("Gemm", [head_rows, weight("output")], ["logits"], transB=1))
+    outputs.append(helper.make_tensor_value_info("embeddings", TensorProto.FLOAT, [T, s.n_embd]))
+    final_norm(x, "embeddings")
     graph = helper.make_graph(g.nodes, "localserve-decoder", inputs, outputs, initializer=g.inits)
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET),
                                                     helper.make_opsetid(MS_DOMAIN, 1)],
