@@ -281,15 +281,18 @@ def stop(proc: subprocess.Popen[bytes]) -> None:
             proc.wait()
 
 
-def start_localserve(model_path: Path, threads: int, sequences: int, work: Path,
+def start_localserve(model_path: Path | None, threads: int, sequences: int, work: Path,
                      extra_env: dict[str, str] | None = None) -> tuple[subprocess.Popen[bytes], str, str]:
+    """A daemon in a fresh LOCALSERVE_HOME under `work`, serving model_path as "bench"; without a
+    model_path it has no local model (upstream_vllm.py gives it an upstream in extra_env)."""
     # Sequences decoded together = the benchmark's concurrency, as llama-server's --parallel would be
     # set; the automatic default ties it to the thread count.
     env = dict(os.environ, LOCALSERVE_HOME=str(work / "home"), LOCALSERVE_THREADS=str(threads),
                LOCALSERVE_MAX_SEQUENCES=str(sequences),
                LOCALSERVE_CONFIG=str(work / "none.toml"), **(extra_env or {}))
-    subprocess.run([sys.executable, "-m", "localserve", "add", str(model_path), "--name", "bench"],
-                   env=env, check=True, cwd=REPO, stdout=subprocess.DEVNULL)
+    if model_path is not None:
+        subprocess.run([sys.executable, "-m", "localserve", "add", str(model_path), "--name", "bench"],
+                       env=env, check=True, cwd=REPO, stdout=subprocess.DEVNULL)
     port = free_port()
     log = open(work / "localserve.out", "wb")
     proc = subprocess.Popen([sys.executable, "-m", "localserve", "serve", "--port", str(port)],
