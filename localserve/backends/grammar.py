@@ -20,6 +20,10 @@ from ..schema_bounds import MAX_COMPILED_GRAMMAR_CHARS, check_grammar, check_sch
 # JSON_GBNF's root is `object`: exactly "any JSON object".
 ANY_JSON_OBJECT_GBNF = JSON_GBNF
 
+# Capabilities.constraints of a backend that samples through llama.cpp's grammar sampler (llama.cpp,
+# ONNX): GBNF as given, JSON schemas compiled to GBNF here.
+GRAMMAR_CONSTRAINTS = frozenset({"gbnf", "json_schema"})
+
 _MAX_CACHED_SCHEMA_CHARS = 64 * 1024  # the cache keeps its keys: 64 bodies' worth of schema is too much
 
 

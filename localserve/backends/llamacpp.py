@@ -30,6 +30,7 @@ from ..requests import SamplingParams
 from ..errors import BackendError, GGUFError, InvalidRequestError, ModelNotFoundError
 from .base import Backend, BatchToken, Capabilities, KVFullError, ModelInfo
 from .llamacpp_batch import PackedBatch, stream_groups
+from .grammar import GRAMMAR_CONSTRAINTS
 from .llamacpp_embed import EmbeddingContext
 from .llamacpp_offload import OffloadFacts, parse_load_log
 from .llamacpp_runtime import captured_log, ensure_runtime, error_count, last_error_since
@@ -121,7 +122,7 @@ class LlamaCppBackend(Backend):
             # differently from a GEMM over several rows (stream_groups): two keep answers exact.
             min_chunk=min(2, self.n_ubatch),
             min_recompute=2,
-            constraints=frozenset({"gbnf", "json_schema"}),  # grammar.py compiles schemas to GBNF
+            constraints=GRAMMAR_CONSTRAINTS,  # grammar.py compiles schemas to GBNF
             embeddings=True,  # a second, pooling context on first use (llamacpp_embed.py)
         )
 

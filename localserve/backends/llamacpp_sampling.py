@@ -23,7 +23,7 @@ import ctypes
 import logging
 import math
 import weakref
-from typing import TYPE_CHECKING, Sequence
+from typing import Protocol, Sequence
 
 import llama_cpp
 import numpy as np
@@ -35,8 +35,20 @@ from . import sampler_thread
 from .grammar import grammar_text
 from .llamacpp_runtime import error_count, last_error_since, native_stderr_captured
 
-if TYPE_CHECKING:
-    from .llamacpp import LlamaCppBackend
+
+class ChainHost(Protocol):
+    """What a LlamaCppSampler reads from its backend: LlamaCppBackend, or numpy logits seen through
+    llama.cpp's vocabulary (numpy_sampling.LlamaVocabLogits, for the ONNX backend's grammars)."""
+
+    vocab: object  # the llama_vocab pointer the grammar sampler is built on
+    n_vocab: int
+    n_ctx: int
+    token_ids: np.ndarray  # 0..n_vocab-1 as int32, read-only: the candidates' ids
+
+    def logits_row(self, batch_index: int) -> np.ndarray: ...
+
+    def token_text(self, token: int) -> str: ...
+
 
 # Must match `struct llama_token_data { llama_token id; float logit; float p; }`.
 TOKEN_DATA = np.dtype([("id", np.int32), ("logit", np.float32), ("p", np.float32)])
@@ -53,7 +65,7 @@ def _penalties_active(p: SamplingParams) -> bool:
     )
 
 
-def _penalty_window(backend: LlamaCppBackend, p: SamplingParams) -> int:
+def _penalty_window(backend: ChainHost, p: SamplingParams) -> int:
     """Tokens the penalties look back over: -1 means the context. Capped, because llama.cpp
     allocates a ring buffer of that many tokens: a client's 10**9 must not become one."""
     return backend.n_ctx if p.penalty_last_n < 0 else min(p.penalty_last_n, backend.n_ctx)
@@ -84,13 +96,13 @@ class _Chain:
 _PARSE_ERROR = "parse: error parsing grammar: "
 
 
-def _parse_grammar(backend: LlamaCppBackend, grammar: str) -> tuple[object, str]:
+def _parse_grammar(backend: ChainHost, grammar: str) -> tuple[object, str]:
     with native_stderr_captured() as captured:
         g = llama_cpp.llama_sampler_init_grammar(backend.vocab, grammar.encode("utf-8"), b"root")
     return g, captured[0]
 
 
-def _grammar_sampler(backend: LlamaCppBackend, grammar: str, param: str):
+def _grammar_sampler(backend: ChainHost, grammar: str, param: str):
     errors_before = error_count()
     # llama.cpp's parser recurses per nested group: parse on a big-stack thread (sampler_thread),
     # whatever thread builds this sampler. schema_bounds keeps the depth far below a crash anyway.
@@ -107,7 +119,7 @@ def _grammar_sampler(backend: LlamaCppBackend, grammar: str, param: str):
     return g
 
 
-def _build_chain(backend: LlamaCppBackend, p: SamplingParams) -> tuple[object, object | None]:
+def _build_chain(backend: ChainHost, p: SamplingParams) -> tuple[object, object | None]:
     """The chain without the grammar. Returns (chain, penalties sampler inside it or None)."""
     chain = _Chain()
     try:
@@ -182,7 +194,7 @@ def _biased_argmax(row: np.ndarray, ids: np.ndarray, bias: np.ndarray) -> int:
 
 
 class LlamaCppSampler(Sampler):
-    def __init__(self, backend: LlamaCppBackend, params: SamplingParams, prompt_tokens: Sequence[int]) -> None:
+    def __init__(self, backend: ChainHost, params: SamplingParams, prompt_tokens: Sequence[int]) -> None:
         params.validate(backend.n_vocab)  # the same bounds the server checks before any model load
         self._backend = backend
         self._n_logprobs = params.logprobs

@@ -9,8 +9,12 @@ primed with the prompt; top_p and min_p on the untempered distribution). The dra
 PCG64, so a seed reproduces a request on this backend (alone or batched), though not the same
 tokens llama.cpp's mt19937 would draw.
 
-Constrained decoding is not offered here: the backend declares no constraint kinds, and a request
-carrying a grammar or schema is refused with a 400 naming the field.
+Constrained output (grammar, JSON schema) is not sampled here: `numpy_sampler` hands such a
+request to the llama.cpp backend's own sampler (LlamaCppSampler: its chain with llama.cpp's grammar
+sampler, the GBNF from grammar.py) over the same numpy logits row, which llama.cpp's sampler API
+takes as a llama_token_data_array. One implementation of grammars, so a schema constrains output
+on both backends alike, with the same errors for a bad grammar; a seeded constrained request draws
+with llama.cpp's RNG there.
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ import numpy as np
 from ..errors import InvalidRequestError
 from ..requests import SamplingParams
 from .base import SampledToken, Sampler
-from .llamacpp_sampling import LlamaCppSampler
+from .llamacpp_sampling import ChainHost, LlamaCppSampler
 
 
 class LogitsSource(Protocol):
@@ -36,6 +40,28 @@ class LogitsSource(Protocol):
     def token_text(self, token: int) -> str: ...
 
 
+class LlamaVocabLogits:
+    """A LogitsSource seen through llama.cpp's vocabulary: the ChainHost a LlamaCppSampler needs
+    (the vocab pointer its grammar is parsed against, the candidates' ids) for numpy logits."""
+
+    def __init__(self, source: LogitsSource, vocab_ptr: object) -> None:
+        self.vocab = vocab_ptr
+        self.n_vocab = source.n_vocab
+        self.n_ctx = source.n_ctx
+        self.token_ids = np.arange(source.n_vocab, dtype=np.int32)
+        self.token_ids.flags.writeable = False
+        self.logits_row = source.logits_row
+        self.token_text = source.token_text
+
+
+def numpy_sampler(source: LogitsSource, host: ChainHost, params: SamplingParams,
+                  prompt_tokens: Sequence[int]) -> Sampler:
+    """The sampler for one sequence: NumpySampler, or llama.cpp's (through `host`) for constrained output."""
+    if params.grammar is not None or params.json_schema is not None:
+        return LlamaCppSampler(host, params, prompt_tokens)
+    return NumpySampler(source, params, prompt_tokens)
+
+
 class NumpySampler(Sampler):
     # The logprobs listing is the llama.cpp backend's (log-softmax of the raw row, top alternatives
     # by logit): one implementation, so both backends report the same numbers for the same logits.
@@ -44,9 +70,7 @@ class NumpySampler(Sampler):
     def __init__(self, backend: LogitsSource, params: SamplingParams, prompt_tokens: Sequence[int]) -> None:
         params.validate(backend.n_vocab)
         if params.grammar is not None or params.json_schema is not None:
-            param = "grammar" if params.grammar is not None else params.constraint_param
-            raise InvalidRequestError("constrained decoding (grammar, JSON schema) is not available on the "
-                                      "onnx backend; run this model with the llamacpp backend", param=param)
+            raise ValueError("NumpySampler samples unconstrained output only; use numpy_sampler()")
         self._backend = backend
         self._p = params
         self._n_logprobs = params.logprobs
