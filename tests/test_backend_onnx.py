@@ -1,10 +1,12 @@
 """The ONNX Runtime backend on the real SmolLM2-135M, converted by our converter, against the
 llama.cpp backend on the same GGUF: logits, greedy answers, packed mixed steps, KV operations,
-sampling, and 8 concurrent requests through our Engine + Scheduler against each one alone."""
+sampling (grammars and JSON schemas too), embeddings, and 8 concurrent requests through our Engine +
+Scheduler against each one alone."""
 
 from __future__ import annotations
 
 import asyncio
+import json
 
 import numpy as np
 import pytest
@@ -186,9 +188,6 @@ def test_sampling_semantics(onnx_backend):
     assert banned.token != top
     forced = b.new_sampler(SamplingParams(temperature=0.7, logit_bias={42: 100.0}, logprobs=2), ids).sample(row)
     assert forced.token == 42 and len(forced.logprob.top) == 2 and forced.logprob.logprob <= 0
-    with pytest.raises(InvalidRequestError) as e:
-        b.new_sampler(SamplingParams(json_schema={"type": "object"}), ids)
-    assert e.value.param == "response_format"
     with pytest.raises(InvalidRequestError):
         b.new_sampler(SamplingParams(top_p=0.0), ids)  # the shared validator's bounds
     b.kv_remove(0)
@@ -249,13 +248,79 @@ def test_registry_loads_the_onnx_variant(tmp_path, smollm2_gguf, smollm2_onnx, o
         engine.shutdown()
 
 
-def test_embeddings_on_a_backend_without_them_are_a_400(onnx_backend):
-    # The ONNX graph returns logits only: the engine refuses before the engine thread would fail.
+def _cosine(a, b) -> float:
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return float(a @ b / np.linalg.norm(a) / np.linalg.norm(b))
+
+
+def test_embeddings_agree_with_llamacpp(onnx_backend, llama, record_property):
+    """The graph's final-norm rows pooled as the llama.cpp backend pools them: the same vectors (up to
+    llama.cpp's quantized matmuls), also for an input longer than one decode (n_batch 256), with
+    several inputs per call giving each one's alone vector, and no slot of the generation pool used."""
+    texts = ["hello world", "The capital of France is Paris.", "ñ 日本 🙂", "word " * 400]
+    inputs = [onnx_backend.tokenize(t) for t in texts]
+    assert len(inputs[-1]) > 256
+    assert onnx_backend.capabilities.embeddings
+    used = onnx_backend.slots.used
+    together = onnx_backend.embed(inputs)
+    assert onnx_backend.slots.used == used
+    want = llama.embed(inputs)
+    cosines = [_cosine(o, w) for o, w in zip(together, want)]
+    record_property("embedding_cosine_min", min(cosines))
+    assert min(cosines) > 0.99, cosines
+    for vec in together:
+        assert len(vec) == 576 and abs(np.linalg.norm(vec) - 1.0) < 1e-5
+    for ids, vec in zip(inputs, together):
+        assert onnx_backend.embed([ids])[0] == pytest.approx(vec, abs=1e-5)
+
+
+def test_embeddings_through_the_engine(onnx_backend):
     limits = EngineLimits(max_sequences=2, batch_tokens=64, n_ctx=onnx_backend.n_ctx, n_ctx_seq=512, prefix_cache=False)
     engine = Engine(onnx_backend, limits, name="smollm2-onnx")
     engine.start()
     try:
-        with pytest.raises(InvalidRequestError, match="does not compute embeddings"):
-            asyncio.run(engine.embed([[1, 2, 3]]))
+        ids = onnx_backend.tokenize("hello world")
+        (vec,) = asyncio.run(engine.embed([ids]))
+        assert vec == pytest.approx(onnx_backend.embed([ids])[0], abs=1e-5)
+        with pytest.raises(InvalidRequestError):
+            asyncio.run(engine.embed([[]]))
     finally:
         engine.shutdown()
+
+
+def constrained(backend, ids: list[int], params: SamplingParams, n: int = 12) -> list[int]:
+    """Up to n tokens sampled by `params` (stops at end of generation)."""
+    backend.kv_remove(0)
+    sampler, out = backend.new_sampler(params, ids), []
+    prefill(backend, 0, ids)
+    try:
+        for k in range(n):
+            out.append(sampler.sample(0 if k else len(ids) - 1).token)
+            if backend.is_eog(out[-1]):
+                break
+            backend.decode([BatchToken(out[-1], 0, len(ids) + k, True)])
+    finally:
+        sampler.close()
+        backend.kv_remove(0)
+    return out
+
+
+def test_grammar_and_json_schema_through_llamacpps_grammar_sampler(onnx_backend, llama):
+    """Constrained output on ONNX: the same GBNF (grammar.py) and llama.cpp grammar sampler as the
+    llama.cpp backend, on the numpy logits; greedy, both backends pick the same tokens."""
+    b = onnx_backend
+    assert b.capabilities.constraints == {"gbnf", "json_schema"}
+    ids = chat(b, "Which city is the capital of France? Answer in JSON.")
+    schema = {"type": "object", "properties": {"city": {"type": "string", "enum": ["Paris", "Lyon", "Nice"]}},
+              "required": ["city"], "additionalProperties": False}
+    params = SamplingParams(temperature=0, json_schema=schema)
+    got = constrained(b, ids, params, 16)
+    text = b"".join(b.token_to_bytes(t) for t in got if not b.is_eog(t)).decode()
+    assert json.loads(text)["city"] in ("Paris", "Lyon", "Nice")
+    llama.kv_clear()
+    assert got == constrained(llama, ids, params, 16)
+    gbnf = constrained(b, ids, SamplingParams(temperature=0.8, seed=3, grammar='root ::= "yes" | "no"'), 4)
+    assert b"".join(b.token_to_bytes(t) for t in gbnf if not b.is_eog(t)) in (b"yes", b"no")
+    with pytest.raises(InvalidRequestError) as e:
+        b.new_sampler(SamplingParams(grammar='root ::= ("unclosed'), ids)
+    assert e.value.param == "grammar"

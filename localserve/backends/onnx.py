@@ -5,7 +5,9 @@ the scheduler's mixed prompt chunks and decodes. The KV cache is one pool of slo
 (onnx_kv.SlotTable) held in OrtValues that are bound as both the graph's cache inputs and its
 cache outputs, so each run writes its new rows in place and nothing is copied per step. The
 tokenizer is llama.cpp's own (llamacpp_vocab), the chat template the GGUF's, and sampling has the
-llama.cpp backend's parameters and semantics (numpy_sampling).
+llama.cpp backend's parameters and semantics (numpy_sampling; grammars and JSON schemas through
+llama.cpp's own grammar sampler). Embeddings come from the graph's embeddings output, pooled as the
+llama.cpp backend pools them (onnx_embed).
 
 Threading as for every backend: decode, sampling and KV calls on the engine thread; tokenize,
 token_to_bytes and is_eog are safe from any thread.
@@ -17,16 +19,18 @@ import json
 import logging
 import os
 from pathlib import Path
-from typing import Sequence
+from typing import Generator, Sequence
 
 import numpy as np
 
 from ..errors import BackendError
 from ..requests import SamplingParams
-from .base import Backend, BatchToken, Capabilities
+from .base import Backend, BatchToken, Capabilities, Sampler
 from .llamacpp import default_threads
 from .llamacpp_vocab import LlamaVocab
-from .numpy_sampling import NumpySampler
+from .grammar import GRAMMAR_CONSTRAINTS
+from .numpy_sampling import LlamaVocabLogits, numpy_sampler
+from .onnx_embed import OnnxEmbedder, has_embeddings
 from .onnx_kv import SlotTable
 
 log = logging.getLogger(__name__)
@@ -79,6 +83,8 @@ class OnnxBackend(Backend):
         self._row_of = np.full(n_batch, -1, dtype=np.int64)  # batch index -> logits row, -1: none
         self._n_out = 0
         self._closed = False
+        self._embedder: OnnxEmbedder | None = None  # made on the first embed call
+        self._grammar_host = LlamaVocabLogits(self, vocab.vocab)  # constrained samplers read through it
         self._capabilities = Capabilities(
             max_batch_tokens=n_batch,
             kv_cells=n_ctx,
@@ -91,8 +97,10 @@ class OnnxBackend(Backend):
             # lone prompt row is computed like any other: no chunk rule is needed.
             min_chunk=1,
             min_recompute=1,
-            constraints=frozenset(),
-            embeddings=False,
+            constraints=GRAMMAR_CONSTRAINTS,
+            # Converters before the embeddings output made graphs without it; the static flavour's
+            # fixed cache shapes leave no room for the embedder's own per-group cache.
+            embeddings=has_embeddings(session) and meta.get("flavour") == "dynamic",
         )
 
     @property
@@ -133,6 +141,8 @@ class OnnxBackend(Backend):
         self._closed = True
         self._n_out = 0
         self._caches.clear()
+        if self._embedder is not None:
+            self._embedder.close()
         self.vocab.close()
 
     def _check_open(self) -> None:
@@ -194,13 +204,30 @@ class OnnxBackend(Backend):
     def logits(self, batch_index: int) -> np.ndarray:
         return self.logits_row(batch_index).copy()
 
-    def new_sampler(self, params: SamplingParams, prompt_tokens: Sequence[int]) -> NumpySampler:
+    def new_sampler(self, params: SamplingParams, prompt_tokens: Sequence[int]) -> Sampler:
         self._check_open()
-        return NumpySampler(self, params, prompt_tokens)
+        return numpy_sampler(self, self._grammar_host, params, prompt_tokens)
 
     def embed(self, inputs: Sequence[Sequence[int]]) -> list[list[float]]:
-        # The graph returns logits only (capabilities.embeddings is False, so nothing should ask).
-        raise BackendError("embeddings are not available on the onnx backend; use the llamacpp backend")
+        self._check_open()
+        return self._get_embedder().embed(inputs) if inputs else []
+
+    def embed_steps(self, inputs: Sequence[Sequence[int]]) -> Generator[bool, None, list[list[float]]]:
+        self._check_open()
+        if not inputs:
+            return []
+        return (yield from self._get_embedder().embed_steps(inputs))
+
+    def _get_embedder(self) -> OnnxEmbedder:
+        if not self.capabilities.embeddings:
+            raise BackendError("this ONNX graph has no embeddings output; convert the model again")
+        if self._embedder is None:  # only the engine thread embeds: no lock needed
+            m = self.meta
+            self._embedder = OnnxEmbedder(
+                self.session, n_layer=self.n_layer, n_head_kv=int(m["n_head_kv"]), head_dim=int(m["head_dim"]),
+                n_ctx=self.capabilities.kv_cells_per_seq, n_batch=self.n_batch,
+                n_seq_max=min(self.n_seq_max, 64), n_embd=int(m["n_embd"]), n_vocab=self.n_vocab)
+        return self._embedder
 
     # --- KV cache -------------------------------------------------------------------------
     def _check_seq(self, seq_id: int) -> None:
