@@ -18,7 +18,7 @@ from typing import Any, Callable
 from .spec import SUPPORTED_ARCHS, SUPPORTED_TYPES, ModelSpec, UnsupportedModelError, open_reader, read_spec
 
 # Bump when the graph or its inputs change: cached conversions keyed by it are then redone.
-CONVERTER_VERSION = 1
+CONVERTER_VERSION = 2  # 2: the embeddings output
 MODEL_FILE = "model.onnx"
 DATA_FILE = "model.onnx.data"
 META_FILE = "localserve-onnx.json"
