@@ -45,13 +45,47 @@ def _read_meta(model_dir: Path) -> dict:
         meta = json.loads((model_dir / META_FILE).read_text(encoding="utf-8"))
     except (OSError, ValueError) as e:
         raise BackendError(f"the ONNX folder's {META_FILE} cannot be read ({type(e).__name__})") from None
-    if meta.get("flavour") != "dynamic":
-        raise BackendError(f"the ONNX folder is not a dynamic-flavour export of localserve convert "
-                           f"(flavour: {meta.get('flavour') or 'none'}); convert the model again")
+    if not isinstance(meta, dict) or meta.get("flavour") not in ("dynamic", "static"):
+        flavour = meta.get("flavour") if isinstance(meta, dict) else None
+        raise BackendError(f"the ONNX folder is not an export of localserve convert "
+                           f"(flavour: {flavour or 'none'}); convert the model again")
     return meta
 
 
+def open_session(path: Path, n_threads: int, providers: Sequence[str]):
+    """An onnxruntime session for one graph file; BackendError (no host path) when it cannot load."""
+    import onnxruntime as ort
+
+    opts = ort.SessionOptions()
+    opts.intra_op_num_threads = n_threads
+    opts.inter_op_num_threads = 1
+    opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+    opts.log_severity_level = 3  # ORT warns about every unused initializer: noise in our logs
+    try:
+        return ort.InferenceSession(str(path), opts, providers=list(providers))
+    except Exception as e:  # noqa: BLE001 - ORT raises its own exception types with paths inside
+        log.warning("onnxruntime could not load %s: %s", path.name, e)
+        raise BackendError(f"onnxruntime could not load the ONNX model in {path.parent.name!r} "
+                           f"({type(e).__name__})") from None
+
+
+def bind_caches(io, caches: Sequence) -> None:
+    """Bind each layer's key and value cache (in that order in `caches`) as input and output."""
+    for n, cache in enumerate(caches):
+        name = f"{n // 2}.{('key', 'value')[n % 2]}"
+        # The same buffer in and out: ScatterElements writes this step's rows into it in place.
+        io.bind_ortvalue_input(f"cache.{name}", cache)
+        io.bind_ortvalue_output(f"cache_out.{name}", cache)
+
+
+def open_vocab(gguf_path: str | os.PathLike[str], meta: dict) -> LlamaVocab:
+    return LlamaVocab(gguf_path, n_ctx_train=int(meta["context_length"]), n_embd=int(meta["n_embd"]),
+                      n_params=int(meta.get("n_params", 0)))
+
+
 class OnnxBackend(Backend):
+    sink_rows = 0  # cache rows past the n_ctx slots (the static flavour's padding sink)
+
     def __init__(self, session, meta: dict, vocab: LlamaVocab, *, n_ctx: int, n_seq_max: int,
                  n_batch: int, n_threads: int) -> None:
         import onnxruntime as ort
@@ -69,16 +103,12 @@ class OnnxBackend(Backend):
         self.n_layer = int(meta["n_layer"])
         self.max_pos = int(meta["context_length"])  # the rope tables' length
         self.slots = SlotTable(n_ctx, n_seq_max)
-        shape = (int(meta["n_head_kv"]), n_ctx, int(meta["head_dim"]))
+        shape = (int(meta["n_head_kv"]), n_ctx + self.sink_rows, int(meta["head_dim"]))
         self._io = session.io_binding()
-        self._caches = []  # keeps the OrtValues alive for as long as the binding names them
-        for i in range(self.n_layer):
-            for kind in ("key", "value"):
-                cache = ort.OrtValue.ortvalue_from_numpy(np.zeros(shape, dtype=np.float32))
-                self._caches.append(cache)
-                # The same buffer in and out: ScatterElements writes this step's rows into it in place.
-                self._io.bind_ortvalue_input(f"cache.{i}.{kind}", cache)
-                self._io.bind_ortvalue_output(f"cache_out.{i}.{kind}", cache)
+        # Kept here so the OrtValues live as long as a binding names them.
+        self._caches = [ort.OrtValue.ortvalue_from_numpy(np.zeros(shape, dtype=np.float32))
+                        for _ in range(2 * self.n_layer)]
+        bind_caches(self._io, self._caches)
         self._logits = np.zeros((0, self.n_vocab), dtype=np.float32)
         self._row_of = np.full(n_batch, -1, dtype=np.int64)  # batch index -> logits row, -1: none
         self._n_out = 0
@@ -115,27 +145,19 @@ class OnnxBackend(Backend):
 
         n_ctx: KV slots of all sequences together (one pool); n_seq_max: sequence ids; n_batch:
         most tokens per decode. The session runs on `providers` in order (CPU last as fallback)."""
-        import onnxruntime as ort
-
         if n_ctx < 1 or n_seq_max < 1 or n_batch < 1:
             raise ValueError("n_ctx, n_seq_max and n_batch must be positive")
         model_dir = Path(model_dir)
         meta = _read_meta(model_dir)
         n_threads = n_threads or default_threads()
-        opts = ort.SessionOptions()
-        opts.intra_op_num_threads = n_threads
-        opts.inter_op_num_threads = 1
-        opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
-        opts.log_severity_level = 3  # ORT warns about every unused initializer: noise in our logs
-        try:
-            session = ort.InferenceSession(str(model_dir / MODEL_FILE), opts, providers=list(providers))
-        except Exception as e:  # noqa: BLE001 - ORT raises its own exception types with paths inside
-            log.warning("onnxruntime could not load %s: %s", model_dir.name, e)
-            raise BackendError(f"onnxruntime could not load the ONNX model in {model_dir.name!r} "
-                               f"({type(e).__name__})") from None
-        vocab = LlamaVocab(gguf_path, n_ctx_train=int(meta["context_length"]), n_embd=int(meta["n_embd"]),
-                           n_params=int(meta.get("n_params", 0)))
-        return cls(session, meta, vocab, n_ctx=n_ctx, n_seq_max=n_seq_max, n_batch=n_batch, n_threads=n_threads)
+        if meta["flavour"] == "static":  # fixed shapes: the graphs fix the slot count, not n_ctx
+            from .onnx_static import StaticOnnxBackend
+
+            return StaticOnnxBackend.open(model_dir, meta, gguf_path, n_seq_max=n_seq_max, n_batch=n_batch,
+                                          n_threads=n_threads, providers=providers)
+        session = open_session(model_dir / MODEL_FILE, n_threads, providers)
+        return cls(session, meta, open_vocab(gguf_path, meta), n_ctx=n_ctx, n_seq_max=n_seq_max,
+                   n_batch=n_batch, n_threads=n_threads)
 
     def close(self) -> None:
         self._closed = True
@@ -163,15 +185,8 @@ class OnnxBackend(Backend):
 
     def decode_arrays(self, tokens: np.ndarray, seqs: np.ndarray, pos: np.ndarray, want: np.ndarray) -> None:
         """decode() for callers that hold columns already."""
-        self._check_open()
         n = tokens.size
-        self._n_out = 0  # the previous step's rows are gone whatever happens next
-        if ((tokens < 0) | (tokens >= self.n_vocab)).any():
-            raise ValueError("token id out of the vocabulary")
-        if ((seqs < 0) | (seqs >= self.n_seq_max)).any():
-            raise ValueError(f"sequence id out of range 0..{self.n_seq_max - 1}")
-        if ((pos < 0) | (pos >= self.max_pos)).any():
-            raise ValueError(f"position out of range 0..{self.max_pos - 1}")
+        self._check_batch(tokens, seqs, pos)
         slots = self.slots.plan(n)  # KVFullError before anything runs
         rows = np.flatnonzero(want)
         io = self._io
@@ -192,6 +207,17 @@ class OnnxBackend(Backend):
         self._row_of[:n] = -1
         self._row_of[rows] = np.arange(rows.size)
         self._n_out = n
+
+    def _check_batch(self, tokens: np.ndarray, seqs: np.ndarray, pos: np.ndarray) -> None:
+        """ValueError for ids out of range, before anything runs; the previous step's rows are gone."""
+        self._check_open()
+        self._n_out = 0
+        if ((tokens < 0) | (tokens >= self.n_vocab)).any():
+            raise ValueError("token id out of the vocabulary")
+        if ((seqs < 0) | (seqs >= self.n_seq_max)).any():
+            raise ValueError(f"sequence id out of range 0..{self.n_seq_max - 1}")
+        if ((pos < 0) | (pos >= self.max_pos)).any():
+            raise ValueError(f"position out of range 0..{self.max_pos - 1}")
 
     def logits_row(self, batch_index: int) -> np.ndarray:
         """The logits of `batch_index` in the last decode (read-only; valid until the next one)."""

@@ -44,6 +44,15 @@ class SlotTable:
                               f"({free.size} of {self.n_slots} slots free)")
         return free[:n_tokens].astype(np.int64)
 
+    def snapshot(self) -> tuple[np.ndarray, list[np.ndarray], list[np.ndarray]]:
+        """The whole table's state, for `restore` (the per-sequence arrays are replaced, never
+        written in place, so shallow lists suffice)."""
+        return self.refs.copy(), list(self._pos), list(self._slot)
+
+    def restore(self, state: tuple[np.ndarray, list[np.ndarray], list[np.ndarray]]) -> None:
+        refs, pos, slot = state
+        self.refs, self._pos, self._slot = refs.copy(), list(pos), list(slot)
+
     def _merged(self, seq: int, pos: np.ndarray, slots: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """The sequence's holdings with (pos, slots) written over whatever it held at those positions."""
         old_pos, old_slot = self._pos[seq], self._slot[seq]

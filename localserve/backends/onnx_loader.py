@@ -42,6 +42,16 @@ def providers_for(ep: str | None, ref: str) -> list[str]:
     return [ep, CPU_EP]
 
 
+def kv_slots(meta: dict, planned: int) -> int:
+    """The KV pool: a static folder's graphs fix it (the engine's limits must agree; a broken entry
+    is the backend's to refuse), else the plan's within MAX_SLOTS."""
+    static = meta.get("static") if meta.get("flavour") == "static" else None
+    try:
+        return int(static["slots"])
+    except (TypeError, KeyError, ValueError):
+        return min(planned, MAX_SLOTS)
+
+
 def load_onnx_engine(installed: "InstalledModel", variant: "StoredVariant", plan: "ModelPlan",
                      settings: Settings) -> "ModelEngine":
     from ..engine import Engine
@@ -52,7 +62,7 @@ def load_onnx_engine(installed: "InstalledModel", variant: "StoredVariant", plan
     if gguf is None or not gguf.available or (want and gguf.sha256 and gguf.sha256 != want):
         raise BackendError(f"{installed.ref}: the ONNX variant needs the GGUF it was converted from "
                            "(its tokenizer); pull that GGUF into the same tag or convert again")
-    limits = dataclasses.replace(plan.limits, n_ctx=min(plan.limits.n_ctx, MAX_SLOTS))
+    limits = dataclasses.replace(plan.limits, n_ctx=kv_slots(variant.meta, plan.limits.n_ctx))
     backend = OnnxBackend.load(
         variant.path, gguf.path,
         n_ctx=limits.n_ctx, n_seq_max=limits.n_seq_max, n_batch=limits.batch_tokens,

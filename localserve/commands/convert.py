@@ -7,6 +7,7 @@ import argparse
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from ..config import Settings
+from ..errors import ConfigError
 from ..store import ModelStore
 
 
@@ -14,6 +15,12 @@ def register(subparsers: argparse._SubParsersAction, common: argparse.ArgumentPa
     p = subparsers.add_parser("convert", parents=[common],
                               help="convert an installed GGUF model to ONNX for the onnx backend")
     p.add_argument("model", help="NAME[:TAG] of an installed model")
+    p.add_argument("--static", action="store_true",
+                   help="fixed shapes for NPU execution providers (default: the dynamic packed graph)")
+    p.add_argument("--static-tokens", default="1,16,64", metavar="T,T,..",
+                   help="with --static: token buckets, one graph each (default 1,16,64)")
+    p.add_argument("--static-slots", type=int, default=1024, metavar="S",
+                   help="with --static: KV slots of all sequences together (default 1024)")
     p.set_defaults(func=run_convert)
 
 
@@ -21,13 +28,29 @@ def run_convert(args: argparse.Namespace, settings: Settings) -> int:
     from ..convert.install import convert_installed
 
     store = ModelStore(settings)
+    flavour = _flavour(args)
     model = store.find(args.model)
     columns = (TextColumn("converting {task.description}"), BarColumn(), MofNCompleteColumn(),
                TextColumn("tensors"), TimeElapsedColumn())
     with Progress(*columns, transient=True) as bar:
         task = bar.add_task(model.ref, total=None)
-        model = convert_installed(store, model, lambda done, total: bar.update(task, completed=done, total=total))
+        model = convert_installed(store, model, lambda done, total: bar.update(task, completed=done, total=total),
+                                  **flavour)
     v = model.variants["onnx"]
     print(f"converted {model.ref}: onnx variant ({len(v.files)} files, {v.size / 2**20:.0f} MiB, "
           f"sha256 {(v.sha256 or '?')[:12]}…)")
     return 0
+
+
+def _flavour(args: argparse.Namespace) -> dict:
+    """convert_gguf's flavour options from the flags; ConfigError for bad buckets, before any work."""
+    from ..convert import static_buckets
+
+    if not args.static:
+        return {}
+    try:
+        tokens = tuple(int(t) for t in args.static_tokens.split(","))
+        static_buckets(tokens, args.static_slots)
+    except ValueError as e:
+        raise ConfigError(f"--static-tokens/--static-slots: {e}") from None
+    return {"flavour": "static", "static_tokens": tokens, "static_slots": args.static_slots}

@@ -13,7 +13,7 @@ import json
 import os
 import shutil
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 from .spec import SUPPORTED_ARCHS, SUPPORTED_TYPES, ModelSpec, UnsupportedModelError, open_reader, read_spec
 
@@ -23,9 +23,13 @@ MODEL_FILE = "model.onnx"
 DATA_FILE = "model.onnx.data"
 META_FILE = "localserve-onnx.json"
 META_VERSION = 1  # model_dirs.ONNX_META_VERSION
+# The static flavour's token buckets: a decode of one sequence runs the 1-token graph, up to 16
+# decoders the 16-token one, prompts go through 64 at a time, so no step pays for far more padding
+# rows than it has tokens (backends/onnx_static.py picks the bucket per run).
+STATIC_BUCKETS = (1, 16, 64)
 
-__all__ = ["CONVERTER_VERSION", "SUPPORTED_ARCHS", "SUPPORTED_TYPES", "ModelSpec", "UnsupportedModelError",
-           "convert_gguf", "check_convertible"]
+__all__ = ["CONVERTER_VERSION", "STATIC_BUCKETS", "SUPPORTED_ARCHS", "SUPPORTED_TYPES", "ModelSpec",
+           "UnsupportedModelError", "convert_gguf", "check_convertible", "static_buckets"]
 
 
 def check_convertible(gguf_path: Path) -> ModelSpec:
@@ -34,18 +38,22 @@ def check_convertible(gguf_path: Path) -> ModelSpec:
 
 
 def convert_gguf(gguf_path: Path, out_dir: Path, *, gguf_sha256: str | None = None,
-                 flavour: str = "dynamic", static_tokens: int = 64, static_slots: int = 1024,
-                 progress: Callable[[int, int], None] | None = None) -> dict[str, Any]:
+                 flavour: str = "dynamic", static_tokens: int | Sequence[int] = STATIC_BUCKETS,
+                 static_slots: int = 1024, progress: Callable[[int, int], None] | None = None) -> dict[str, Any]:
     """Convert `gguf_path` into the new folder `out_dir`; returns its localserve-onnx.json.
 
-    flavour "dynamic": T, S and R are free (the packed graph); "static": T = static_tokens tokens
-    per run (padded by the caller), S = static_slots KV rows and R = T, every shape fixed."""
+    flavour "dynamic": T, S and R are free (the packed graph in model.onnx); "static": one graph per
+    bucket T in `static_tokens` (T tokens per run, padded by the caller; R = T logits rows), each
+    with static_slots KV slots plus one sink row for the padding (backends/onnx_static.py), every
+    shape fixed. The largest bucket's graph is model.onnx, the others model.t<T>.onnx; all of them
+    read the one weights file."""
     from .graph import Dims, build_graph
     from .weights import WeightSource, write_external
 
     gguf_path, out_dir = Path(gguf_path), Path(out_dir)
     if flavour not in ("dynamic", "static"):
         raise ValueError(f"flavour must be 'dynamic' or 'static' (got {flavour!r})")
+    buckets = static_buckets(static_tokens, static_slots) if flavour == "static" else ()
     if out_dir.exists():
         raise FileExistsError(f"{out_dir.name} already exists")
     reader = open_reader(gguf_path)
@@ -54,17 +62,24 @@ def convert_gguf(gguf_path: Path, out_dir: Path, *, gguf_sha256: str | None = No
         from ..pull.verify import sha256_file
 
         gguf_sha256 = sha256_file(gguf_path)
-    dims = Dims() if flavour == "dynamic" else Dims(static_tokens, static_slots, static_tokens)
     partial = out_dir.parent / f".{out_dir.name}.partial-{os.getpid()}"
     shutil.rmtree(partial, ignore_errors=True)
     partial.mkdir(parents=True)
     try:
         weights = WeightSource(reader, spec)
-        model = build_graph(spec, weights.name, dims)
-        model.graph.initializer.extend(write_external(weights, partial / DATA_FILE, progress))
-        with open(partial / MODEL_FILE, "wb") as f:
-            f.write(model.SerializeToString())
-        meta = _meta(spec, gguf_path, gguf_sha256, flavour, dims)
+        if flavour == "dynamic":
+            graphs = {MODEL_FILE: build_graph(spec, weights.name, Dims())}
+        else:  # S + 1 cache rows: the last is the sink the padding rows write into
+            graphs = {static_graph_file(t, buckets): build_graph(spec, weights.name, Dims(t, static_slots + 1, t))
+                      for t in buckets}
+        initializers = write_external(weights, partial / DATA_FILE, progress)
+        for name, model in graphs.items():
+            model.graph.initializer.extend(initializers)
+            with open(partial / name, "wb") as f:
+                f.write(model.SerializeToString())
+        static = {"tokens": list(buckets), "slots": static_slots, "sink_rows": 1,
+                  "graphs": {str(t): static_graph_file(t, buckets) for t in buckets}} if buckets else None
+        meta = _meta(spec, gguf_path, gguf_sha256, flavour, static)
         (partial / META_FILE).write_text(json.dumps(meta, indent=1), encoding="utf-8")
         os.replace(partial, out_dir)
     except BaseException:
@@ -73,7 +88,23 @@ def convert_gguf(gguf_path: Path, out_dir: Path, *, gguf_sha256: str | None = No
     return meta
 
 
-def _meta(spec: ModelSpec, gguf_path: Path, sha: str, flavour: str, dims) -> dict[str, Any]:
+def static_graph_file(tokens: int, buckets: Sequence[int]) -> str:
+    """The largest bucket's graph is model.onnx, the file every onnx folder must hold."""
+    return MODEL_FILE if tokens == max(buckets) else f"model.t{tokens}.onnx"
+
+
+def static_buckets(tokens: int | Sequence[int], slots: int) -> tuple[int, ...]:
+    """The static flavour's buckets, sorted; ValueError naming the bad value."""
+    buckets = tuple(sorted({tokens} if isinstance(tokens, int) else set(tokens)))
+    if not buckets or any(not isinstance(t, int) or t < 1 for t in buckets):
+        raise ValueError(f"static_tokens must be positive token counts (got {tokens!r})")
+    if not isinstance(slots, int) or slots < max(buckets):
+        raise ValueError(f"static_slots must be at least the largest bucket ({max(buckets)}; got {slots!r})")
+    return buckets
+
+
+def _meta(spec: ModelSpec, gguf_path: Path, sha: str, flavour: str,
+          static: dict[str, Any] | None) -> dict[str, Any]:
     n_params = spec.n_layer * (spec.n_embd * (spec.n_head + 2 * spec.n_head_kv) * spec.head_dim
                                + spec.n_embd * spec.n_embd + 3 * spec.n_embd * spec.n_ff + 2 * spec.n_embd)
     n_params += spec.n_vocab * spec.n_embd * (1 if spec.tied_embeddings else 2) + spec.n_embd
@@ -85,7 +116,7 @@ def _meta(spec: ModelSpec, gguf_path: Path, sha: str, flavour: str, dims) -> dic
         "source": {"file": gguf_path.name, "gguf_sha256": sha},
         "converter_version": CONVERTER_VERSION,
         "flavour": flavour,
-        "static": None if flavour == "dynamic" else {"tokens": dims.tokens, "slots": dims.slots},
+        "static": static,
         "context_length": spec.n_ctx_train,
         "n_layer": spec.n_layer, "n_embd": spec.n_embd, "n_head": spec.n_head, "n_head_kv": spec.n_head_kv,
         "head_dim": spec.head_dim, "n_vocab": spec.n_vocab, "n_params": n_params,

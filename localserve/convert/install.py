@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import tempfile
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 from ..errors import ModelNotFoundError
 from ..store import InstalledModel, ModelStore
@@ -18,8 +18,9 @@ from . import check_convertible, convert_gguf
 
 
 def convert_installed(store: ModelStore, model: InstalledModel,
-                      progress: Callable[[int, int], None] | None = None) -> InstalledModel:
-    """`model` with an `onnx` variant converted from its GGUF (refusals before any work)."""
+                      progress: Callable[[int, int], None] | None = None, **flavour: Any) -> InstalledModel:
+    """`model` with an `onnx` variant converted from its GGUF (refusals before any work); `flavour`
+    holds convert_gguf's flavour options (flavour="static", static_tokens, static_slots)."""
     gguf = model.gguf
     if gguf is None or not gguf.available:
         raise ModelNotFoundError(model.ref, message=f"model {model.ref} has no GGUF file to convert; pull it first")
@@ -28,7 +29,7 @@ def convert_installed(store: ModelStore, model: InstalledModel,
 
     staging = Path(tempfile.mkdtemp(prefix=".convert-", dir=store.tmp_dir()))
     try:
-        convert_gguf(gguf.path, staging / "onnx", gguf_sha256=gguf.sha256, progress=progress)
+        convert_gguf(gguf.path, staging / "onnx", gguf_sha256=gguf.sha256, progress=progress, **flavour)
         return store.add_directory(staging / "onnx", model.name, model.tag)
     finally:
         remove_tree(staging)
