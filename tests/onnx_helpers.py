@@ -8,12 +8,14 @@ writer (for refusals and for checking the graph against a numpy forward pass).
 
 from __future__ import annotations
 
+import asyncio
 import os
 from pathlib import Path
 
 import numpy as np
 import pytest
 
+from localserve.backends.base import BatchToken
 from conftest import SMOLLM2_SHA256, TEST_CACHE
 
 
@@ -131,3 +133,58 @@ def reference_hidden(weights: dict[str, np.ndarray], ids: list[int], arch: str =
         g, u = y @ W[p + "ffn_gate.weight"].T, y @ W[p + "ffn_up.weight"].T
         x = x + (g / (1 + np.exp(-g)) * u) @ W[p + "ffn_down.weight"].T
     return rms(x, W["output_norm.weight"])
+
+
+def chat(backend, text: str) -> list[int]:
+    """SmolLM2's chat template around one user turn, tokenized."""
+    return backend.tokenize(f"<|im_start|>user\n{text}<|im_end|>\n<|im_start|>assistant\n")
+
+
+def prefill(backend, seq: int, ids: list[int], start: int = 0, chunk: int | None = None) -> np.ndarray:
+    """Feed `ids` at positions start.. (in decodes of at most `chunk` tokens); the last one's logits."""
+    chunk = chunk or len(ids)
+    for at in range(0, len(ids), chunk):
+        part = ids[at:at + chunk]
+        backend.decode([BatchToken(t, seq, start + at + i, at + i == len(ids) - 1) for i, t in enumerate(part)])
+    return backend.logits(len(part) - 1)
+
+
+def greedy(backend, ids: list[int], n: int = 8) -> list[int]:
+    """n greedy tokens after the prompt, on sequence 0 (left empty afterwards)."""
+    backend.kv_remove(0)
+    row, out = prefill(backend, 0, ids), []
+    for k in range(n):
+        out.append(int(row.argmax()))
+        backend.decode([BatchToken(out[-1], 0, len(ids) + k, True)])
+        row = backend.logits(0)
+    backend.kv_remove(0)
+    return out
+
+
+async def answer(engine, ids: list[int], max_tokens: int) -> list[int]:
+    """One greedy request's tokens through the engine."""
+    from localserve.requests import GenerationRequest, SamplingParams
+
+    tokens: list[int] = []
+    async for event in await engine.generate(GenerationRequest(ids, SamplingParams(temperature=0),
+                                                               max_tokens=max_tokens)):
+        tokens += event.token_ids
+    return tokens
+
+
+def engine_answers(backend, limits, prompts: list[list[int]], together: bool, max_tokens: int) -> list[list[int]]:
+    """Each prompt's greedy answer from a fresh Engine over `backend`: all submitted at once, or one
+    after another (each alone)."""
+    from localserve.engine import Engine
+
+    async def run() -> list[list[int]]:
+        engine = Engine(backend, limits, name="onnx-test")
+        engine.start()
+        try:
+            if together:
+                return list(await asyncio.gather(*[answer(engine, p, max_tokens) for p in prompts]))
+            return [await answer(engine, p, max_tokens) for p in prompts]
+        finally:
+            engine.shutdown()
+
+    return asyncio.run(run())
