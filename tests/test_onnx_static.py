@@ -195,7 +195,7 @@ def _broken(static_dir, tmp_path, edit) -> BackendError:
     folder.mkdir()
     meta = json.loads((static_dir / "localserve-onnx.json").read_text())
     for name in meta["static"]["graphs"].values():
-        shutil.copy(static_dir / name, folder / name)  # the graphs only: nothing gets to load weights
+        shutil.copy(static_dir / name, folder / name)  # the graphs only, not the weights file
     edit(meta)
     (folder / "localserve-onnx.json").write_text(json.dumps(meta))
     with pytest.raises(BackendError) as e:
@@ -212,6 +212,7 @@ def _broken(static_dir, tmp_path, edit) -> BackendError:
     (lambda m: m["static"]["graphs"].update({"4": "../model.t4.onnx"}), "no graph file"),
     (lambda m: m["static"]["graphs"].update({"4": "gone.onnx"}), "no graph file"),
     (lambda m: m.update(flavour="wobbly"), "flavour: wobbly"),
+    (lambda m: None, "weights cannot be read"),  # a sound meta, but the folder lost its weights file
 ])
 def test_a_broken_meta_is_a_clear_backend_error(static_dir, tmp_path, edit, needle):
     assert needle in str(_broken(static_dir, tmp_path, edit))

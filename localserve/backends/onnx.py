@@ -52,11 +52,16 @@ def _read_meta(model_dir: Path) -> dict:
     return meta
 
 
-def open_session(path: Path, n_threads: int, providers: Sequence[str]):
-    """An onnxruntime session for one graph file; BackendError (no host path) when it cannot load."""
+def open_session(path: Path, n_threads: int, providers: Sequence[str], shared: dict | None = None):
+    """An onnxruntime session for one graph file; BackendError (no host path) when it cannot load.
+    `shared`: initializer name -> OrtValue used in place of the file's (onnx_static.shared_weights)."""
     import onnxruntime as ort
 
     opts = ort.SessionOptions()
+    for name, value in (shared or {}).items():
+        opts.add_initializer(name, value)
+    if shared:  # prepacking would give each session its own packed copy of every weight
+        opts.add_session_config_entry("session.disable_prepacking", "1")
     opts.intra_op_num_threads = n_threads
     opts.inter_op_num_threads = 1
     opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
