@@ -219,7 +219,8 @@ class Engine:
         generation steps (see _advance_embed), so a huge request neither races a decode nor holds
         up the running streams. Cancelling the awaiting task stops the work at the next decode."""
         if not self._backend.capabilities.embeddings:
-            # A backend without embeddings (ONNX today) would fail on the engine thread: a 500.
+            # A backend without embeddings (an ONNX graph converted before it had the embeddings
+            # output, the static flavour) would fail on the engine thread: a 500.
             raise InvalidRequestError("this model's backend does not compute embeddings", param="model")
         if not inputs or any(not tokens for tokens in inputs):
             raise InvalidRequestError("every embedding input needs at least one token", param="input")

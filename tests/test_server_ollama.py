@@ -1,5 +1,6 @@
 """The Ollama-compatible API with plain HTTP, on the real model: NDJSON streams, Ollama's field
-names and final statistics, model management (tags/show/ps/pull/delete), embeddings."""
+names and final statistics, model management (tags/show/ps/pull/delete), embeddings; the tests of
+one loaded model run once on each backend (server_harness.BACKENDS)."""
 
 from __future__ import annotations
 
@@ -11,18 +12,16 @@ import threading
 
 import pytest
 
-from server_harness import MODEL, MODEL_TAG, LiveServer, install_model, server_settings
+from server_harness import BACKENDS, MODEL, MODEL_TAG, LiveServer, backend_server, server_settings
 
 pytestmark = pytest.mark.model
 FULL = f"{MODEL}:{MODEL_TAG}"
 GREEDY = {"temperature": 0, "num_predict": 12}
 
 
-@pytest.fixture(scope="module")
-def server(smollm2_gguf, tmp_path_factory):
-    settings = server_settings(tmp_path_factory.mktemp("home"))
-    install_model(settings, smollm2_gguf)
-    with LiveServer(settings) as live:
+@pytest.fixture(scope="module", params=BACKENDS)
+def server(request):
+    with backend_server(request) as live:
         yield live
 
 

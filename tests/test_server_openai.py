@@ -1,5 +1,6 @@
 """The OpenAI-compatible API, end to end: the real model behind create_app on a real local server,
-driven by the official `openai` package."""
+driven by the official `openai` package, once on each backend (llama.cpp, and ONNX Runtime on the
+converted model: server_harness.BACKENDS)."""
 
 from __future__ import annotations
 
@@ -8,18 +9,16 @@ import json
 import openai
 import pytest
 
-from server_harness import MODEL, MODEL_TAG, LiveServer, install_model, server_settings
+from server_harness import BACKENDS, MODEL, MODEL_TAG, backend_server
 
 pytestmark = pytest.mark.model
 GREEDY = {"temperature": 0.0}
 MESSAGES = [{"role": "user", "content": "What is the capital of France?"}]
 
 
-@pytest.fixture(scope="module")
-def server(smollm2_gguf, tmp_path_factory):
-    settings = server_settings(tmp_path_factory.mktemp("home"), max_body_bytes=256 * 1024)
-    install_model(settings, smollm2_gguf)
-    with LiveServer(settings) as live:
+@pytest.fixture(scope="module", params=BACKENDS)
+def server(request):
+    with backend_server(request, max_body_bytes=256 * 1024) as live:
         yield live
 
 
