@@ -16,7 +16,7 @@ from localserve.batching.limits import EngineLimits
 from localserve.engine import Engine
 from localserve.errors import InvalidRequestError
 from localserve.requests import GenerationRequest, SamplingParams
-from onnx_helpers import smollm2_onnx  # noqa: F401 - session fixture
+from onnx_helpers import chat, greedy, prefill, smollm2_onnx  # noqa: F401 - smollm2_onnx: session fixture
 
 pytest.importorskip("onnxruntime")
 pytestmark = pytest.mark.model
@@ -43,26 +43,6 @@ def llama(smollm2_gguf):
                              exact_attention=True)
     yield b
     b.close()
-
-
-def chat(backend, text: str) -> list[int]:
-    return backend.tokenize(f"<|im_start|>user\n{text}<|im_end|>\n<|im_start|>assistant\n")
-
-
-def prefill(backend, seq: int, ids: list[int]) -> np.ndarray:
-    backend.decode([BatchToken(t, seq, i, i == len(ids) - 1) for i, t in enumerate(ids)])
-    return backend.logits(len(ids) - 1)
-
-
-def greedy(backend, ids: list[int], n: int = 8) -> list[int]:
-    backend.kv_remove(0)
-    row, out = prefill(backend, 0, ids), []
-    for k in range(n):
-        out.append(int(row.argmax()))
-        backend.decode([BatchToken(out[-1], 0, len(ids) + k, True)])
-        row = backend.logits(0)
-    backend.kv_remove(0)
-    return out
 
 
 def test_tokenizer_and_template_are_llamacpps(onnx_backend, llama):

@@ -49,13 +49,11 @@ class OnnxEmbedder(PooledEmbedder):
         n_layer, kv, hd = self._cache_shape
         self._slots = SlotTable(cells, self.n_seq_max)
         self._io = io = self.session.io_binding()
-        self._caches = []
-        for i in range(n_layer):
-            for kind in ("key", "value"):
-                cache = self._ort.OrtValue.ortvalue_from_numpy(np.zeros((kv, cells, hd), dtype=np.float32))
-                self._caches.append(cache)
-                io.bind_ortvalue_input(f"cache.{i}.{kind}", cache)  # written in place, as in decode
-                io.bind_ortvalue_output(f"cache_out.{i}.{kind}", cache)
+        from .onnx import bind_caches  # here: onnx.py imports this module
+
+        self._caches = [self._ort.OrtValue.ortvalue_from_numpy(np.zeros((kv, cells, hd), dtype=np.float32))
+                        for _ in range(2 * n_layer)]
+        bind_caches(io, self._caches)  # written in place, as in decode
         io.bind_cpu_input("logits_idx", _NO_ROWS)  # no LM head rows: embeddings only
 
     def _end_group(self) -> None:
