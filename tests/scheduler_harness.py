@@ -1,10 +1,12 @@
-"""Drives a Scheduler over the fake backend synchronously, step by step, checking the invariants
-that must hold after every step (shared by the scheduler test modules)."""
+"""Drives a Scheduler over any Backend synchronously, step by step, checking the invariants
+that must hold after every step (shared by the scheduler test modules). The fake backend is the
+default; tests/test_scheduler_backends.py runs the same harness over llama.cpp and ONNX Runtime."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from localserve.backends.base import Backend
 from localserve.batching.limits import EngineLimits
 from localserve.requests import GenerationRequest, SamplingParams
 from localserve.batching.scheduler import Scheduler
@@ -24,17 +26,43 @@ class Result:
     usage: object = None
 
 
+def used_cells(backend: Backend) -> int:
+    """KV cells the backend holds, read from the backend itself (not from our accounting)."""
+    if isinstance(backend, FakeBackend):
+        return backend.used_cells
+    slots = getattr(backend, "slots", None)  # ONNX: its slot table counts slots held by anyone
+    if slots is not None:
+        return slots.used
+    # llama.cpp has no cell count; with per-sequence streams ("copy") each id's cells are its own
+    # positions 0..pos_max (only tails are ever removed), so the sum is exact. A unified llama.cpp
+    # pool shares copied prefixes: no sum can say how many cells that is.
+    if backend.capabilities.prefix_sharing != "copy":
+        raise TypeError(f"cannot count the cells of {type(backend).__name__} with a shared pool")
+    return sum(backend.kv_pos_max(i) + 1 for i in range(backend.capabilities.max_seqs))
+
+
+def live_seq_ids(backend: Backend) -> set[int]:
+    return {i for i in range(backend.capabilities.max_seqs) if backend.kv_pos_max(i) >= 0}
+
+
 class Harness:
-    def __init__(self, backend: FakeBackend | None = None, **limits):
+    def __init__(self, backend: Backend | None = None, foreign: frozenset[int] = frozenset(), **limits):
+        """`foreign`: sequence ids a test fills behind the scheduler's back (cells the scheduler
+        cannot know about); the invariants leave them out."""
         self.backend = backend or FakeBackend()
-        defaults = dict(max_sequences=8, batch_tokens=self.backend.n_batch, n_ctx=self.backend.n_ctx,
-                        n_ctx_seq=self.backend.n_ctx, queue_size=1000)
+        caps = self.backend.capabilities
+        self.foreign = foreign
+        defaults = dict(max_sequences=8, batch_tokens=caps.max_batch_tokens, n_ctx=caps.kv_cells,
+                        n_ctx_seq=caps.kv_cells_per_seq, queue_size=1000)
         defaults.update(limits)
         self.limits = EngineLimits(**defaults)
         self.sched = Scheduler(self.backend, self.limits)
         self.results: dict[str, Result] = {}
 
-    def submit(self, prompt, max_tokens=16, lane="default", stop=(), temperature=0.0, seed=None,
+    def foreign_cells(self) -> int:
+        return sum(self.backend.kv_pos_max(i) + 1 for i in self.foreign)
+
+    def submit(self, prompt: list[int], max_tokens: int = 16, lane="default", stop=(), temperature=0.0, seed=None,
                ignore_eos=False) -> Result:
         request = GenerationRequest(
             prompt_tokens=list(prompt), max_tokens=max_tokens, lane=lane, stop=list(stop),
@@ -82,12 +110,15 @@ class Harness:
 
     def check_invariants(self, plan) -> None:
         s, b = self.sched, self.backend
-        assert len(plan.batch) <= s.budget <= b.n_batch
+        caps = b.capabilities
+        assert len(plan.batch) <= s.budget <= caps.max_batch_tokens
         # Our accounting matches the cache cell for cell, and no id is held by nobody.
-        assert s.pool.used == b.used_cells, (s.pool.used, b.used_cells)
+        backend_cells = used_cells(b) - self.foreign_cells()
+        assert s.pool.used == backend_cells, (s.pool.used, backend_cells)
         holders = {q.seq_id for q in s.running if q.seq_id >= 0} | set(s.cache.parked)
-        assert b.live_seq_ids() <= holders, (b.live_seq_ids(), holders)
-        assert s.pool.free_ids + len(holders) == b.n_seq_max
+        live = live_seq_ids(b) - self.foreign
+        assert live <= holders, (live, holders)
+        assert s.pool.free_ids + len(holders) == caps.max_seqs
         assert len(s.running) <= s.max_running
         assert all(e.seq_id == k for k, e in s.cache.parked.items())
         for q in s.running:
@@ -101,9 +132,9 @@ class Harness:
         for r in self.results.values():
             assert r.finishes == 1, (r.seq.request_id, r.finishes)
         self.sched.cache.clear()
-        assert self.sched.pool.used == 0 and self.backend.used_cells == 0
-        assert self.sched.pool.free_ids == self.backend.n_seq_max
-        assert not self.backend.live_seq_ids()
+        assert self.sched.pool.used == 0 and used_cells(self.backend) == self.foreign_cells()
+        assert self.sched.pool.free_ids == self.backend.capabilities.max_seqs
+        assert not live_seq_ids(self.backend) - self.foreign
 
 
 def alone(prompt, max_tokens, eog_every=0, **kw) -> list[int]:
