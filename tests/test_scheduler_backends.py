@@ -192,10 +192,9 @@ def test_request_that_cannot_fit_fails_alone(backend):
         backend.kv_remove(N_SEQ - 1)
 
 
-@pytest.mark.xfail(strict=True, reason="scheduler livelock: after a KVFullError beside a running "
-                   "request the victim is re-admitted at once (our accounting still says it fits), "
-                   "and every step overflows again")
 def test_request_that_cannot_fit_beside_a_running_one_fails_alone():
+    """A KVFullError while another request runs: the victim waits until the running one finishes,
+    then fails alone; it used to be re-admitted at once and every step overflowed (a livelock)."""
     backend = FakeBackend(n_ctx=N_CTX, n_batch=N_BATCH, n_seq_max=N_SEQ)
     small_prompt = tokens(backend, QUESTIONS[4])
     h = ballast_harness(backend, small_prompt)
@@ -205,3 +204,4 @@ def test_request_that_cannot_fit_beside_a_running_one_fails_alone():
     big = h.submit(tokens(backend, (PREFIX * 3)[:400]), max_tokens=10, ignore_eos=True)
     h.run(max_steps=500)
     assert small.finish_reason == "length" and big.finish_reason == "error"
+    assert "context memory is exhausted" in big.seq.error

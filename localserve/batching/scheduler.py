@@ -69,6 +69,11 @@ class Scheduler:
         self.preemptions = 0
         self.updates: list[Sequence] = []  # sequences with output for the engine to deliver
         self._next_timeout_check = 0.0
+        # Set when a decode found the backend fuller than our books and a sequence was preempted
+        # for it: no admissions while others run, until one of them finishes. Without it the victim
+        # came straight back (the books still said it fits), the next decode overflowed again, and
+        # the engine spun forever on steps that never progress.
+        self._hold_admissions = False
         # Called once per sequence when it leaves its lane's queue for good (started or finished
         # while waiting): the engine bounds its queues with that count.
         self._on_dequeue = on_dequeue or (lambda seq: None)
@@ -215,6 +220,7 @@ class Scheduler:
             return
         if len(self.running) > 1:
             self._preempt(max(self.running, key=self.key), park=False)
+            self._hold_admissions = True
         elif self.running:
             self.finish(self.running[0], "error", "the model's context memory is exhausted")
 
@@ -233,6 +239,7 @@ class Scheduler:
         if seq.status is Status.RUNNING:
             self.running.remove(seq)
             self._park_or_release(seq)
+            self._hold_admissions = False  # its cells are free: what was held back may fit now
         else:
             self.lanes.remove(seq)
             self._dequeued(seq)
@@ -292,6 +299,8 @@ class Scheduler:
     def _admit(self, prefillers: list[Sequence], budget: int) -> None:
         """Move waiting sequences into the running set (appending them to `prefillers`) while
         their prompts fit the KV cache and this step has budget their prompts could use."""
+        if self._hold_admissions and self.running:
+            return
         demand = sum(s.pending for s in prefillers)
         while len(self.running) < self.max_running:
             seq = self.lanes.peek(self.step)
