@@ -261,7 +261,7 @@ def test_explicit_onnx_is_obeyed_and_its_load_says_what_is_missing(tmp_path, smo
     plan = models.plan_model(model, settings)
     assert (plan.choice.backend, plan.choice.execution_provider) == ("onnx", "VitisAIExecutionProvider")
     assert "backend onnx requested by env LOCALSERVE_BACKEND" in plan.choice.reason
-    with pytest.raises(BackendError, match="not a dynamic-flavour export of localserve convert"):
+    with pytest.raises(BackendError, match="not an export of localserve convert"):
         models.load_engine(model, settings)  # the test folder holds no converted graph
     # A corrupt folder is reported as such before the backend question.
     (model.variants["onnx"].path / "model.onnx").write_bytes(b"\x08\x08")
