@@ -38,6 +38,15 @@ EXPECTED = {
          ("AMD", "AMD GPU [1002:164e]", "integrated", 512 * MiB, ["ROCm", "Vulkan"], "gfx1036")],
         [],
     ),
+    # Recorded on a real cloud VM (tests/fixtures/hw/record_linux.sh): no nvidia-drm, so no
+    # /sys/class/drm at all; the GPU is known from nvidia-smi alone. AMX is in the flags.
+    "linux_h200": (
+        "Intel(R) Xeon(R) Processor", 16, 16,
+        ["SSE4.2", "AVX", "AVX2", "FMA", "F16C", "AVX-VNNI", "AVX-512", "AVX512-VNNI", "AVX512-BF16", "AMX"],
+        131_981_020 * 1024,
+        [("NVIDIA", "NVIDIA H200", "discrete", 143771 * MiB, ["CUDA", "Vulkan"], "9.0")],
+        [],
+    ),
     "linux_amd": (
         "AMD Ryzen 7 8700G w/ Radeon 780M Graphics", 8, 16,
         ["SSE4.2", "AVX", "AVX2", "FMA", "F16C", "AVX-512", "AVX512-VNNI", "AVX512-BF16"], 32_012_345 * 1024,

@@ -36,6 +36,9 @@ KEEP = object()  # keep the fixture's recorded runtimes
 
 # case, variants, llama build (offload, apis), onnx providers, estimate -> backend, device, n_gpu_layers, EP, reason part
 TABLE = [
+    # NVIDIA H200 (141 GiB), recorded on a headless datacenter VM: nvidia-smi only, no /sys/class/drm.
+    ("linux_h200", ["gguf"], KEEP, KEEP, BIG, "llamacpp", "gpu:0", -1, None, "all layers on NVIDIA H200"),
+    ("linux_h200", ["gguf"], (False, []), KEEP, BIG, "llamacpp", "cpu", 0, None, "llama.cpp build has no GPU offload"),
     # NVIDIA RTX 4090 (24 GiB), CUDA build.
     ("linux_nvidia", ["gguf"], KEEP, KEEP, SMALL, "llamacpp", "gpu:0", -1, None, "all layers on NVIDIA GeForce RTX 4090"),
     ("linux_nvidia", ["gguf"], KEEP, KEEP, BIG, "llamacpp", "gpu:0", 40, None, "40/80 layers on NVIDIA GeForce RTX 4090"),
