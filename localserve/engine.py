@@ -22,7 +22,7 @@ from typing import Callable, Generator
 from .backends import sampler_thread
 from .backends.base import Backend, Sampler
 from .batching.limits import EngineLimits
-from .requests import LANES, GenerationEvent, GenerationRequest
+from .requests import LANES, GenerationEvent, GenerationRequest, check_request
 from .batching.scheduler import Scheduler
 from .batching.sequence import Sequence
 from .engine_api import EngineStats, ModelInfo
@@ -332,7 +332,7 @@ class Engine:
         if not updates:
             return
         self.scheduler.updates = []
-        by_loop: dict[asyncio.AbstractEventLoop, list] = {}
+        items = []
         n_finished = 0
         for seq in updates:
             event = seq.take_event()
@@ -342,14 +342,10 @@ class Engine:
                 n_finished += 1
                 self._n_cancelled += event.finish_reason == "cancelled"
                 self._active.pop(seq.request_id, None)
-            by_loop.setdefault(seq.stream.loop, []).append((seq.stream, event))
+            items.append((seq.stream, event))
         if n_finished:
             self._rates.finished(n_finished)
-        for loop, items in by_loop.items():
-            try:
-                loop.call_soon_threadsafe(_put_all, items)
-            except RuntimeError:  # that loop is closed: its client is gone
-                pass
+        post_events(items)
 
     def _take_inbox(self) -> None:
         inbox = self._inbox
@@ -423,25 +419,7 @@ class Engine:
 
     # --- helpers ---------------------------------------------------------------------------
     def _validate(self, request: GenerationRequest) -> None:
-        n = len(request.prompt_tokens)
-        if n == 0:
-            raise InvalidRequestError("the prompt is empty", param="prompt")
-        if n >= self.n_ctx_per_seq:
-            raise ContextLengthExceededError(
-                f"the prompt has {n} tokens but this model's context holds {self.n_ctx_per_seq} "
-                "tokens of prompt and completion together",
-                param="prompt",
-            )
-        if request.max_tokens < 1:
-            raise InvalidRequestError("max_tokens must be at least 1", param="max_tokens")
-        n_vocab = self._backend.info.n_vocab
-        if n_vocab and any(t < 0 or t >= n_vocab for t in request.prompt_tokens):
-            raise InvalidRequestError("the prompt contains token ids outside the vocabulary", param="prompt")
-        if request.lane not in LANES:
-            raise InvalidRequestError(f"unknown priority lane {request.lane!r}", param="priority")
-        # The bounds every entry point shares; the server checked them before loading the model, a
-        # direct caller (a benchmark, a batch runner) gets the same refusal here.
-        request.sampling.validate(n_vocab or None)
+        check_request(request, self.n_ctx_per_seq, self._backend.info.n_vocab)
 
     def _retry_after(self, queued: int) -> float:
         """Seconds until the queue has likely moved by this many requests, from recent completions."""
@@ -462,6 +440,18 @@ class Engine:
         if data is None:
             data = self._token_bytes_cache[token] = self._backend.token_to_bytes(token)
         return data
+
+
+def post_events(items: list[tuple[RequestStream, GenerationEvent]]) -> None:
+    """Hand events to the loops that own their streams, from any thread: one wakeup per loop."""
+    by_loop: dict[asyncio.AbstractEventLoop, list] = {}
+    for stream, event in items:
+        by_loop.setdefault(stream.loop, []).append((stream, event))
+    for loop, batch in by_loop.items():
+        try:
+            loop.call_soon_threadsafe(_put_all, batch)
+        except RuntimeError:  # that loop is closed: its client is gone
+            pass
 
 
 def _put_all(items: list[tuple[RequestStream, GenerationEvent]]) -> None:

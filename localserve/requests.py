@@ -12,7 +12,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Callable, Literal
 
-from .errors import InvalidRequestError
+from .errors import ContextLengthExceededError, InvalidRequestError
 
 Lane = Literal["interactive", "default", "batch"]
 LANES: tuple[Lane, ...] = ("interactive", "default", "batch")  # highest priority first
@@ -144,3 +144,27 @@ class GenerationEvent:
     finish_reason: FinishReason | None = None
     usage: Usage | None = None
     error: str | None = None  # set with finish_reason="error"; safe to show a client
+
+
+def check_request(request: GenerationRequest, n_ctx_per_seq: int, n_vocab: int) -> None:
+    """The refusals every engine applies at submit, before any work: InvalidRequestError or
+    ContextLengthExceededError (400s) naming the field. Shared by engine.Engine and the
+    onnxruntime-genai engine, so both refuse alike."""
+    n = len(request.prompt_tokens)
+    if n == 0:
+        raise InvalidRequestError("the prompt is empty", param="prompt")
+    if n >= n_ctx_per_seq:
+        raise ContextLengthExceededError(
+            f"the prompt has {n} tokens but this model's context holds {n_ctx_per_seq} "
+            "tokens of prompt and completion together",
+            param="prompt",
+        )
+    if request.max_tokens < 1:
+        raise InvalidRequestError("max_tokens must be at least 1", param="max_tokens")
+    if n_vocab and any(t < 0 or t >= n_vocab for t in request.prompt_tokens):
+        raise InvalidRequestError("the prompt contains token ids outside the vocabulary", param="prompt")
+    if request.lane not in LANES:
+        raise InvalidRequestError(f"unknown priority lane {request.lane!r}", param="priority")
+    # The bounds every entry point shares; the server checked them before loading the model, a
+    # direct caller (a benchmark, a batch runner) gets the same refusal here.
+    request.sampling.validate(n_vocab or None)

@@ -3,15 +3,13 @@
 `convert_gguf` refuses what it cannot convert before any work (spec.py), builds the packed decoder
 graph (graph.py), streams the weights into `model.onnx.data` (weights.py) and writes the folder
 the store's `onnx` variant requires (model_dirs.py: `model.onnx` + `localserve-onnx.json`).
-The folder appears whole or not at all: everything is written into a hidden sibling that is renamed
-into place last and removed on any error or interrupt (Ctrl-C included).
+The folder appears whole or not at all (staging.py). `--oga` writes an onnxruntime-genai folder
+instead (oga.py).
 """
 
 from __future__ import annotations
 
 import json
-import os
-import shutil
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
@@ -48,7 +46,8 @@ def convert_gguf(gguf_path: Path, out_dir: Path, *, gguf_sha256: str | None = No
     shape fixed. The largest bucket's graph is model.onnx, the others model.t<T>.onnx; all of them
     read the one weights file."""
     from .graph import Dims, build_graph
-    from .weights import WeightSource, write_external
+    from .staging import staged_folder, write_graphs
+    from .weights import WeightSource
 
     gguf_path, out_dir = Path(gguf_path), Path(out_dir)
     if flavour not in ("dynamic", "static"):
@@ -62,29 +61,18 @@ def convert_gguf(gguf_path: Path, out_dir: Path, *, gguf_sha256: str | None = No
         from ..pull.verify import sha256_file
 
         gguf_sha256 = sha256_file(gguf_path)
-    partial = out_dir.parent / f".{out_dir.name}.partial-{os.getpid()}"
-    shutil.rmtree(partial, ignore_errors=True)
-    partial.mkdir(parents=True)
-    try:
+    with staged_folder(out_dir) as partial:
         weights = WeightSource(reader, spec)
         if flavour == "dynamic":
             graphs = {MODEL_FILE: build_graph(spec, weights.name, Dims())}
         else:  # S + 1 cache rows: the last is the sink the padding rows write into
             graphs = {static_graph_file(t, buckets): build_graph(spec, weights.name, Dims(t, static_slots + 1, t))
                       for t in buckets}
-        initializers = write_external(weights, partial / DATA_FILE, progress)
-        for name, model in graphs.items():
-            model.graph.initializer.extend(initializers)
-            with open(partial / name, "wb") as f:
-                f.write(model.SerializeToString())
+        write_graphs(partial, graphs, weights, DATA_FILE, progress)
         static = {"tokens": list(buckets), "slots": static_slots, "sink_rows": 1,
                   "graphs": {str(t): static_graph_file(t, buckets) for t in buckets}} if buckets else None
         meta = _meta(spec, gguf_path, gguf_sha256, flavour, static)
         (partial / META_FILE).write_text(json.dumps(meta, indent=1), encoding="utf-8")
-        os.replace(partial, out_dir)
-    except BaseException:
-        shutil.rmtree(partial, ignore_errors=True)
-        raise
     return meta
 
 
