@@ -1,6 +1,6 @@
 """Shared by the ONNX tests: the real model converted once per checkout, and tiny crafted GGUFs.
 
-`smollm2_onnx` converts the test model into .test-cache/onnx/<gguf sha>-v<converter version>, so
+`smollm2_onnx` converts the test model into .test-cache/onnx/<gguf sha>-v<converter version>-fp32, so
 the suite converts once per machine (about 10 s) and again only when the GGUF or the converter
 changes. `write_tiny_gguf` writes a random-weight llama/qwen2 GGUF with the gguf package's own
 writer (for refusals and for checking the graph against a numpy forward pass).
@@ -19,15 +19,17 @@ from localserve.backends.base import BatchToken
 from conftest import SMOLLM2_SHA256, TEST_CACHE
 
 
-def converted_smollm2(gguf: Path) -> Path:
-    """The test model's conversion in the persistent test cache (converted on first use)."""
+def converted_smollm2(gguf: Path, weights: str = "fp32") -> Path:
+    """The test model's conversion in the persistent test cache (converted on first use). The
+    suite's default is fp32 weights, the closest to llama.cpp's logits; tests of the int4 folder
+    (the CPU EP's default) ask for it."""
     from localserve.convert import CONVERTER_VERSION, convert_gguf
 
-    out = TEST_CACHE / "onnx" / f"{SMOLLM2_SHA256[:16]}-v{CONVERTER_VERSION}"
+    out = TEST_CACHE / "onnx" / f"{SMOLLM2_SHA256[:16]}-v{CONVERTER_VERSION}-{weights}"
     if not (out / "localserve-onnx.json").is_file():
         out.parent.mkdir(parents=True, exist_ok=True)
         try:
-            convert_gguf(gguf, out, gguf_sha256=SMOLLM2_SHA256)
+            convert_gguf(gguf, out, gguf_sha256=SMOLLM2_SHA256, weights=weights)
         except OSError:
             if not (out / "localserve-onnx.json").is_file():  # another run converted it meanwhile
                 raise

@@ -41,7 +41,7 @@ def _causal(n, n_slots):
 def test_graph_matches_numpy_reference(tmp_path, arch):
     weights = tiny_weights(arch, seed=1)
     gguf = write_tiny_gguf(tmp_path / "tiny.gguf", arch, weights)
-    meta = convert_gguf(gguf, tmp_path / "out")
+    meta = convert_gguf(gguf, tmp_path / "out", weights="fp32")  # int4: test_convert_nbits
     assert meta["architecture"] == arch and meta["flavour"] == "dynamic" and meta["localserve_onnx"] == 1
     ids = [3, 17, 42, 8, 8, 1, 29]
     got = _run(_session(tmp_path / "out"), ids, range(7), range(7), _causal(7, 16), range(7), 16)
@@ -54,7 +54,7 @@ def test_embeddings_output_is_every_tokens_final_norm(tmp_path):
     """`embeddings` holds each token's hidden state after the final norm (llama.cpp's per-token
     embeddings); a run asking no logits rows computes no LM head row."""
     weights = tiny_weights("llama", seed=3)
-    convert_gguf(write_tiny_gguf(tmp_path / "t.gguf", "llama", weights), tmp_path / "out")
+    convert_gguf(write_tiny_gguf(tmp_path / "t.gguf", "llama", weights), tmp_path / "out", weights="fp32")
     ids = [4, 9, 33, 2, 17]
     want = reference_hidden(weights, ids)
     logits, embd = _run(_session(tmp_path / "out"), ids, range(5), range(5), _causal(5, 8), [], 8,
@@ -67,7 +67,7 @@ def test_two_sequences_packed_in_one_run_match_separate_runs(tmp_path):
     """Sequence A (4 tokens) and B (3 tokens) side by side, interleaved slots, no padding: each
     row's logits equal the reference of its own sequence alone."""
     weights = tiny_weights("llama", seed=2)
-    convert_gguf(write_tiny_gguf(tmp_path / "t.gguf", "llama", weights), tmp_path / "out")
+    convert_gguf(write_tiny_gguf(tmp_path / "t.gguf", "llama", weights), tmp_path / "out", weights="fp32")
     a, b = [5, 6, 7, 8], [40, 41, 42]
     ids, seq, pos = a + b, [0] * 4 + [1] * 3, [0, 1, 2, 3, 0, 1, 2]
     slots = [0, 2, 4, 6, 1, 3, 5]
@@ -161,7 +161,7 @@ def test_onnx_embedder_pools_the_reference_rows(tmp_path):
     from localserve.backends.onnx_embed import OnnxEmbedder
 
     weights = tiny_weights("llama", seed=4)
-    convert_gguf(write_tiny_gguf(tmp_path / "t.gguf", "llama", weights), tmp_path / "out")
+    convert_gguf(write_tiny_gguf(tmp_path / "t.gguf", "llama", weights), tmp_path / "out", weights="fp32")
     inputs = [[3, 8, 1, 30, 7], [12], [5, 5, 6], [40, 2, 9, 9]]
     want = []
     for ids in inputs:

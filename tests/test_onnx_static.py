@@ -32,7 +32,8 @@ def static_dir(smollm2_gguf, tmp_path_factory):
     from localserve.convert import convert_gguf
 
     out = tmp_path_factory.mktemp("static") / "smol-static"
-    convert_gguf(smollm2_gguf, out, flavour="static", static_tokens=BUCKETS, static_slots=SLOTS)
+    # fp32 like the dynamic folder it is compared with (test_convert_nbits compares the int4 pair)
+    convert_gguf(smollm2_gguf, out, flavour="static", static_tokens=BUCKETS, static_slots=SLOTS, weights="fp32")
     return out
 
 

@@ -86,6 +86,7 @@ def shared_weights(graph_path: Path) -> tuple[dict[str, Any], list[np.ndarray]]:
     import onnxruntime as ort
 
     proto = onnx.load(str(graph_path), load_external_data=False)
+    dtypes = {onnx.TensorProto.FLOAT: np.float32, onnx.TensorProto.UINT8: np.uint8}  # what the converter writes
     maps: dict[str, np.memmap] = {}
     shared: dict[str, Any] = {}
     arrays: list[np.ndarray] = []
@@ -95,10 +96,11 @@ def shared_weights(graph_path: Path) -> tuple[dict[str, Any], list[np.ndarray]]:
                 continue
             ext = {e.key: e.value for e in t.external_data}
             path = graph_path.parent / ext["location"]
-            if Path(ext["location"]).name != ext["location"] or t.data_type != onnx.TensorProto.FLOAT:
+            if Path(ext["location"]).name != ext["location"] or t.data_type not in dtypes:
                 raise ValueError(ext["location"])
             data = maps.setdefault(ext["location"], np.memmap(path, dtype=np.uint8, mode="r"))
-            arrays.append(np.frombuffer(data, np.float32, int(ext["length"]) // 4, int(ext["offset"]))
+            dtype = np.dtype(dtypes[t.data_type])  # uint8: int4 folders' MatMulNBits blocks
+            arrays.append(np.frombuffer(data, dtype, int(ext["length"]) // dtype.itemsize, int(ext["offset"]))
                           .reshape(tuple(t.dims)))
             shared[t.name] = ort.OrtValue.ortvalue_from_numpy(arrays[-1])
     except (OSError, KeyError, ValueError) as e:

@@ -7,7 +7,7 @@ import argparse
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from ..config import Settings
-from ..errors import ConfigError
+from ..errors import ConfigError, LocalserveError
 from ..store import ModelStore
 
 
@@ -21,6 +21,11 @@ def register(subparsers: argparse._SubParsersAction, common: argparse.ArgumentPa
                    help="with --static: token buckets, one graph each (default 1,16,64)")
     p.add_argument("--static-slots", type=int, default=1024, metavar="S",
                    help="with --static: KV slots of all sequences together (default 1024)")
+    from ..convert import WEIGHTS
+
+    p.add_argument("--weights", choices=WEIGHTS, default=None,
+                   help="int4: matmul weights as 4-bit MatMulNBits blocks; fp32: dequantized (default: int4 "
+                        "where the execution provider the model will run on has MatMulNBits, else fp32)")
     p.set_defaults(func=run_convert)
 
 
@@ -42,15 +47,29 @@ def run_convert(args: argparse.Namespace, settings: Settings) -> int:
     return 0
 
 
+def _default_weights() -> str:
+    """int4 or fp32 for the execution provider placement gives an ONNX model on this machine."""
+    from ..convert import default_weights
+    from ..hardware import detect_hardware
+    from ..placement import choose_backend
+
+    try:
+        ep = choose_backend(detect_hardware(), ["onnx"], prefer="onnx").execution_provider
+    except LocalserveError:  # onnxruntime not installed: the CPU's choice, like a load would fall back to
+        ep = None
+    return default_weights(ep)
+
+
 def _flavour(args: argparse.Namespace) -> dict:
     """convert_gguf's flavour options from the flags; ConfigError for bad buckets, before any work."""
     from ..convert import static_buckets
 
+    weights = {"weights": args.weights or _default_weights()}
     if not args.static:
-        return {}
+        return weights
     try:
         tokens = tuple(int(t) for t in args.static_tokens.split(","))
         static_buckets(tokens, args.static_slots)
     except ValueError as e:
         raise ConfigError(f"--static-tokens/--static-slots: {e}") from None
-    return {"flavour": "static", "static_tokens": tokens, "static_slots": args.static_slots}
+    return {"flavour": "static", "static_tokens": tokens, "static_slots": args.static_slots, **weights}

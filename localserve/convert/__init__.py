@@ -16,7 +16,7 @@ from typing import Any, Callable, Sequence
 from .spec import SUPPORTED_ARCHS, SUPPORTED_TYPES, ModelSpec, UnsupportedModelError, open_reader, read_spec
 
 # Bump when the graph or its inputs change: cached conversions keyed by it are then redone.
-CONVERTER_VERSION = 2  # 2: the embeddings output
+CONVERTER_VERSION = 3  # 2: the embeddings output; 3: weights int4 (MatMulNBits) or fp32
 MODEL_FILE = "model.onnx"
 DATA_FILE = "model.onnx.data"
 META_FILE = "localserve-onnx.json"
@@ -26,8 +26,21 @@ META_VERSION = 1  # model_dirs.ONNX_META_VERSION
 # rows than it has tokens (backends/onnx_static.py picks the bucket per run).
 STATIC_BUCKETS = (1, 16, 64)
 
-__all__ = ["CONVERTER_VERSION", "STATIC_BUCKETS", "SUPPORTED_ARCHS", "SUPPORTED_TYPES", "ModelSpec",
-           "UnsupportedModelError", "convert_gguf", "check_convertible", "static_buckets"]
+# Execution providers with a com.microsoft.MatMulNBits kernel (research notes §3.5: CPU ran it, DirectML
+# has DmlOperatorMatMulNBits, QNN lists it; CUDA ships the contrib kernel). The others (OpenVINO,
+# VitisAI, CoreML, MIGraphX...) are not known to: they get float weights, not a graph they might
+# hand back to the CPU node by node.
+WEIGHTS = ("int4", "fp32")  # convert_gguf's `weights`, the CLI's --weights
+NBITS_PROVIDERS = ("CPUExecutionProvider", "CUDAExecutionProvider", "DmlExecutionProvider", "QNNExecutionProvider")
+
+__all__ = ["CONVERTER_VERSION", "NBITS_PROVIDERS", "STATIC_BUCKETS", "SUPPORTED_ARCHS", "SUPPORTED_TYPES", "WEIGHTS",
+           "ModelSpec", "UnsupportedModelError", "convert_gguf", "check_convertible", "default_weights",
+           "static_buckets"]
+
+
+def default_weights(execution_provider: str | None) -> str:
+    """"int4" where the EP (None: the CPU's) runs MatMulNBits, else "fp32"."""
+    return "int4" if (execution_provider or "CPUExecutionProvider") in NBITS_PROVIDERS else "fp32"
 
 
 def check_convertible(gguf_path: Path) -> ModelSpec:
@@ -37,8 +50,12 @@ def check_convertible(gguf_path: Path) -> ModelSpec:
 
 def convert_gguf(gguf_path: Path, out_dir: Path, *, gguf_sha256: str | None = None,
                  flavour: str = "dynamic", static_tokens: int | Sequence[int] = STATIC_BUCKETS,
-                 static_slots: int = 1024, progress: Callable[[int, int], None] | None = None) -> dict[str, Any]:
+                 static_slots: int = 1024, weights: str | None = None, execution_provider: str | None = None,
+                 progress: Callable[[int, int], None] | None = None) -> dict[str, Any]:
     """Convert `gguf_path` into the new folder `out_dir`; returns its localserve-onnx.json.
+
+    weights "int4": matmul weights as MatMulNBits blocks (nbits.py); "fp32": dequantized; None:
+    default_weights(execution_provider), the EP the folder will run on.
 
     flavour "dynamic": T, S and R are free (the packed graph in model.onnx); "static": one graph per
     bucket T in `static_tokens` (T tokens per run, padded by the caller; R = T logits rows), each
@@ -52,6 +69,9 @@ def convert_gguf(gguf_path: Path, out_dir: Path, *, gguf_sha256: str | None = No
     gguf_path, out_dir = Path(gguf_path), Path(out_dir)
     if flavour not in ("dynamic", "static"):
         raise ValueError(f"flavour must be 'dynamic' or 'static' (got {flavour!r})")
+    weights = weights or default_weights(execution_provider)
+    if weights not in WEIGHTS:
+        raise ValueError(f"weights must be one of {', '.join(WEIGHTS)} (got {weights!r})")
     buckets = static_buckets(static_tokens, static_slots) if flavour == "static" else ()
     if out_dir.exists():
         raise FileExistsError(f"{out_dir.name} already exists")
@@ -62,16 +82,17 @@ def convert_gguf(gguf_path: Path, out_dir: Path, *, gguf_sha256: str | None = No
 
         gguf_sha256 = sha256_file(gguf_path)
     with staged_folder(out_dir) as partial:
-        weights = WeightSource(reader, spec)
+        source = WeightSource(reader, spec, weights)
         if flavour == "dynamic":
-            graphs = {MODEL_FILE: build_graph(spec, weights.name, Dims())}
+            graphs = {MODEL_FILE: build_graph(spec, source.name, Dims(), source.nbits)}
         else:  # S + 1 cache rows: the last is the sink the padding rows write into
-            graphs = {static_graph_file(t, buckets): build_graph(spec, weights.name, Dims(t, static_slots + 1, t))
+            graphs = {static_graph_file(t, buckets): build_graph(spec, source.name, Dims(t, static_slots + 1, t),
+                                                                 source.nbits)
                       for t in buckets}
-        write_graphs(partial, graphs, weights, DATA_FILE, progress)
+        write_graphs(partial, graphs, source, DATA_FILE, progress)
         static = {"tokens": list(buckets), "slots": static_slots, "sink_rows": 1,
                   "graphs": {str(t): static_graph_file(t, buckets) for t in buckets}} if buckets else None
-        meta = _meta(spec, gguf_path, gguf_sha256, flavour, static)
+        meta = _meta(spec, gguf_path, gguf_sha256, flavour, static, source.describe())
         (partial / META_FILE).write_text(json.dumps(meta, indent=1), encoding="utf-8")
     return meta
 
@@ -92,7 +113,7 @@ def static_buckets(tokens: int | Sequence[int], slots: int) -> tuple[int, ...]:
 
 
 def _meta(spec: ModelSpec, gguf_path: Path, sha: str, flavour: str,
-          static: dict[str, Any] | None) -> dict[str, Any]:
+          static: dict[str, Any] | None, weights: dict[str, Any]) -> dict[str, Any]:
     n_params = spec.n_layer * (spec.n_embd * (spec.n_head + 2 * spec.n_head_kv) * spec.head_dim
                                + spec.n_embd * spec.n_embd + 3 * spec.n_embd * spec.n_ff + 2 * spec.n_embd)
     n_params += spec.n_vocab * spec.n_embd * (1 if spec.tied_embeddings else 2) + spec.n_embd
@@ -108,5 +129,5 @@ def _meta(spec: ModelSpec, gguf_path: Path, sha: str, flavour: str,
         "context_length": spec.n_ctx_train,
         "n_layer": spec.n_layer, "n_embd": spec.n_embd, "n_head": spec.n_head, "n_head_kv": spec.n_head_kv,
         "head_dim": spec.head_dim, "n_vocab": spec.n_vocab, "n_params": n_params,
-        "weights": "float32",
+        **weights,
     }

@@ -32,6 +32,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper
 
+from .nbits import Layout
 from .spec import ModelSpec
 
 OPSET = 17  # DirectML runs opsets up to 17 well (research notes); nothing here needs newer
@@ -79,11 +80,26 @@ def rope_tables(spec: ModelSpec, factors: np.ndarray | None) -> tuple[np.ndarray
     return np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32)
 
 
-def build_graph(spec: ModelSpec, weight: Callable[[str], str], dims: Dims = Dims()) -> onnx.ModelProto:
+def build_graph(spec: ModelSpec, weight: Callable[[str], str], dims: Dims = Dims(),
+                nbits: Callable[[str], Layout | None] = lambda key: None) -> onnx.ModelProto:
     """The decoder graph. `weight(name)` returns the initializer name holding the prepared tensor
     `name` (weights.py writes them: MatMul weights pre-transposed to [in, out], q/k/v and
-    gate/up concatenated, rope tables as rope.cos / rope.sin)."""
+    gate/up concatenated, rope tables as rope.cos / rope.sin). `nbits(name)` is the MatMulNBits
+    layout of a matmul weight (then `name.codes`, `name.scales` and `name.zero_points` are its
+    inputs, nbits.py) or None for a float MatMul."""
     g = _Nodes()
+
+    def linear(x: str, key: str, k: int, n: int, out: str | None = None) -> str:
+        """x [T, k] times the weight `key` (k -> n), into `out` (default: a name of its own)."""
+        layout, out = nbits(key), out or f"linear.{key}"
+        if layout is None:
+            g.nodes.append(helper.make_node("MatMul", [x, weight(key)], [out]))
+        else:
+            parts = ("codes", "scales") + (("zero_points",) if layout.zero_points else ())
+            g.nodes.append(helper.make_node("MatMulNBits", [x] + [weight(f"{key}.{part}") for part in parts],
+                                            [out], domain=MS_DOMAIN, **layout.attrs(k, n)))
+        return out
+
     s = spec
     kv, hd, groups = s.n_head_kv, s.head_dim, s.n_head // s.n_head_kv
     T, S, R = dims.tokens, dims.slots, dims.rows
@@ -123,7 +139,7 @@ def build_graph(spec: ModelSpec, weight: Callable[[str], str], dims: Dims = Dims
             inputs.append(helper.make_tensor_value_info(f"cache.{i}.{kind}", TensorProto.FLOAT, [kv, S, hd]))
             outputs.append(helper.make_tensor_value_info(f"cache_out.{i}.{kind}", TensorProto.FLOAT, [kv, S, hd]))
         h = g.one("SimplifiedLayerNormalization", [x, weight(p + "attn_norm")], axis=-1, epsilon=s.rms_eps)
-        qkv = g.one("MatMul", [h, weight(p + "attn_qkv")])
+        qkv = linear(h, p + "attn_qkv", s.n_embd, (s.n_head + 2 * kv) * hd)
         if s.qkv_bias:
             qkv = g.one("Add", [qkv, weight(p + "attn_qkv.bias")])
         q, k, v = g("Split", [qkv, split_qkv], 3, axis=1)
@@ -146,12 +162,12 @@ def build_graph(spec: ModelSpec, weight: Callable[[str], str], dims: Dims = Dims
         probs = g.one("Reshape", [g.one("Softmax", [scores], axis=-1), shape_kts])
         o = g.one("MatMul", [probs, new["value"]])  # [kv, T*G, hd]
         o = g.one("Transpose", [g.one("Reshape", [o, shape_ktgh])], perm=[1, 0, 2, 3])  # [T, kv, G, hd]
-        o = g.one("MatMul", [g.one("Reshape", [o, shape_td]), weight(p + "attn_output")])
+        o = linear(g.one("Reshape", [o, shape_td]), p + "attn_output", s.n_head * hd, s.n_embd)
         x = g.one("Add", [x, o])
         h = g.one("SimplifiedLayerNormalization", [x, weight(p + "ffn_norm")], axis=-1, epsilon=s.rms_eps)
-        gate, up = g("Split", [g.one("MatMul", [h, weight(p + "ffn_gate_up")]), split_ff], 2, axis=1)
+        gate, up = g("Split", [linear(h, p + "ffn_gate_up", s.n_embd, 2 * s.n_ff), split_ff], 2, axis=1)
         act = g.one("Mul", [g.one("Mul", [gate, g.one("Sigmoid", [gate])]), up])  # SiLU(gate) * up
-        x = g.one("Add", [x, g.one("MatMul", [act, weight(p + "ffn_down")])])
+        x = g.one("Add", [x, linear(act, p + "ffn_down", s.n_ff, s.n_embd)])
 
     def final_norm(rows: str, out: str | None = None) -> str:
         name = out or f"final_norm_{rows}"
@@ -159,9 +175,12 @@ def build_graph(spec: ModelSpec, weight: Callable[[str], str], dims: Dims = Dims
                                         axis=-1, epsilon=s.rms_eps))
         return name
 
-    # The LM head reads the [vocab, width] matrix transposed: tied models reuse the embedding table.
+    # A float LM head reads the [vocab, width] matrix transposed: tied models reuse the embedding table.
     head_rows = final_norm(g.one("Gather", [x, "logits_idx"], axis=0))
-    g.nodes.append(helper.make_node("Gemm", [head_rows, weight("output")], ["logits"], transB=1))
+    if nbits("output") is None:
+        g.nodes.append(helper.make_node("Gemm", [head_rows, weight("output")], ["logits"], transB=1))
+    else:
+        linear(head_rows, "output", s.n_embd, s.n_vocab, out="logits")
     outputs.append(helper.make_tensor_value_info("embeddings", TensorProto.FLOAT, [T, s.n_embd]))
     final_norm(x, "embeddings")
     graph = helper.make_graph(g.nodes, "localserve-decoder", inputs, outputs, initializer=g.inits)
