@@ -85,6 +85,35 @@ def _check_onnx_graph(path: Path) -> None:
         raise ModelDirError(f"{path.name} is not an ONNX model (empty or not a serialized ModelProto)")
 
 
+_MAX_GRAPH_PARSE = 64 << 20  # larger graphs embed their weights and name no external files
+
+
+def _check_external_data(graph: Path) -> None:
+    """Every external-data file the graph names exists beside it and holds the bytes it points at,
+    so a folder copied without its (multi-GB) weights file is refused at add, not at first load.
+    Skipped when onnx is not installed (the graph was still checked to be a ModelProto)."""
+    if graph.stat().st_size > _MAX_GRAPH_PARSE:
+        return
+    try:
+        import onnx
+        from onnx.external_data_helper import ExternalDataInfo, _get_all_tensors, uses_external_data
+    except ImportError:
+        return
+    try:
+        model = onnx.load(str(graph), load_external_data=False)
+    except Exception as e:  # noqa: BLE001 - onnx raises DecodeError and others for a bad file
+        raise ModelDirError(f"{graph.name} is not a readable ONNX model ({type(e).__name__})") from None
+    sizes: dict[str, int] = {}
+    for tensor in _get_all_tensors(model):
+        if not uses_external_data(tensor):
+            continue
+        info = ExternalDataInfo(tensor)
+        location = _inside(graph.parent, info.location, f"{graph.name}'s external data")
+        size = sizes.setdefault(info.location, location.stat().st_size)
+        if (info.offset or 0) + (info.length or 0) > size:
+            raise ModelDirError(f"{info.location} is shorter than {graph.name} says (truncated?)")
+
+
 def check_layout(directory: Path, kind: str) -> dict[str, Any]:
     """Raise ModelDirError unless `directory` holds every file `kind` requires; returns the
     metadata (localserve-onnx.json or genai_config.json) for the manifest."""
@@ -110,7 +139,9 @@ def check_layout(directory: Path, kind: str) -> dict[str, Any]:
         decoder = (config.get("model") or {}).get("decoder") if isinstance(config.get("model"), dict) else None
         if not isinstance(decoder, dict) or "filename" not in decoder:
             raise ModelDirError(f"{OGA_CONFIG_FILE}: model.decoder.filename is missing")
-        _check_onnx_graph(_inside(directory, decoder["filename"], f"{OGA_CONFIG_FILE} model.decoder.filename"))
+        graph = _inside(directory, decoder["filename"], f"{OGA_CONFIG_FILE} model.decoder.filename")
+        _check_onnx_graph(graph)
+        _check_external_data(graph)
         _inside(directory, OGA_TOKENIZER_FILE, "the tokenizer")
         return {"model_type": (config.get("model") or {}).get("type")}
     raise ModelDirError(f"unknown model folder kind {kind!r}")

@@ -1,4 +1,5 @@
-"""`localserve convert MODEL[:TAG]`: turn an installed GGUF into the tag's ONNX variant (offline)."""
+"""`localserve convert MODEL[:TAG]`: turn an installed GGUF into the tag's ONNX (or, with --oga,
+onnxruntime-genai) variant (offline)."""
 
 from __future__ import annotations
 
@@ -15,6 +16,8 @@ def register(subparsers: argparse._SubParsersAction, common: argparse.ArgumentPa
     p = subparsers.add_parser("convert", parents=[common],
                               help="convert an installed GGUF model to ONNX for the onnx backend")
     p.add_argument("model", help="NAME[:TAG] of an installed model")
+    p.add_argument("--oga", action="store_true",
+                   help="write an onnxruntime-genai folder (served by OGA's own engine; the onnx-genai extra)")
     p.add_argument("--static", action="store_true",
                    help="fixed shapes for NPU execution providers (default: the dynamic packed graph)")
     p.add_argument("--static-tokens", default="1,16,64", metavar="T,T,..",
@@ -33,7 +36,9 @@ def run_convert(args: argparse.Namespace, settings: Settings) -> int:
     from ..convert.install import convert_installed
 
     store = ModelStore(settings)
-    flavour = _flavour(args)
+    if args.oga and args.static:
+        raise ConfigError("--oga and --static are different outputs; choose one")
+    flavour = {"oga": True} if args.oga else _flavour(args)
     model = store.find(args.model)
     columns = (TextColumn("converting {task.description}"), BarColumn(), MofNCompleteColumn(),
                TextColumn("tensors"), TimeElapsedColumn())
@@ -41,8 +46,9 @@ def run_convert(args: argparse.Namespace, settings: Settings) -> int:
         task = bar.add_task(model.ref, total=None)
         model = convert_installed(store, model, lambda done, total: bar.update(task, completed=done, total=total),
                                   **flavour)
-    v = model.variants["onnx"]
-    print(f"converted {model.ref}: onnx variant ({len(v.files)} files, {v.size / 2**20:.0f} MiB, "
+    kind = "oga" if args.oga else "onnx"
+    v = model.variants[kind]
+    print(f"converted {model.ref}: {kind} variant ({len(v.files)} files, {v.size / 2**20:.0f} MiB, "
           f"sha256 {(v.sha256 or '?')[:12]}…)")
     return 0
 
