@@ -74,9 +74,13 @@ def _load_onnx(installed: "InstalledModel", variant: "StoredVariant", plan: "Mod
     variant.verify(installed.ref)  # a corrupt folder is named as such, before any backend question
     if (why_not := _onnx_missing()) is not None:
         raise BackendError(f"{installed.ref}: {why_not}")
-    if variant.format != "onnx":
-        raise BackendError(f"{installed.ref}: onnxruntime-genai folders are not served yet; "
-                           "convert the GGUF instead (localserve convert)")
+    if variant.format == "oga":  # served by onnxruntime-genai's own engine, not our scheduler
+        if importlib.util.find_spec("onnxruntime_genai") is None:
+            raise BackendError(f"{installed.ref}: onnxruntime-genai is not installed "
+                               "(pip install 'localserve[onnx-genai]')")
+        from ..oga.loader import load_oga_engine
+
+        return load_oga_engine(installed, variant, plan, settings)
     from .onnx_loader import load_onnx_engine
 
     return load_onnx_engine(installed, variant, plan, settings)
