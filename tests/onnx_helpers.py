@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import os
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 import pytest
@@ -26,12 +27,18 @@ def converted_smollm2(gguf: Path, weights: str = "fp32") -> Path:
     from localserve.convert import CONVERTER_VERSION, convert_gguf
 
     out = TEST_CACHE / "onnx" / f"{SMOLLM2_SHA256[:16]}-v{CONVERTER_VERSION}-{weights}"
-    if not (out / "localserve-onnx.json").is_file():
+    return cached_folder(out, "localserve-onnx.json",
+                         lambda dest: convert_gguf(gguf, dest, gguf_sha256=SMOLLM2_SHA256, weights=weights))
+
+
+def cached_folder(out: Path, marker: str, convert: Callable[[Path], object]) -> Path:
+    """`out`, made by `convert(out)` unless it already holds `marker` (a finished conversion)."""
+    if not (out / marker).is_file():
         out.parent.mkdir(parents=True, exist_ok=True)
         try:
-            convert_gguf(gguf, out, gguf_sha256=SMOLLM2_SHA256, weights=weights)
+            convert(out)
         except OSError:
-            if not (out / "localserve-onnx.json").is_file():  # another run converted it meanwhile
+            if not (out / marker).is_file():  # another run converted it meanwhile
                 raise
     return out
 

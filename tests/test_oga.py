@@ -30,7 +30,7 @@ from localserve.errors import InvalidRequestError, ModelDirError  # noqa: E402
 from localserve.oga.loader import build_oga_engine  # noqa: E402
 from localserve.requests import GenerationRequest, SamplingParams  # noqa: E402
 from localserve.store import ModelStore  # noqa: E402
-from onnx_helpers import TINY, chat, greedy, reference_logits, tiny_weights, write_tiny_gguf  # noqa: E402
+from onnx_helpers import TINY, cached_folder, chat, greedy, reference_logits, tiny_weights, write_tiny_gguf  # noqa: E402
 from server_harness import LiveServer, server_settings  # noqa: E402
 
 PROMPTS = ["What is the capital of France?", "Write a haiku about the sea.", "List three prime numbers.",
@@ -40,15 +40,9 @@ GREEDY = SamplingParams(temperature=0.0)
 
 
 def converted_smollm2_oga(gguf: Path) -> Path:
+    """The test model's OGA folder in the persistent test cache (converted on first use, 9 s)."""
     out = TEST_CACHE / "oga" / f"{SMOLLM2_SHA256[:16]}-v{OGA_CONVERTER_VERSION}"
-    if not (out / "genai_config.json").is_file():
-        out.parent.mkdir(parents=True, exist_ok=True)
-        try:
-            convert_gguf_oga(gguf, out)
-        except OSError:
-            if not (out / "genai_config.json").is_file():  # another run converted it meanwhile
-                raise
-    return out
+    return cached_folder(out, "genai_config.json", lambda dest: convert_gguf_oga(gguf, dest))
 
 
 @pytest.fixture(scope="module")
