@@ -24,6 +24,7 @@ flavour NPU execution providers need), from the same code.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from typing import Callable
@@ -80,6 +81,20 @@ def rope_tables(spec: ModelSpec, factors: np.ndarray | None) -> tuple[np.ndarray
     return np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32)
 
 
+def matmul(g: _Nodes, weight: Callable[[str], str], nbits: Callable[[str], Layout | None], x: str, key: str,
+           k: int, n: int, out: str | None = None) -> str:
+    """x [..., k] times the weight `key` (k -> n), into `out` (default: a name of its own): a
+    MatMul on the float weight, or MatMulNBits on its blocks when `nbits(key)` gives a layout."""
+    layout, out = nbits(key), out or f"linear.{key}"
+    if layout is None:
+        g.nodes.append(helper.make_node("MatMul", [x, weight(key)], [out]))
+    else:
+        parts = ("codes", "scales") + (("zero_points",) if layout.zero_points else ())
+        g.nodes.append(helper.make_node("MatMulNBits", [x] + [weight(f"{key}.{part}") for part in parts],
+                                        [out], domain=MS_DOMAIN, **layout.attrs(k, n)))
+    return out
+
+
 def build_graph(spec: ModelSpec, weight: Callable[[str], str], dims: Dims = Dims(),
                 nbits: Callable[[str], Layout | None] = lambda key: None) -> onnx.ModelProto:
     """The decoder graph. `weight(name)` returns the initializer name holding the prepared tensor
@@ -88,17 +103,7 @@ def build_graph(spec: ModelSpec, weight: Callable[[str], str], dims: Dims = Dims
     layout of a matmul weight (then `name.codes`, `name.scales` and `name.zero_points` are its
     inputs, nbits.py) or None for a float MatMul."""
     g = _Nodes()
-
-    def linear(x: str, key: str, k: int, n: int, out: str | None = None) -> str:
-        """x [T, k] times the weight `key` (k -> n), into `out` (default: a name of its own)."""
-        layout, out = nbits(key), out or f"linear.{key}"
-        if layout is None:
-            g.nodes.append(helper.make_node("MatMul", [x, weight(key)], [out]))
-        else:
-            parts = ("codes", "scales") + (("zero_points",) if layout.zero_points else ())
-            g.nodes.append(helper.make_node("MatMulNBits", [x] + [weight(f"{key}.{part}") for part in parts],
-                                            [out], domain=MS_DOMAIN, **layout.attrs(k, n)))
-        return out
+    linear = functools.partial(matmul, g, weight, nbits)
 
     s = spec
     kv, hd, groups = s.n_head_kv, s.head_dim, s.n_head // s.n_head_kv

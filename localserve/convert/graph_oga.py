@@ -9,17 +9,20 @@ derives each token's position from `seqlens_k`, so the graph takes no position_i
 layout OGA's own model builder writes for the CPU EP (research notes §2.5, §3.3).
 
 The weights are the packed graph's (weights.py: q/k/v and gate/up concatenated, MatMul weights
-[in, out], rope tables rope.cos / rope.sin), so both flavours share one weight writer.
+[in, out] or MatMulNBits blocks, rope tables rope.cos / rope.sin), so both share one weight writer
+and one matmul builder (graph.matmul).
 """
 
 from __future__ import annotations
 
+import functools
 from typing import Callable
 
 import onnx
 from onnx import TensorProto, helper
 
-from .graph import MS_DOMAIN, OPSET, _Nodes
+from .graph import MS_DOMAIN, OPSET, _Nodes, matmul
+from .nbits import Layout
 from .spec import ModelSpec, UnsupportedModelError
 
 # OGA's genai_config names for the graph's inputs and outputs (the model builder's conventions).
@@ -36,9 +39,12 @@ def check_oga_spec(spec: ModelSpec) -> None:
                                     "layout (GroupQueryAttention's rotary needs a multiple of 16)")
 
 
-def build_oga_graph(spec: ModelSpec, weight: Callable[[str], str]) -> onnx.ModelProto:
-    """The decoder graph; `weight(name)` names the prepared initializer, as for graph.build_graph."""
+def build_oga_graph(spec: ModelSpec, weight: Callable[[str], str],
+                    nbits: Callable[[str], Layout | None] = lambda key: None) -> onnx.ModelProto:
+    """The decoder graph; `weight(name)` names the prepared initializer and `nbits(name)` a matmul
+    weight's MatMulNBits layout (None: float), as for graph.build_graph."""
     g = _Nodes()
+    linear = functools.partial(matmul, g, weight, nbits)
     s = spec
     kv, hd = s.n_head_kv, s.head_dim
     inputs = [helper.make_tensor_value_info("input_ids", TensorProto.INT64, ["batch", "seq"]),
@@ -61,7 +67,7 @@ def build_oga_graph(spec: ModelSpec, weight: Callable[[str], str]) -> onnx.Model
         for name in present:
             outputs.append(helper.make_tensor_value_info(name, TensorProto.FLOAT, ["batch", kv, "total_seq", hd]))
         h = g.one("SimplifiedLayerNormalization", [x, weight(p + "attn_norm")], axis=-1, epsilon=s.rms_eps)
-        qkv = g.one("MatMul", [h, weight(p + "attn_qkv")])  # [B, S, (heads + 2 kv) * hd]: GQA's packed input
+        qkv = linear(h, p + "attn_qkv", s.n_embd, (s.n_head + 2 * kv) * hd)  # GQA's packed q|k|v input
         if s.qkv_bias:
             qkv = g.one("Add", [qkv, weight(p + "attn_qkv.bias")])
         attn = f"gqa_{i}"
@@ -70,15 +76,19 @@ def build_oga_graph(spec: ModelSpec, weight: Callable[[str], str]) -> onnx.Model
             [qkv, "", "", past[0], past[1], seqlens_k, total_len, weight("rope.cos"), weight("rope.sin")],
             [attn, present[0], present[1]], domain=MS_DOMAIN, num_heads=s.n_head, kv_num_heads=kv,
             do_rotary=1, rotary_interleaved=int(s.rope_interleaved)))
-        x = g.one("Add", [x, g.one("MatMul", [attn, weight(p + "attn_output")])])
+        x = g.one("Add", [x, linear(attn, p + "attn_output", s.n_head * hd, s.n_embd)])
         h = g.one("SimplifiedLayerNormalization", [x, weight(p + "ffn_norm")], axis=-1, epsilon=s.rms_eps)
-        gate, up = g("Split", [g.one("MatMul", [h, weight(p + "ffn_gate_up")]), split_ff], 2, axis=-1)
+        gate, up = g("Split", [linear(h, p + "ffn_gate_up", s.n_embd, 2 * s.n_ff), split_ff], 2, axis=-1)
         act = g.one("Mul", [g.one("Mul", [gate, g.one("Sigmoid", [gate])]), up])  # SiLU(gate) * up
-        x = g.one("Add", [x, g.one("MatMul", [act, weight(p + "ffn_down")])])
+        x = g.one("Add", [x, linear(act, p + "ffn_down", s.n_ff, s.n_embd)])
     h = g.one("SimplifiedLayerNormalization", [x, weight("output_norm")], axis=-1, epsilon=s.rms_eps)
-    # The LM head reads the [vocab, width] matrix transposed (Gemm's transB, so tied models reuse
-    # the embedding table with no second copy); Gemm is 2-D, hence the reshapes around it.
-    rows = g.one("Gemm", [g.one("Reshape", [h, c("shape_rows_d", [-1, s.n_embd])]), weight("output")], transB=1)
+    # A float LM head reads the [vocab, width] matrix transposed (Gemm's transB, so tied models
+    # reuse the embedding table with no second copy); Gemm is 2-D, hence the reshapes around it.
+    rows = g.one("Reshape", [h, c("shape_rows_d", [-1, s.n_embd])])
+    if nbits("output") is None:
+        rows = g.one("Gemm", [rows, weight("output")], transB=1)
+    else:
+        rows = linear(rows, "output", s.n_embd, s.n_vocab)
     logits_shape = g.one("Concat", [g.one("Shape", ["input_ids"]), c("vocab_dim", [s.n_vocab])], axis=0)
     g.nodes.append(helper.make_node("Reshape", [rows, logits_shape], ["logits"]))
     graph = helper.make_graph(g.nodes, "localserve-oga-decoder", inputs, outputs, initializer=g.inits)

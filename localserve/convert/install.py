@@ -22,7 +22,8 @@ def convert_installed(store: ModelStore, model: InstalledModel,
                       **flavour: Any) -> InstalledModel:
     """`model` with an `onnx` variant converted from its GGUF (refusals before any work); `flavour`
     holds convert_gguf's flavour options (flavour="static", static_tokens, static_slots). `oga`:
-    an onnxruntime-genai folder instead (convert/oga.py), stored as the tag's `oga` variant."""
+    an onnxruntime-genai folder instead (convert/oga.py; of the options only `weights` applies),
+    stored as the tag's `oga` variant."""
     gguf = model.gguf
     if gguf is None or not gguf.available:
         raise ModelNotFoundError(model.ref, message=f"model {model.ref} has no GGUF file to convert; pull it first")
@@ -33,7 +34,7 @@ def convert_installed(store: ModelStore, model: InstalledModel,
     staging = Path(tempfile.mkdtemp(prefix=".convert-", dir=store.tmp_dir()))
     try:
         if oga:
-            convert_gguf_oga(gguf.path, staging / "oga", progress=progress)
+            convert_gguf_oga(gguf.path, staging / "oga", progress=progress, weights=flavour.get("weights") or "fp32")
         else:
             convert_gguf(gguf.path, staging / "onnx", gguf_sha256=gguf.sha256, progress=progress, **flavour)
         return store.add_directory(staging / ("oga" if oga else "onnx"), model.name, model.tag)

@@ -19,7 +19,7 @@ from .spec import ModelSpec, open_reader, read_spec
 from .tokenizer_files import check_tokenizer, special_ids, tokenizer_config, tokenizer_json
 
 # Bump when the graph, the config or the tokenizer files change: cached conversions are then redone.
-OGA_CONVERTER_VERSION = 1
+OGA_CONVERTER_VERSION = 2  # 2: int4 weights possible
 MODEL_FILE = "model.onnx"
 DATA_FILE = "model.onnx.data"
 TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
@@ -34,20 +34,25 @@ def check_oga_convertible(gguf_path: Path) -> ModelSpec:
     return spec
 
 
-def convert_gguf_oga(gguf_path: Path, out_dir: Path,
+def convert_gguf_oga(gguf_path: Path, out_dir: Path, *, weights: str = "fp32",
                      progress: Callable[[int, int], None] | None = None) -> dict[str, Any]:
-    """Write the OGA folder `out_dir` (new; whole or not at all); returns its genai_config.json."""
+    """Write the OGA folder `out_dir` (new; whole or not at all); returns its genai_config.json.
+    `weights`: "fp32" (dequantized) or "int4" (MatMulNBits blocks, as the packed converter's)."""
     from .staging import staged_folder, write_graphs
+    from . import WEIGHTS
     from .weights import WeightSource
 
     gguf_path, out_dir = Path(gguf_path), Path(out_dir)
+    if weights not in WEIGHTS:
+        raise ValueError(f"weights must be one of {', '.join(WEIGHTS)} (got {weights!r})")
     if out_dir.exists():
         raise FileExistsError(f"{out_dir.name} already exists")
     spec = check_oga_convertible(gguf_path)  # every refusal happens here, before any work
     reader = open_reader(gguf_path)
     with staged_folder(out_dir) as partial:
-        weights = WeightSource(reader, spec)
-        write_graphs(partial, {MODEL_FILE: build_oga_graph(spec, weights.name)}, weights, DATA_FILE, progress)
+        source = WeightSource(reader, spec, weights)
+        graph = build_oga_graph(spec, source.name, source.nbits)
+        write_graphs(partial, {MODEL_FILE: graph}, source, DATA_FILE, progress)
         ids = special_ids(reader, gguf_path)
         config = genai_config(spec, ids)
         files = {OGA_CONFIG_FILE: config, OGA_TOKENIZER_FILE: tokenizer_json(reader),
