@@ -26,7 +26,7 @@ from localserve.convert.oga import OGA_CONVERTER_VERSION, check_oga_convertible,
 from localserve.convert.spec import UnsupportedModelError, open_reader, read_spec  # noqa: E402
 from localserve.convert.staging import write_graphs  # noqa: E402
 from localserve.convert.weights import WeightSource  # noqa: E402
-from localserve.errors import InvalidRequestError, ModelDirError  # noqa: E402
+from localserve.errors import InvalidRequestError, ModelDirError, OverloadedError  # noqa: E402
 from localserve.oga.loader import build_oga_engine  # noqa: E402
 from localserve.requests import GenerationRequest, SamplingParams  # noqa: E402
 from localserve.store import ModelStore  # noqa: E402
@@ -233,6 +233,23 @@ def test_cancel_ends_the_stream_and_frees_the_engine(engine, vocab):
     assert first.finish_reason is None and rest[-1].finish_reason == "cancelled"
     assert len(rest) < 400
     assert engine.stats().running == 0
+
+
+def test_shutdown_cancels_what_is_in_flight_and_refuses_more(oga_dir, vocab):
+    eng = build_oga_engine(oga_dir, "short-lived", max_length=512)
+
+    async def main():
+        streams = [await eng.generate(greedy_request(chat(vocab, p), 300, ignore_eos=True)) for p in PROMPTS[:2]]
+        first = [await s.__anext__() for s in streams]
+        await asyncio.to_thread(eng.shutdown)
+        ends = [[e async for e in s][-1].finish_reason for s in streams]
+        with pytest.raises(OverloadedError):
+            await eng.generate(greedy_request(chat(vocab, "hi"), 4))
+        return first, ends
+
+    first, ends = asyncio.run(main())
+    assert all(e.finish_reason is None for e in first) and ends == ["cancelled", "cancelled"]
+    assert eng.stats().running == 0
 
 
 @pytest.mark.parametrize("field, value, param", [

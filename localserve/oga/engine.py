@@ -161,7 +161,10 @@ class OgaEngine:
         finally:
             self._finish_all("cancelled")
             self._deliver()
-            del engine  # destroyed on its owner thread; it closes every request still bound to it
+            # Destroyed on its owner thread (it closes every request still bound to it), and the
+            # model with it, so an unload frees the weights without waiting for this object to go.
+            del engine
+            self._model = None
 
     def _wait(self, engine: Any) -> bool:
         """Sleep until there is work; False once shutting down."""
