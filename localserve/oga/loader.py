@@ -55,6 +55,13 @@ def _token_text(value: Any) -> str | None:
     return value if isinstance(value, str) else None
 
 
+def _provider(decoder: dict[str, Any]) -> str:
+    """The EP the folder's config asks OGA for (its first provider_options entry), else OGA's CPU."""
+    options = (decoder.get("session_options") or {}).get("provider_options") or []
+    names = [name for entry in options if isinstance(entry, dict) for name in entry]
+    return names[0] if names else "cpu"
+
+
 def build_oga_engine(folder: Path, name: str = "", *, max_length: int = MAX_LENGTH, threads: int | None = None,
                      queue_size: int = 64) -> OgaEngine:
     """A started OgaEngine for the OGA folder `folder` (what benchmarks/onnx.py calls).
@@ -91,7 +98,7 @@ def build_oga_engine(folder: Path, name: str = "", *, max_length: int = MAX_LENG
         n_params=0, chat_template=_chat_template(folder, tok_config),
         bos_token=_token_text(tok_config.get("bos_token")), eos_token=_token_text(tok_config.get("eos_token")),
         metadata={"format": "oga", "runtime": f"onnxruntime-genai {getattr(og, '__version__', '')}".strip(),
-                  "model_type": str(model_cfg.get("type") or "")},
+                  "model_type": str(model_cfg.get("type") or ""), "execution_provider": _provider(decoder)},
     )
     engine = OgaEngine(og, model, vocab, info, name=name or folder.name, n_ctx_per_seq=n_ctx, eog=eog,
                        queue_size=queue_size, seeds="dynamic_batching" in (genai.get("engine") or {}))
