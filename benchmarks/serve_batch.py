@@ -45,6 +45,8 @@ def run_batch(client: openai.OpenAI, data: bytes) -> tuple[float, int, str]:
         time.sleep(0.2)
         batch = client.batches.retrieve(batch.id)
     elapsed = time.perf_counter() - start
+    if batch.output_file_id is None:  # cancelled before any line completed
+        return elapsed, 0, batch.id
     tokens = sum(json.loads(l)["response"]["body"]["usage"]["completion_tokens"]
                  for l in client.files.content(batch.output_file_id).text.splitlines())
     return elapsed, tokens, batch.id
@@ -74,6 +76,9 @@ async def bench(url: str, model: str, args: argparse.Namespace) -> None:
     running = asyncio.create_task(asyncio.to_thread(run_batch, client, data))
     await asyncio.sleep(2)  # the batch is under way
     loaded = await probe(url, model, extra, args.seed + 200)
+    for batch in client.batches.list(limit=5):  # its work is done: do not wait for its end
+        if batch.status == "in_progress":
+            client.batches.cancel(batch.id)
     await running
     print(f"\n{args.lines} chats, {args.max_tokens} tokens out each")
     print(f"  batch API:                {b_tokens / b_s:8.1f} tok/s ({b_s:.1f} s)")
@@ -95,12 +100,15 @@ def main() -> int:
     p.add_argument("--lines", type=int, default=256)
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--localserve-env", action="append", default=[], type=lambda t: tuple(t.split("=", 1)),
+                   metavar="NAME=VALUE", help="a setting for the launched localserve (repeatable)")
     args = p.parse_args()
     if not args.launch:
         asyncio.run(bench(args.url, args.model, args))
         return 0
     with tempfile.TemporaryDirectory() as work:
-        proc, url, model = start_localserve(Path(args.model_path).resolve(), args.threads, args.sequences, Path(work))
+        proc, url, model = start_localserve(Path(args.model_path).resolve(), args.threads, args.sequences, Path(work),
+                                             dict(args.localserve_env))
         try:
             asyncio.run(wait_ready(url, "/health", proc))
             asyncio.run(bench(url, model, args))

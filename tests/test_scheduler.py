@@ -117,6 +117,28 @@ def test_interactive_request_is_not_delayed_by_a_flood_of_batch_requests():
     h.assert_drained()
 
 
+def test_batch_decoders_sit_out_the_steps_that_carry_a_better_lanes_prompt():
+    rng = random.Random(12)
+    h = Harness(FakeBackend(n_ctx=8192, n_batch=64, n_seq_max=16), max_sequences=4)
+    jobs = [h.submit(_prompt(rng, 10), max_tokens=30, ignore_eos=True, lane="batch") for _ in range(3)]
+    while any(not r.tokens for r in jobs):
+        h.step()  # the batch decodes now
+    chat = h.submit(_prompt(rng, 100), max_tokens=4, lane="interactive")  # two chunks of 64
+    prefill_steps = 0
+    while not chat.tokens:
+        fed = {seq.request_id: n for seq, n in h.step().scheduled}
+        prefill_steps += fed.get(chat.seq.request_id, 0) > 0
+        # The chat's prompt chunks run alone: no batch row lengthens the step its first token waits for.
+        assert not any(r.seq.request_id in fed for r in jobs) or chat.seq.request_id not in fed
+    assert prefill_steps == 2
+    fed = {seq.request_id: n for seq, n in h.step().scheduled}
+    assert all(fed.get(r.seq.request_id) == 1 for r in jobs)  # back with the chat's decode
+    h.run()
+    for r in [*jobs, chat]:
+        assert r.tokens == alone(r.seq.request.prompt_tokens, r.seq.request.max_tokens)
+    h.assert_drained()
+
+
 def test_batch_prompts_take_a_small_share_of_steps_while_interactive_streams_decode():
     rng = random.Random(10)
     h = Harness(FakeBackend(n_ctx=8192, n_batch=64, n_seq_max=16), max_sequences=4)
