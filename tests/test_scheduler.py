@@ -466,6 +466,25 @@ def test_batch_lane_chunks_fit_the_step_time_target():
     h.assert_drained()
 
 
+def test_a_batch_prompt_still_advances_when_the_time_target_allows_less_than_a_valid_chunk():
+    # A busy machine measured 36 ms a prompt token: the 50 ms target allows one token, raised to
+    # min_chunk (2). A 3-token prompt cannot be cut into 2 + a lone 1 (min_chunk), so it got no
+    # chunk at all; with only such prompts running nothing was fed and the engine spun without a
+    # step (seen: 15 million empty steps on a daemon's warm-up batch).
+    h = Harness(FakeBackend(n_ctx=4096, n_batch=64, n_seq_max=8, min_chunk=2), max_sequences=4)
+    _frozen_clock(h, 0.008, 0.036)
+    assert h.sched.clock.prompt_tokens_within(64) == 1
+    jobs = [h.submit([5 + i, 6, 7], max_tokens=3, lane="batch") for i in range(3)]
+    for _ in range(50):
+        if all(r.finish_reason for r in jobs):
+            break
+        h.step()
+    assert all(r.finish_reason == "length" for r in jobs)
+    for r in jobs:
+        assert r.tokens == alone(r.seq.request.prompt_tokens, 3)
+    h.assert_drained()
+
+
 def test_no_time_target_before_any_step_is_measured_or_when_it_is_off():
     from localserve.batching.step_clock import StepClock
 

@@ -136,7 +136,13 @@ class Scheduler:
             background = seq.request.lane == "batch"
             if background:
                 room = min(room, background_room)
-            n = self._reserve(seq, self.caps.chunk(seq.pending, room), unscheduled, shrink=True)
+            want = self.caps.chunk(seq.pending, room)
+            if not want and background:
+                # The time target is soft by less than min_chunk: a 3-token prompt under a 2-token
+                # room has no valid cut (2 + a lone 1), and with only such prompts running nothing
+                # was fed at all and the engine spun on empty steps.
+                want = self.caps.chunk(seq.pending, min(budget, room + min_chunk - 1))
+            n = self._reserve(seq, want, unscheduled, shrink=True)
             if n:
                 feeds.append((seq, n))
                 unscheduled.discard(id(seq))
@@ -145,6 +151,14 @@ class Scheduler:
                     worse_share -= n
                 if background:
                     background_room -= n
+        if not feeds and prefillers and prefillers[0].status is Status.RUNNING:
+            # Never an empty step while prompts wait: the engine would spin on it for ever. The
+            # rules above should not allow it; this keeps a mistake in them from hanging the daemon.
+            seq = prefillers[0]
+            log.warning("no tokens scheduled for %d running sequences; feeding %s", len(self.running), seq.request_id)
+            n = self._reserve(seq, self.caps.chunk(seq.pending, budget), unscheduled, shrink=True)
+            if n:
+                feeds.append((seq, n))
         feeds = self._sit_out(feeds, {id(seq) for seq in decoders})
         if self.caps.consecutive_ids:
             # Ids are final only now (finishes, preemptions and adoptions leave holes).
