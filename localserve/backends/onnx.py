@@ -52,15 +52,17 @@ def _read_meta(model_dir: Path) -> dict:
     return meta
 
 
-def open_session(path: Path, n_threads: int, providers: Sequence[str], shared: dict | None = None):
+def open_session(path: Path, n_threads: int, providers: Sequence[str], shared: dict | None = None,
+                 prepack: bool = False):
     """An onnxruntime session for one graph file; BackendError (no host path) when it cannot load.
-    `shared`: initializer name -> OrtValue used in place of the file's (onnx_static.shared_weights)."""
+    `shared`: initializer name -> OrtValue used in place of the file's (onnx_static.shared_weights),
+    unpacked unless `prepack`."""
     import onnxruntime as ort
 
     opts = ort.SessionOptions()
     for name, value in (shared or {}).items():
         opts.add_initializer(name, value)
-    if shared:  # prepacking would give each session its own packed copy of every weight
+    if shared and not prepack:  # prepacking would give each session its own packed copy of every weight
         opts.add_session_config_entry("session.disable_prepacking", "1")
     opts.intra_op_num_threads = n_threads
     opts.inter_op_num_threads = 1

@@ -138,7 +138,11 @@ class StaticOnnxBackend(OnnxBackend):
         """OnnxBackend.load for a static folder (it dispatches here): one session per bucket."""
         layout = StaticLayout.from_meta(meta, model_dir)
         shared, arrays = shared_weights(model_dir / layout.graphs[layout.buckets[-1]])
-        sessions = {t: open_session(model_dir / layout.graphs[t], n_threads, providers, shared)
+        # MatMulNBits runs its fast kernels only on blocks it prepacked (unpacked: float activations,
+        # 9x slower on SmolLM2 int8, and other greedy tokens than the dynamic folder), so an
+        # int4/int8 folder's sessions each pack their own copy; fp32 ones share the floats unpacked.
+        prepack = meta.get("weights", "fp32") != "fp32"
+        sessions = {t: open_session(model_dir / layout.graphs[t], n_threads, providers, shared, prepack)
                     for t in layout.buckets}
         backend = cls(sessions, layout, meta, open_vocab(gguf_path, meta), n_seq_max=n_seq_max, n_batch=n_batch,
                       n_threads=n_threads)

@@ -27,8 +27,9 @@ def register(subparsers: argparse._SubParsersAction, common: argparse.ArgumentPa
     from ..convert import WEIGHTS
 
     p.add_argument("--weights", choices=WEIGHTS, default=None,
-                   help="int4: matmul weights as 4-bit MatMulNBits blocks; fp32: dequantized (default: int4 "
-                        "where the execution provider the model will run on has MatMulNBits, else fp32)")
+                   help="int4 / int8: matmul weights as 4- / 8-bit MatMulNBits blocks; fp32: dequantized "
+                        "(default: int8 where the execution provider the model will run on has MatMulNBits, "
+                        "else fp32)")
     p.set_defaults(func=run_convert)
 
 
@@ -57,7 +58,7 @@ def run_convert(args: argparse.Namespace, settings: Settings) -> int:
 
 
 def _default_weights() -> str:
-    """int4 or fp32 for the execution provider placement gives an ONNX model on this machine."""
+    """The weights for the execution provider placement gives an ONNX model on this machine."""
     from ..convert import default_weights
     from ..hardware import detect_hardware
     from ..placement import choose_backend

@@ -5,14 +5,23 @@ of a block in the low nibble of byte i and 2i+1 in the high one (4 bits); `scale
 [N * K/block]; optional `zero_points` uint8 [N, ceil(K/block * bits/8)], packed the same way;
 a weight is (code - zero point) * scale, the zero point defaulting to 2^(bits-1).
 
-How GGUF types map (`layout_for`):
+How GGUF types map (`layout_for`), for 4 or 8 bits:
 - Q4_0 (value d*(q-8)) is exactly bits=4, block 32, no zero points: only the nibbles move (GGUF
   keeps elements j and j+16 in one byte).
 - Q8_0 (value d*q, q int8) is exactly bits=8, block 32, no zero points: code q+128.
 - Everything else (Q4_1, Q5_*, K-quants, floats) is dequantized by gguf's reference and
-  re-quantized to 4-bit blocks of 32 with uint8 zero points. Q4_1 would map exactly with a *float*
-  zero point (-m/d), but onnxruntime's CPU kernel runs float zero points 20-30x slower than uint8
-  ones or none (research notes §3.1), so it pays one more rounding instead.
+  re-quantized to blocks of 32 with uint8 zero points. Q4_1 would map exactly onto 4 bits with a
+  *float* zero point (-m/d), but onnxruntime's CPU kernel runs float zero points 20-30x slower than
+  uint8 ones or none (research notes §3.1; 8 ms vs 0.06-0.15 ms for 576x3072 here), so it pays one
+  more rounding instead: up to half a 4-bit step at 4 bits (SmolLM2 Q4_1: relative RMS error 0.09,
+  greedy answers equal to llama.cpp's on 1 of 8 prompts), 1/34 of one at 8 bits (8 of 8 with exact
+  float activations).
+
+ACCURACY_LEVEL 4 lets the CPU kernel quantize the activations to int8 per block (as llama.cpp does
+to Q8_1 against its quantized weights) and use integer dot products. Measured here (2 threads,
+576x3072, one row): 4-bit 0.06 ms vs 0.19 ms with float activations, fp32 MatMul 0.33-0.37 ms; 8-bit
+has no fast float path at all (7.5 ms). The cost: SmolLM2 8-bit greedy answers equal llama.cpp's
+on 6 of 8 prompts instead of 8.
 """
 
 from __future__ import annotations
@@ -24,6 +33,7 @@ import numpy as np
 
 BLOCK = 32  # GGUF's own block: Q4_0/Q8_0 map without re-cutting; see `requantize` for the choice
 _Q4_0_BYTES, _Q8_0_BYTES = 18, 34  # per block of 32: an f16 scale, then the codes
+ACCURACY_LEVEL = 4
 
 
 @dataclass(frozen=True)
@@ -42,7 +52,7 @@ class Layout:
 
     def attrs(self, k: int, n: int) -> dict[str, int]:
         """MatMulNBits' attributes for a [K -> N] weight."""
-        return {"K": k, "N": n, "bits": self.bits, "block_size": self.block}
+        return {"K": k, "N": n, "bits": self.bits, "block_size": self.block, "accuracy_level": ACCURACY_LEVEL}
 
 
 @dataclass(frozen=True)
@@ -67,20 +77,21 @@ class Packed:
         return w.reshape(n, -1)[:, :k]
 
 
-def layout_for(types: Sequence[str]) -> Layout:
-    """The layout of the weight made of GGUF tensors of `types` (stacked along N): one exact
-    mapping when every part has it, else re-quantized."""
-    if set(types) == {"Q4_0"}:
-        return Layout(4, BLOCK, False, "Q4_0")
-    if set(types) == {"Q8_0"}:
-        return Layout(8, BLOCK, False, "Q8_0")
-    return Layout(4, BLOCK, True, "requantized")
+_EXACT = {4: "Q4_0", 8: "Q8_0"}  # the GGUF type whose codes each width holds as they are
 
 
-def pack(tensors: Sequence, dequantize) -> Packed:
-    """GGUF tensors (numpy [out, in] once dequantized), stacked along N, as MatMulNBits blocks.
-    `dequantize(tensor)` gives a tensor's float32 [out, in] (only called when re-quantizing)."""
-    layout = layout_for([t.tensor_type.name for t in tensors])
+def layout_for(types: Sequence[str], bits: int) -> Layout:
+    """The `bits`-wide layout of the weight made of GGUF tensors of `types` (stacked along N):
+    the exact mapping when every part has it, else re-quantized."""
+    if set(types) == {_EXACT[bits]}:
+        return Layout(bits, BLOCK, False, _EXACT[bits])
+    return Layout(bits, BLOCK, True, "requantized")
+
+
+def pack(tensors: Sequence, bits: int, dequantize) -> Packed:
+    """GGUF tensors (numpy [out, in] once dequantized), stacked along N, as `bits`-wide MatMulNBits
+    blocks. `dequantize(tensor)` gives a tensor's float32 [out, in] (only called when re-quantizing)."""
+    layout = layout_for([t.tensor_type.name for t in tensors], bits)
     if layout.source == "Q4_0":
         return _pack_q4_0(np.concatenate([_raw(t) for t in tensors]), layout)
     if layout.source == "Q8_0":

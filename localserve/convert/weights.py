@@ -2,8 +2,8 @@
 
 With weights "fp32" each weight is dequantized to float32 (gguf's numpy reference, bit-for-bit what
 llama.cpp computes before its own matmul rounding) and MatMul weights are transposed to [in, out].
-With "int4" the matmul weights become MatMulNBits blocks instead (nbits.py: 4-bit, Q8_0 exactly as
-8-bit); norms, rope tables and the token embedding (a Gather) stay float32. Either way q/k/v and
+With "int4" / "int8" the matmul weights become 4- / 8-bit MatMulNBits blocks instead (nbits.py);
+norms, rope tables and the token embedding (a Gather) stay float32. Either way q/k/v and
 gate/up are concatenated, so each layer runs two wide matmuls instead of five narrow ones, and each
 tensor goes straight to `model.onnx.data`: the ModelProto holds only offsets, so peak memory is
 one layer, not a second copy of the model inside protobuf.
@@ -32,9 +32,10 @@ _MATMULS = {"attn_qkv": ("attn_q", "attn_k", "attn_v"), "ffn_gate_up": ("ffn_gat
 class WeightSource:
     """Maps the graph's weight names to arrays built from the GGUF's tensors."""
 
-    def __init__(self, reader, spec: ModelSpec, weights: str = "fp32", nbits_head: bool = False) -> None:
-        """`weights`: "fp32" or "int4" (convert_gguf checked it)."""
-        self.spec, self.weights, self._nbits_head = spec, weights, nbits_head
+    def __init__(self, reader, spec: ModelSpec, weights: str = "fp32") -> None:
+        """`weights`: "int4", "int8" or "fp32" (convert_gguf checked it)."""
+        self.spec, self.weights = spec, weights
+        self._bits = {"int4": 4, "int8": 8}.get(weights)  # None: float32
         self._tensors = {t.name: t for t in reader.tensors}
         self.names: list[str] = []  # in the order the graph asked for them
         self._packed: tuple[str, Packed] | None = None  # the last packed weight: its parts come in a row
@@ -42,7 +43,7 @@ class WeightSource:
 
     def name(self, key: str) -> str:
         """The initializer name for `key` (the graph builder's callback); a tied float head reuses
-        the embedding table (an int4 head is a packed copy of it: the Gather needs the floats)."""
+        the embedding table."""
         if key == "output" and self.spec.tied_embeddings:
             key = "token_embd"
         if key not in self.names:
@@ -50,10 +51,15 @@ class WeightSource:
         return key
 
     def nbits(self, key: str) -> Layout | None:
-        """The graph builder's callback: the MatMulNBits layout of matmul weight `key`, None: float."""
+        """The graph builder's callback: the MatMulNBits layout of matmul weight `key`, None: float.
+
+        A tied LM head stays the float32 embedding table: the Gather needs that table anyway, and
+        a packed copy (+31 MiB for SmolLM2's Q8_0 as 8-bit) measured no faster on the CPU EP
+        (49152x576, 2 threads: fp32 Gemm 3.3 ms for 1 row, 16 ms for 16; 8-bit blocks 4.7 / 24 ms).
+        An untied head is packed like any matmul: its float copy would be the only one."""
         layout = None
-        if self.weights == "int4" and (key != "output" or self._nbits_head):
-            layout = layout_for([self._tensors[n].tensor_type.name for n in self._parts(key)])
+        if self._bits and (key != "output" or not self.spec.tied_embeddings):
+            layout = layout_for([self._tensors[n].tensor_type.name for n in self._parts(key)], self._bits)
         self._layouts[key] = layout.describe() if layout else "float32"
         return layout
 
@@ -81,7 +87,7 @@ class WeightSource:
         base, _, field = key.rpartition(".")
         if field in ("codes", "scales", "zero_points"):
             if self._packed is None or self._packed[0] != base:
-                self._packed = (base, pack([self._tensors[n] for n in self._parts(base)], tensor_f32))
+                self._packed = (base, pack([self._tensors[n] for n in self._parts(base)], self._bits, tensor_f32))
             return getattr(self._packed[1], field)
         if key in ("token_embd", "output", "output_norm"):
             return self._t(f"{key}.weight")
