@@ -400,7 +400,7 @@ class ModelStore:
         """
         import tempfile
 
-        from .model_dirs import check_layout, copy_and_hash, detect_kind, remove_tree, tree_digest
+        from .model_dirs import check_layout, copy_and_hash, detect_kind, remove_tree
 
         name = safe_component(name, "name")
         tag = safe_component(tag, "tag")
@@ -412,28 +412,42 @@ class ModelStore:
         staging = Path(tempfile.mkdtemp(prefix=".stage-", dir=self.tmp_dir()))
         try:
             files = copy_and_hash(source, staging / "copy")
-            meta = check_layout(staging / "copy", kind)  # what we keep, not what the source holds now
-            digest = tree_digest(files)
             with self.lock(name, tag):
-                directory = self.model_dir(name, tag)
-                directory.mkdir(parents=True, exist_ok=True)
-                target = directory / f"{kind}-{digest[:12]}"
-                if not target.is_dir():
-                    os.replace(staging / "copy", target)
-                manifest = self._raw_manifest(directory)
-                old = (manifest.get("variants") or {}).get(kind) or {}
-                full = {**manifest, **self._manifest_head(name, tag)}
-                full["variants"] = {**(manifest.get("variants") or {}), kind: {
-                    "format": kind, "dir": target.name, "sha256": digest, "files": files,
-                    "size": sum(e["size"] for e in files.values()), "meta": meta,
-                    "source": {"kind": "folder", "name": source.name},
-                }}
-                model = self._commit_manifest(directory, full)
-                if old.get("dir") and old["dir"] != target.name:
-                    remove_tree(directory / safe_component(old["dir"], "variant folder"))
-                return model
+                return self.install_folder(staging / "copy", name, tag, kind, files,
+                                           {"kind": "folder", "name": source.name})
         finally:
             remove_tree(staging)
+
+    def install_folder(self, folder: Path, name: str, tag: str, kind: str, files: dict[str, dict[str, Any]],
+                       source: dict[str, Any]) -> InstalledModel:
+        """Make the complete folder `folder` (on the store's file system, `files` its checksums) the
+        tag's `kind` variant: checked, renamed into the tag's folder, then named by the manifest.
+
+        Callers hold the tag's lock: `add_directory` takes it around this call, a pull holds it for
+        its whole run (taking it again here would wait on itself). A folder that fails the check
+        stays where it is, for the caller to remove."""
+        from .model_dirs import check_layout, remove_tree, tree_digest
+
+        meta = check_layout(folder, kind)  # what we keep, not what a source folder holds now
+        digest = tree_digest(files)
+        directory = self.model_dir(name, tag)
+        directory.mkdir(parents=True, exist_ok=True)
+        target = directory / f"{kind}-{digest[:12]}"
+        if target.is_dir():
+            remove_tree(folder)  # the same bytes are installed already
+        else:
+            os.replace(folder, target)
+        manifest = self._raw_manifest(directory)
+        old = (manifest.get("variants") or {}).get(kind) or {}
+        full = {**manifest, **self._manifest_head(name, tag)}
+        full["variants"] = {**(manifest.get("variants") or {}), kind: {
+            "format": kind, "dir": target.name, "sha256": digest, "files": files,
+            "size": sum(e["size"] for e in files.values()), "meta": meta, "source": source,
+        }}
+        model = self._commit_manifest(directory, full)
+        if old.get("dir") and old["dir"] != target.name:
+            remove_tree(directory / safe_component(old["dir"], "variant folder"))
+        return model
 
     def remove(self, ref: str) -> InstalledModel:
         """Delete a model from the cache (never the user's own file for models added in place)."""

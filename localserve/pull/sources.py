@@ -38,6 +38,7 @@ class RemoteFile:
     file_name: str  # base name, used for the file in the cache
     size: int | None
     sha256: str | None
+    git_oid: str | None = None  # the git blob id of a file kept in git itself (not LFS): its only digest
 
 
 def quant_matches(file_name: str, quant: str) -> bool:
@@ -45,7 +46,7 @@ def quant_matches(file_name: str, quant: str) -> bool:
     return re.search(pattern, file_name, re.IGNORECASE) is not None
 
 
-def _gguf_files(listing: Any) -> list[dict[str, Any]]:
+def gguf_files(listing: Any) -> list[dict[str, Any]]:
     if not isinstance(listing, list):
         raise DownloadError("the Hub's file listing has an unexpected shape")
     files = []
@@ -84,19 +85,17 @@ def pick_gguf(files: list[dict[str, Any]], quant: str | None, repo: str) -> dict
     return min(whole, key=lambda f: (f["path"].count("/"), len(f["path"])))
 
 
-def resolve_hf(
+def list_repo(
     repo: str,
-    quant: str | None,
     endpoint: str,
     *,
     transport: Transport | None = None,
     retry: RetryPolicy | None = None,
-) -> RemoteFile:
-    """The GGUF file of `repo` matching `quant`, with its LFS sha256 and size, via the Hub API."""
-    base = endpoint.rstrip("/")
-    org_repo = "/".join(quote(p, safe="") for p in repo.split("/"))
+) -> list[dict[str, Any]]:
+    """Every entry of `repo`'s file listing (the Hub API's recursive tree of `main`)."""
     try:
-        listing = fetch_json(f"{base}/api/models/{org_repo}/tree/main?recursive=true", transport, retry)
+        listing = fetch_json(f"{endpoint.rstrip('/')}/api/models/{_quoted(repo)}/tree/main?recursive=true",
+                             transport, retry)
     except HTTPStatusError as e:
         if e.status in (401, 403, 404):
             raise ModelNotFoundError(
@@ -105,20 +104,50 @@ def resolve_hf(
                 "access token that may read it)",
             ) from None
         raise
-    chosen = pick_gguf(_gguf_files(listing), quant, repo)
-    lfs = chosen.get("lfs") if isinstance(chosen.get("lfs"), dict) else {}
+    if not isinstance(listing, list):
+        raise DownloadError("the Hub's file listing has an unexpected shape")
+    return listing
+
+
+def _quoted(repo: str) -> str:
+    return "/".join(quote(p, safe="") for p in repo.split("/"))
+
+
+def remote_file(item: dict[str, Any], repo: str, endpoint: str) -> RemoteFile:
+    """Where one listing entry downloads from, and the digests the listing publishes for it: an
+    LFS file's sha256 (`lfs.oid`), else the git blob id of a file kept in git."""
+    lfs = item.get("lfs") if isinstance(item.get("lfs"), dict) else {}
     sha = lfs.get("oid") or lfs.get("sha256")
     if isinstance(sha, str) and sha.startswith("sha256:"):
         sha = sha[len("sha256:"):]
     sha = sha.lower() if isinstance(sha, str) and re.fullmatch(r"[0-9a-fA-F]{64}", sha) else None
-    size = lfs.get("size", chosen.get("size"))
-    path = "/".join(quote(p) for p in chosen["path"].split("/"))
+    oid = item.get("oid")
+    git_oid = oid.lower() if not lfs and isinstance(oid, str) and re.fullmatch(r"[0-9a-fA-F]{40}", oid) else None
+    size = lfs.get("size", item.get("size"))
+    path = str(item.get("path") or item.get("rfilename") or "")
     return RemoteFile(
-        url=f"{base}/{org_repo}/resolve/main/{path}",
-        file_name=chosen["base"],
+        url=f"{endpoint.rstrip('/')}/{_quoted(repo)}/resolve/main/{'/'.join(quote(p) for p in path.split('/'))}",
+        file_name=path.rsplit("/", 1)[-1],
         size=int(size) if isinstance(size, int) or (isinstance(size, str) and size.isdigit()) else None,
         sha256=sha,
+        git_oid=git_oid,
     )
+
+
+def resolve_hf(
+    repo: str,
+    quant: str | None,
+    endpoint: str,
+    *,
+    transport: Transport | None = None,
+    retry: RetryPolicy | None = None,
+    listing: list[dict[str, Any]] | None = None,
+) -> RemoteFile:
+    """The GGUF file of `repo` matching `quant`, with its LFS sha256 and size, via the Hub API
+    (`listing` when the caller fetched it already)."""
+    if listing is None:
+        listing = list_repo(repo, endpoint, transport=transport, retry=retry)
+    return remote_file(pick_gguf(gguf_files(listing), quant, repo), repo, endpoint)
 
 
 def fetch_wheel(requirement: str, directory: Path, progress: Progress = None) -> Path:

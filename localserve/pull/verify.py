@@ -25,6 +25,15 @@ def sha256_file(path: Path, progress: Progress = None, part: str | None = None) 
     return digest.hexdigest()
 
 
+def git_blob_oid(path: Path) -> str:
+    """The git blob id of a file: what the Hub's listing publishes for files kept in git (not LFS)."""
+    digest = hashlib.sha1(f"blob {path.stat().st_size}\0".encode("ascii"), usedforsecurity=False)
+    with open(path, "rb") as f:
+        while chunk := f.read(CHUNK):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
 def facts_to_manifest(facts: Any) -> dict[str, Any]:
     """GGUF facts as plain JSON for the manifest (the chat template is kept: `show` and the
     server read it from here without reopening a multi-GB file)."""

@@ -1,0 +1,82 @@
+"""`pull_folder`: a Hugging Face repo's onnxruntime-genai folder into the store as the tag's `oga` variant.
+
+The files download one at a time into `<tag folder>/folder.partial/` through the GGUF path's own
+steps (`_Job.download`: a resumable `.partial` with its identity note; `_Job.promote`: checked
+against the digest the Hub lists, the LFS sha256 or a small file's git blob id, then renamed). A
+pull stopped at any point resumes: finished files are verified again and kept, the unfinished one
+continues from its last byte. Only the complete folder goes to `ModelStore.install_folder`, which
+checks its layout and renames it into the tag before the manifest names it; until then the store
+shows nothing. The caller holds the tag's lock throughout.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from ..errors import ModelDirError
+from ..model_dirs import OGA, remove_tree
+from ..store import InstalledModel
+from .download import ensure_free_space
+from .events import emit
+from .hf_folders import RepoFolder
+from .sources import RemoteFile
+
+if TYPE_CHECKING:
+    from .puller import _Job
+
+STAGING_DIR = "folder.partial"  # ends like a partial file, so the stale-partial sweep knows it
+PARTIAL_ENDINGS = (".partial", ".partial.json")
+
+
+def pull_folder(job: "_Job", folder: RepoFolder) -> InstalledModel:
+    """Fetch every file of `folder` (resuming what an earlier pull left) and install it."""
+    staging = job.directory / STAGING_DIR
+    staging.mkdir(parents=True, exist_ok=True)
+    _drop_strays(staging, {rel for rel, _ in folder.files})
+    _check_disk(job, staging, folder)
+    files = {rel: _fetch(job, staging / rel, remote, f"{folder.path}/{rel}" if folder.path else rel)
+             for rel, remote in folder.files}
+    emit(job.progress, "writing manifest")
+    source = {"kind": "hf", "ref": folder.describe(), "repo": folder.repo, "folder": folder.path}
+    try:
+        return job.store.install_folder(staging, job.entry.name, job.variant.tag, OGA, files, source)
+    except ModelDirError as e:
+        remove_tree(staging)  # the published bytes do not make a usable folder: nothing to resume
+        raise ModelDirError(f"{folder.describe()} is not a usable onnxruntime-genai folder: {e}") from None
+
+
+def _fetch(job: "_Job", target: Path, remote: RemoteFile, label: str) -> dict[str, Any]:
+    """One file of the folder at `target`, verified; its manifest entry."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    sha = job.reuse_orphan(target, remote.sha256, remote.git_oid, label)
+    if sha is None:
+        partial = target.with_name(target.name + ".partial")
+        job.download(remote.url, partial, remote.sha256, remote.size, label)
+        sha = job.promote(partial, target,
+                          lambda p: job.check_digest(p, label, remote.sha256, git_oid=remote.git_oid))
+    return {"sha256": sha, "size": target.stat().st_size}
+
+
+def _drop_strays(staging: Path, wanted: set[str]) -> None:
+    """Delete what an earlier pull left that is no file of the folder now (the repo changed since):
+    `install_folder` takes the staging folder whole, so anything else would become part of it."""
+    for root, _, names in os.walk(staging):
+        for name in names:
+            path = Path(root) / name
+            rel = path.relative_to(staging).as_posix()
+            for ending in PARTIAL_ENDINGS:
+                rel = rel[: -len(ending)] if rel.endswith(ending) else rel
+            if rel not in wanted:
+                path.unlink(missing_ok=True)
+
+
+def _check_disk(job: "_Job", staging: Path, folder: RepoFolder) -> None:
+    """Refuse before the first byte when what is still missing cannot fit."""
+    need = 0
+    for rel, remote in folder.files:
+        done, partial = staging / rel, staging / f"{rel}.partial"
+        have = done.stat().st_size if done.exists() else partial.stat().st_size if partial.exists() else 0
+        need += max(0, (remote.size or 0) - have)
+    ensure_free_space(staging, need, folder.describe(), job.settings.pull_min_free_disk)
