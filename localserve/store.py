@@ -4,6 +4,7 @@ Layout under `settings.models_dir`:
 
     models/<name>/<tag>/<file>.gguf      the weights (absent for models registered in place)
     models/<name>/<tag>/<kind>-<digest>/ a folder variant (ONNX export, onnxruntime-genai folder)
+    models/<name>/<tag>/folder.partial/  a folder a pull is still fetching (pull/folder.py)
     models/<name>/<tag>/manifest.json    source, sha256, size, GGUF facts, pulled_at, variants
     models/.locks/<name>@<tag>.lock      held while a pull or removal of that model runs
 

