@@ -72,6 +72,8 @@ class BackendChoice:
     reason: str  # one line, shown by `show`
     execution_provider: str | None = None  # onnx only
     device_name: str = "CPU"
+    # onnx only: the tag has no ONNX variant yet; the load converts its GGUF first (registry.py)
+    convert: bool = False
 
     def as_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -285,9 +285,13 @@ def test_per_model_override_and_bad_preferences(tmp_path, smollm2_gguf):
     with pytest.raises(ConfigError, match="setting 'backend': 'tpu' is not one of auto, llamacpp, onnx"):
         registry.preference(settings_for(tmp_path, LOCALSERVE_BACKEND="tpu"), "smol:latest")
     gguf_only = ModelStore(settings).register_local(smollm2_gguf, "plain")
-    with pytest.raises(BackendError, match="backend onnx was requested by env LOCALSERVE_BACKEND, but the model "
+    if HAVE_ORT:  # the onnx backend takes it after converting its GGUF (tests/test_convert_first_use.py)
+        assert registry.choose(gguf_only, settings, strix_halo_with_vitisai(), None).convert
+    with pytest.raises(BackendError, match="backend llamacpp was requested by setting model_backends, but the model "
                                            "has no variant it runs"):
-        registry.choose(gguf_only, settings, strix_halo_with_vitisai(), None)
+        registry.choose(ModelStore(settings).add_directory(onnx_folder(tmp_path / "o"), "onnx-only"),
+                        settings_for(tmp_path, LOCALSERVE_MODEL_BACKENDS="onnx-only=llamacpp"),
+                        strix_halo_with_vitisai(), None)
 
 
 def test_hw_lists_where_each_installed_model_runs(tmp_path, smollm2_gguf):

@@ -122,8 +122,12 @@ def choose(installed: "InstalledModel", settings: Settings, report: "HardwareRep
     """The backend, device and EP `installed` gets here, and why (see the module docstring)."""
     prefer, requested_by = preference(settings, installed.ref)
     formats = list(installed.variants)
+    convertible = _convertible(installed)
     runtimes = Runtimes.from_report(report)
-    choice = choose_backend(report, formats, runtimes, estimate, prefer, requested_by)
+    choice = choose_backend(report, formats + ["onnx"] * convertible, runtimes, estimate, prefer, requested_by)
+    if convertible and choice.backend == "onnx":
+        choice = dataclasses.replace(choice, convert=True,
+                                     reason=f"{choice.reason}; its GGUF is converted to ONNX on first use")
     why_not = REGISTRY[choice.backend].missing()
     if prefer != "auto" or why_not is None:
         return choice
@@ -134,6 +138,24 @@ def choose(installed: "InstalledModel", settings: Settings, report: "HardwareRep
     preferred = f"{choice.backend} on {choice.device_name}" + (
         f" via {choice.execution_provider}" if choice.execution_provider else "")
     return dataclasses.replace(fallback, reason=f"{fallback.reason}; {preferred} would be preferred, but {why_not}")
+
+
+def _convertible(installed: "InstalledModel") -> bool:
+    """The tag has a GGUF and no ONNX variant, `localserve convert` handles its architecture and
+    onnxruntime is here: the onnx backend can take it, after a conversion on first use. (Its
+    tensor types are checked by the conversion itself, before any work.)"""
+    if installed.gguf is None or {"onnx", "oga"} & set(installed.variants) or _onnx_missing():
+        return False
+    from ..convert.spec import SUPPORTED_ARCHS
+    from ..gguf_facts import read_gguf_facts
+
+    architecture = installed.facts.get("architecture")
+    if architecture is None and installed.gguf.available:  # an older manifest without the facts
+        try:
+            architecture = read_gguf_facts(installed.gguf.path).architecture
+        except Exception:  # noqa: BLE001 - an unreadable GGUF: its load says what is wrong
+            return False
+    return architecture in SUPPORTED_ARCHS
 
 
 def variant_for(installed: "InstalledModel", choice: BackendChoice) -> "StoredVariant":
@@ -148,6 +170,10 @@ def load(installed: "InstalledModel", plan: "ModelPlan", settings: Settings) -> 
     """Load `installed` with the backend its plan chose; BackendError (no paths) when it cannot."""
     choice: BackendChoice = plan.choice
     entry = REGISTRY[choice.backend]
+    if choice.convert:
+        from ..convert.first_use import convert_for_load
+
+        installed = convert_for_load(installed, settings, choice.execution_provider)
     variant = variant_for(installed, choice)
     if not variant.available:
         raise BackendError(f"the {variant.format} variant of model {installed.ref} is missing; pull or add it again")
