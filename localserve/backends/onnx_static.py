@@ -141,6 +141,8 @@ class StaticOnnxBackend(OnnxBackend):
         # MatMulNBits runs its fast kernels only on blocks it prepacked (unpacked: float activations,
         # 9x slower on SmolLM2 int8, and other greedy tokens than the dynamic folder), so an
         # int4/int8 folder's sessions each pack their own copy; fp32 ones share the floats unpacked.
+        # The price, SmolLM2 int8 with buckets 1,16,64: +991 MiB RSS at load (fp32: +50 MiB, pages
+        # come in as runs touch them); ORT's shared prepacked-weights container would avoid it.
         prepack = meta.get("weights", "fp32") != "fp32"
         sessions = {t: open_session(model_dir / layout.graphs[t], n_threads, providers, shared, prepack)
                     for t in layout.buckets}

@@ -41,12 +41,15 @@ __all__ = ["CONVERTER_VERSION", "NBITS_PROVIDERS", "STATIC_BUCKETS", "SUPPORTED_
 def default_weights(execution_provider: str | None) -> str:
     """"int8" where the EP (None: the CPU's) runs MatMulNBits, else "fp32".
 
-    Measured on SmolLM2 Q4_1 (CPU EP, 2 threads, a shared 2-core machine; benchmarks/onnx.py):
-    int8 is 227 MiB against fp32's 515, decodes faster at batch 1-8 and about as fast at 16, and its
-    first 8 greedy tokens equal llama.cpp's on 6 of 8 prompts (fp32: 7; the same int8 blocks with
-    float activations: 8, so what differs is the kernel's int8 activations, nbits.ACCURACY_LEVEL).
-    int4 is smaller (175 MiB) and fastest, but re-rounding Q4_1 to another 4-bit grid kept
-    llama.cpp's answer on 1 prompt of 8: it is there to ask for, not the default."""
+    Chosen on size and answers, measured on SmolLM2 Q4_1 (CPU EP): int8 is 227 MiB against fp32's
+    515 (load +372 vs +509 MiB RSS), and its first 8 greedy tokens equal llama.cpp's on 6 of 8
+    prompts (fp32: 7; the same int8 blocks with float activations: 8, so what differs is the
+    kernel's int8 activations, nbits.ACCURACY_LEVEL). int4 is smaller (175 MiB), but re-rounding
+    Q4_1 onto another 4-bit grid kept llama.cpp's answer on 1 prompt of 8: it is there to ask for.
+    Speed did not decide it: its kernels are faster (576x3072, one row: 0.15 ms vs fp32's 0.37),
+    but two runs of benchmarks/onnx.py on this shared 2-core machine (load average 1.6-3.5 from
+    other jobs) disagreed: int8 12.3 / 16.8 tok/s at batch 1 vs fp32 8.3 / 30.4, at batch 16
+    47.8 / 194.2 vs 51.6 / 79.4."""
     return "int8" if (execution_provider or "CPUExecutionProvider") in NBITS_PROVIDERS else "fp32"
 
 
