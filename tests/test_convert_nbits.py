@@ -74,6 +74,7 @@ def test_q4_0_and_q8_0_codes_carry_over_exactly(qtype):
     assert np.abs(_matmul_nbits(packed, x) - x @ want.T).max() < 1e-4
 
 
+@pytest.mark.model
 @pytest.mark.parametrize("bits,max_rel_rms", [(4, 0.12), (8, 0.01)])
 def test_requantized_real_q4_1_tensor_within_half_a_step(smollm2_gguf, bits, max_rel_rms):
     """SmolLM2's Q4_1 q/k/v re-quantized to blocks with uint8 zero points: every weight within half
