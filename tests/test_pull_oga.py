@@ -199,6 +199,16 @@ def test_a_repo_with_two_folders_needs_a_choice(tmp_path, server, oga_files):
     assert not ModelStore(settings).model_dir(f"hf.co/{REPO}", "cpu").exists()
 
 
+def test_over_the_api_a_missing_choice_is_an_error_in_its_format(tmp_path, server, oga_files):
+    small = {name: data for name, data in oga_files.items() if name != "model.onnx.data"}
+    publish(server, REPO, {"cpu": small, "npu": small})
+    with LiveServer(replace(make_settings(tmp_path, server), threads=2)) as live:
+        status, body = live.json("POST", "/api/pull", {"model": f"hf.co/{REPO}", "stream": False})
+    assert status == 404, body
+    assert body["error"] == (f"hf.co/{REPO} holds 2 onnxruntime-genai folders; name one "
+                             f"(did you mean: hf.co/{REPO}:cpu, hf.co/{REPO}:npu?)")
+
+
 def test_a_repo_with_neither_gguf_nor_an_oga_folder_is_a_clear_error(tmp_path, server):
     server.hub["Vendor/Weights"] = [item("model.safetensors", b"x" * 100, True), item("config.json", b"{}", False),
                                     item("deep/er/genai_config.json", b"{}", False)]  # too deep to be a model

@@ -76,7 +76,7 @@ def pull_model(
     cancel: CancelToken | None = None,
     policy: UrlPolicy | None = None,
 ) -> InstalledModel:
-    """Pull `ref` (`name[:tag]`, `hf.co/ORG/REPO[:QUANT]`, or an https link to a .gguf).
+    """Pull `ref` (`name[:tag]`, `hf.co/ORG/REPO[:QUANT|:FOLDER]`, or an https link to a .gguf).
 
     `cancel` stops it from another thread; `policy` restricts which addresses its connections may
     reach (/api/pull passes one for links a client chose)."""
@@ -101,10 +101,7 @@ def pull_model(
     listing: list[dict[str, Any]] | None = None
     folder: RepoFolder | None = None
     if is_hf_ref(parse_ref(ref).name) and _present(store, entry.name, variant.tag) is None:
-        (source,) = variant.sources
-        emit(progress, f"resolving hf.co/{source.repo}")
-        listing = list_repo(str(source.repo), settings.hf_endpoint, transport=transport, retry=retry)
-        folder = choose_folder(listing, source.quant, str(source.repo), settings.hf_endpoint)
+        listing, folder = _list_hf(variant.sources[0], settings, transport, retry, progress)
         if folder is not None:
             variant = dataclasses.replace(variant, tag=folder.tag, quant=None, format=OGA)
     while True:  # twice at most: a link that lost `latest` to another link while waiting retries once
@@ -127,6 +124,14 @@ def pull_model(
             return model
         finally:
             lock.release()
+
+
+def _list_hf(source: Source, settings: Settings, transport: Transport, retry: RetryPolicy | None,
+             progress: Progress) -> tuple[list[dict[str, Any]], RepoFolder | None]:
+    """The repo's listing, and the onnxruntime-genai folder the pull takes (None: the GGUF rules)."""
+    emit(progress, f"resolving hf.co/{source.repo}")
+    listing = list_repo(str(source.repo), settings.hf_endpoint, transport=transport, retry=retry)
+    return listing, choose_folder(listing, source.quant, str(source.repo), settings.hf_endpoint)
 
 
 def _acquire(lock: FileLock, ref: str, timeout: float, progress: Progress) -> None:
