@@ -193,3 +193,22 @@ def test_run_on_a_fresh_home_pulls_the_model_then_answers(tmp_path: Path) -> Non
         assert "smollm2-135m" in listed.stdout
     finally:
         stop_quietly(env)
+
+
+@pytest.mark.skipif(__import__("importlib").util.find_spec("onnxruntime") is None, reason="needs onnxruntime")
+def test_run_converts_to_onnx_first_with_a_progress_bar_when_the_onnx_backend_is_chosen(tmp_path: Path,
+                                                                                        smollm2_gguf: Path) -> None:
+    env = cli_env(tmp_path, free_port(), LOCALSERVE_BACKEND="onnx")
+    register_model(env, smollm2_gguf, "smol")
+    try:
+        result = cli(env, "run", "smol", "What is the capital of France?", "--temperature", "0", "--max-tokens", "12",
+                     timeout=600)
+        assert result.returncode == 0, result.stderr
+        assert "its GGUF is converted to ONNX on first use" in result.stderr
+        assert result.stdout.strip()
+        listed = json.loads(cli(env, "list", "--json").stdout)
+        assert sorted(listed[0]["variants"]) == ["gguf", "onnx"], listed
+        again = cli(env, "run", "smol", "What is the capital of France?", "--temperature", "0", "--max-tokens", "12")
+        assert "converted" not in again.stderr and again.stdout == result.stdout  # the stored variant, no redo
+    finally:
+        stop_quietly(env)

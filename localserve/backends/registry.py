@@ -122,10 +122,10 @@ def choose(installed: "InstalledModel", settings: Settings, report: "HardwareRep
     """The backend, device and EP `installed` gets here, and why (see the module docstring)."""
     prefer, requested_by = preference(settings, installed.ref)
     formats = list(installed.variants)
-    convertible = _convertible(installed)
+    convertible_gguf = convertible(installed)
     runtimes = Runtimes.from_report(report)
-    choice = choose_backend(report, formats + ["onnx"] * convertible, runtimes, estimate, prefer, requested_by)
-    if convertible and choice.backend == "onnx":
+    choice = choose_backend(report, formats + ["onnx"] * convertible_gguf, runtimes, estimate, prefer, requested_by)
+    if convertible_gguf and choice.backend == "onnx":
         choice = dataclasses.replace(choice, convert=True,
                                      reason=f"{choice.reason}; its GGUF is converted to ONNX on first use")
     why_not = REGISTRY[choice.backend].missing()
@@ -140,7 +140,7 @@ def choose(installed: "InstalledModel", settings: Settings, report: "HardwareRep
     return dataclasses.replace(fallback, reason=f"{fallback.reason}; {preferred} would be preferred, but {why_not}")
 
 
-def _convertible(installed: "InstalledModel") -> bool:
+def convertible(installed: "InstalledModel") -> bool:
     """The tag has a GGUF and no ONNX variant, `localserve convert` handles its architecture and
     onnxruntime is here: the onnx backend can take it, after a conversion on first use. (Its
     tensor types are checked by the conversion itself, before any work.)"""

@@ -4,7 +4,10 @@ onnxruntime-genai) variant (offline)."""
 from __future__ import annotations
 
 import argparse
+import contextlib
+from typing import Callable, Iterator
 
+from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from ..config import Settings
@@ -44,12 +47,8 @@ def run_convert(args: argparse.Namespace, settings: Settings) -> int:
     # through OGA's engine here (23 vs 34 tok/s at batch 1, a shared 2-core machine).
     flavour = {"oga": True, "weights": args.weights or "fp32"} if args.oga else _flavour(args)
     model = store.find(args.model)
-    columns = (TextColumn("converting {task.description}"), BarColumn(), MofNCompleteColumn(),
-               TextColumn("tensors"), TimeElapsedColumn())
-    with Progress(*columns, transient=True) as bar:
-        task = bar.add_task(model.ref, total=None)
-        model = convert_installed(store, model, lambda done, total: bar.update(task, completed=done, total=total),
-                                  **flavour)
+    with conversion_bar(model.ref) as progress:
+        model = convert_installed(store, model, progress, **flavour)
     kind = "oga" if args.oga else "onnx"
     v = model.variants[kind]
     print(f"converted {model.ref}: {kind} variant ({len(v.files)} files, {v.size / 2**20:.0f} MiB, "
@@ -57,24 +56,32 @@ def run_convert(args: argparse.Namespace, settings: Settings) -> int:
     return 0
 
 
-def _default_weights() -> str:
-    """The weights for the execution provider placement gives an ONNX model on this machine."""
-    from ..convert import default_weights
+@contextlib.contextmanager
+def conversion_bar(ref: str, console: Console | None = None) -> Iterator[Callable[[int, int], None]]:
+    """A progress bar over the converted tensors; yields the converter's progress callback."""
+    columns = (TextColumn("converting {task.description}"), BarColumn(), MofNCompleteColumn(),
+               TextColumn("tensors"), TimeElapsedColumn())
+    with Progress(*columns, transient=True, console=console) as bar:
+        task = bar.add_task(ref, total=None)
+        yield lambda done, total: bar.update(task, completed=done, total=total)
+
+
+def _execution_provider() -> str | None:
+    """The EP placement gives an ONNX model on this machine: the default weights are its (convert_gguf)."""
     from ..hardware import detect_hardware
     from ..placement import choose_backend
 
     try:
-        ep = choose_backend(detect_hardware(), ["onnx"], prefer="onnx").execution_provider
+        return choose_backend(detect_hardware(), ["onnx"], prefer="onnx").execution_provider
     except LocalserveError:  # onnxruntime not installed: the CPU's choice, like a load would fall back to
-        ep = None
-    return default_weights(ep)
+        return None
 
 
 def _flavour(args: argparse.Namespace) -> dict:
     """convert_gguf's flavour options from the flags; ConfigError for bad buckets, before any work."""
     from ..convert import static_buckets
 
-    weights = {"weights": args.weights or _default_weights()}
+    weights = {"weights": args.weights} if args.weights else {"execution_provider": _execution_provider()}
     if not args.static:
         return weights
     try:

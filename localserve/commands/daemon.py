@@ -167,6 +167,7 @@ def _until(m: dict[str, Any]) -> str:
 def cmd_run(args: argparse.Namespace, settings: Settings) -> int:
     ref = args.model or settings.default_model
     model = _ensure_model(ref, settings)
+    _convert_if_planned(model, settings)
     prompt = " ".join(args.prompt)
     if not sys.stdin.isatty():
         piped = sys.stdin.read()
@@ -199,6 +200,32 @@ def _ensure_model(ref: str, settings: Settings) -> str:
     with PullDisplay(Console(stderr=True)) as display:  # stderr: stdout carries only the answer
         pull_model(ref, settings, progress=display)
     return store.find(ref).ref
+
+
+def _convert_if_planned(ref: str, settings: Settings) -> None:
+    """Convert the model's GGUF to ONNX here, with a progress bar, when its load would (placement
+    picked the onnx backend and the tag has no ONNX variant yet): the daemon would do it silently
+    while the chat waited, minutes for a large model."""
+    from ..backends import registry
+    from ..store import ModelStore
+
+    installed = ModelStore(settings).find(ref)
+    if not registry.convertible(installed):  # no hardware probe (0.2 s) unless the onnx backend could take it
+        return
+    from ..models import hardware_report
+
+    choice = registry.choose(installed, settings, hardware_report(), None)
+    if not choice.convert:
+        return
+    from rich.console import Console
+
+    from ..convert.first_use import convert_for_load
+    from .convert import conversion_bar
+
+    console = Console(stderr=True)  # stdout carries only the answer
+    console.print(f"[dim]{choice.reason}[/dim]")
+    with conversion_bar(installed.ref, console) as progress:
+        convert_for_load(installed, settings, choice.execution_provider, progress)
 
 
 class Chat:

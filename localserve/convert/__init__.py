@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Collection, Sequence
 
 from .spec import SUPPORTED_ARCHS, SUPPORTED_TYPES, ModelSpec, UnsupportedModelError, open_reader, read_spec
 
@@ -38,19 +38,21 @@ __all__ = ["CONVERTER_VERSION", "NBITS_PROVIDERS", "STATIC_BUCKETS", "SUPPORTED_
            "static_buckets"]
 
 
-def default_weights(execution_provider: str | None) -> str:
-    """"int8" where the EP (None: the CPU's) runs MatMulNBits, else "fp32".
+def default_weights(execution_provider: str | None, matmul_types: Collection[str] = ()) -> str:
+    """The weights a conversion gets unless asked: MatMulNBits blocks only where the GGUF's own
+    codes carry over as they are (all matmul weights Q4_0: "int4", all Q8_0: "int8") and the EP
+    (None: the CPU's) runs MatMulNBits; "fp32" otherwise.
 
-    Chosen on size and answers, measured on SmolLM2 Q4_1 (CPU EP): int8 is 227 MiB against fp32's
-    515 (load +372 vs +509 MiB RSS), and its first 8 greedy tokens equal llama.cpp's on 6 of 8
-    prompts (fp32: 7; the same int8 blocks with float activations: 8, so what differs is the
-    kernel's int8 activations, nbits.ACCURACY_LEVEL). int4 is smaller (175 MiB), but re-rounding
-    Q4_1 onto another 4-bit grid kept llama.cpp's answer on 1 prompt of 8: it is there to ask for.
-    Speed did not decide it: its kernels are faster (576x3072, one row: 0.15 ms vs fp32's 0.37),
-    but two runs of benchmarks/onnx.py on this shared 2-core machine (load average 1.6-3.5 from
-    other jobs) disagreed: int8 12.3 / 16.8 tok/s at batch 1 vs fp32 8.3 / 30.4, at batch 16
-    47.8 / 194.2 vs 51.6 / 79.4."""
-    return "int8" if (execution_provider or "CPUExecutionProvider") in NBITS_PROVIDERS else "fp32"
+    Re-quantizing costs llama.cpp's answers, measured on SmolLM2 Q4_1 (CPU EP, first 8 greedy
+    tokens on 8 prompts, tests/test_convert_nbits.py): fp32 kept 7, int8 6 (8 with float
+    activations, which run 10-40x slower), int4 1 (Q4_1's offsets are on no 4-bit grid with
+    integer zero points). So a re-quantized form is there to ask for (`--weights`: int8 is 227
+    MiB against fp32's 515), not the default the issue's parity bar is held to."""
+    if (execution_provider or "CPUExecutionProvider") not in NBITS_PROVIDERS:
+        return "fp32"
+    exact = {"Q4_0": "int4", "Q8_0": "int8"}
+    kinds = set(matmul_types)
+    return exact[kinds.pop()] if len(kinds) == 1 and next(iter(kinds)) in exact else "fp32"
 
 
 def check_convertible(gguf_path: Path) -> ModelSpec:
@@ -79,14 +81,17 @@ def convert_gguf(gguf_path: Path, out_dir: Path, *, gguf_sha256: str | None = No
     gguf_path, out_dir = Path(gguf_path), Path(out_dir)
     if flavour not in ("dynamic", "static"):
         raise ValueError(f"flavour must be 'dynamic' or 'static' (got {flavour!r})")
-    weights = weights or default_weights(execution_provider)
-    if weights not in WEIGHTS:
+    if weights is not None and weights not in WEIGHTS:
         raise ValueError(f"weights must be one of {', '.join(WEIGHTS)} (got {weights!r})")
     buckets = static_buckets(static_tokens, static_slots) if flavour == "static" else ()
     if out_dir.exists():
         raise FileExistsError(f"{out_dir.name} already exists")
     reader = open_reader(gguf_path)
     spec = read_spec(reader)  # every refusal happens here, before any work
+    if weights is None:
+        from .weights import matmul_types
+
+        weights = default_weights(execution_provider, matmul_types(reader))
     if gguf_sha256 is None:
         from ..pull.verify import sha256_file
 

@@ -22,18 +22,16 @@ log = logging.getLogger(__name__)
 def convert_for_load(installed: InstalledModel, settings: Settings, execution_provider: str | None,
                      progress: Callable[[int, int], None] | None = None) -> InstalledModel:
     """`installed` with an onnx variant, converted now unless another process just did."""
-    from . import default_weights
     from .install import convert_installed
 
     store = ModelStore(settings)
     current = store.find(installed.ref)
     if "onnx" in current.variants:  # converted since the plan was made (`run` converts before loading)
         return current
-    weights = default_weights(execution_provider)
-    log.info("converting %s to ONNX (%s weights) for %s on first use", installed.ref, weights,
-             execution_provider or "CPUExecutionProvider")
+    log.info("converting %s to ONNX for %s on first use", installed.ref, execution_provider or "CPUExecutionProvider")
     try:
-        converted = convert_installed(store, installed, progress or _log_progress(installed.ref), weights=weights)
+        converted = convert_installed(store, installed, progress or _log_progress(installed.ref),
+                                      execution_provider=execution_provider)
     except Exception:
         current = store.find(installed.ref)
         if "onnx" in current.variants:  # converted by someone else meanwhile

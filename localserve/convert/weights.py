@@ -29,6 +29,13 @@ _MATMULS = {"attn_qkv": ("attn_q", "attn_k", "attn_v"), "ffn_gate_up": ("ffn_gat
             "attn_output": ("attn_output",), "ffn_down": ("ffn_down",)}
 
 
+def matmul_types(reader) -> set[str]:
+    """The GGUF types of the layers' matmul weights (what default_weights decides on)."""
+    parts = {t for names in _MATMULS.values() for t in names}
+    return {t.tensor_type.name for t in reader.tensors
+            if t.name.startswith("blk.") and t.name.endswith(".weight") and t.name.split(".")[2] in parts}
+
+
 class WeightSource:
     """Maps the graph's weight names to arrays built from the GGUF's tensors."""
 
