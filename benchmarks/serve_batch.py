@@ -87,6 +87,7 @@ async def bench(url: str, model: str, args: argparse.Namespace) -> None:
     p_idle, p_loaded = percentile(idle, 95), percentile(loaded, 95)
     print(f"  interactive TTFT p95:     idle {p_idle:.0f} ms, batch running {p_loaded:.0f} ms"
           f"   ratio {p_loaded / p_idle:.2f}x")
+    print(f"  probes, ms: idle {sorted(round(t) for t in idle)}; batch running {sorted(round(t) for t in loaded)}")
 
 
 def main() -> int:

@@ -71,6 +71,11 @@ def open_session(path: Path, n_threads: int, providers: Sequence[str], shared: d
     try:
         return ort.InferenceSession(str(path), opts, providers=list(providers))
     except Exception as e:  # noqa: BLE001 - ORT raises its own exception types with paths inside
+        if len(providers) > 1 and providers[-1] == CPU_EP:
+            # An EP that is installed but fails to start (a DirectML adapter the driver rejects,
+            # an NPU runtime that is missing a library) must not cost the model: the CPU runs it.
+            log.warning("%s failed to initialise for %s (%s); running on the CPU EP", providers[0], path.name, e)
+            return open_session(path, n_threads, [CPU_EP], shared, prepack)
         log.warning("onnxruntime could not load %s: %s", path.name, e)
         raise BackendError(f"onnxruntime could not load the ONNX model in {path.parent.name!r} "
                            f"({type(e).__name__})") from None
