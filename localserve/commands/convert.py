@@ -31,8 +31,8 @@ def register(subparsers: argparse._SubParsersAction, common: argparse.ArgumentPa
 
     p.add_argument("--weights", choices=WEIGHTS, default=None,
                    help="int4 / int8: matmul weights as 4- / 8-bit MatMulNBits blocks; fp32: dequantized "
-                        "(default: int8 where the execution provider the model will run on has MatMulNBits, "
-                        "else fp32)")
+                        "(default: the GGUF's own codes where they carry over, all Q4_0 as int4 or all Q8_0 "
+                        "as int8, on an execution provider with MatMulNBits; else fp32)")
     p.set_defaults(func=run_convert)
 
 

@@ -50,9 +50,9 @@ def default_weights(execution_provider: str | None, matmul_types: Collection[str
     MiB against fp32's 515), not the default the issue's parity bar is held to."""
     if (execution_provider or "CPUExecutionProvider") not in NBITS_PROVIDERS:
         return "fp32"
-    exact = {"Q4_0": "int4", "Q8_0": "int8"}
     kinds = set(matmul_types)
-    return exact[kinds.pop()] if len(kinds) == 1 and next(iter(kinds)) in exact else "fp32"
+    only = next(iter(kinds)) if len(kinds) == 1 else None
+    return {"Q4_0": "int4", "Q8_0": "int8"}.get(only, "fp32")
 
 
 def check_convertible(gguf_path: Path) -> ModelSpec:
@@ -67,7 +67,8 @@ def convert_gguf(gguf_path: Path, out_dir: Path, *, gguf_sha256: str | None = No
     """Convert `gguf_path` into the new folder `out_dir`; returns its localserve-onnx.json.
 
     weights "int4" / "int8": matmul weights as 4- / 8-bit MatMulNBits blocks (nbits.py); "fp32":
-    dequantized; None: default_weights(execution_provider), the EP the folder will run on.
+    dequantized; None: default_weights for `execution_provider` (the EP the folder will run on)
+    and the GGUF's matmul weight types.
 
     flavour "dynamic": T, S and R are free (the packed graph in model.onnx); "static": one graph per
     bucket T in `static_tokens` (T tokens per run, padded by the caller; R = T logits rows), each
