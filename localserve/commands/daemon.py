@@ -212,9 +212,9 @@ def _convert_if_planned(ref: str, settings: Settings) -> None:
     installed = ModelStore(settings).find(ref)
     if not registry.convertible(installed):  # no hardware probe (0.2 s) unless the onnx backend could take it
         return
-    from ..models import hardware_report
+    from ..models import plan_model
 
-    choice = registry.choose(installed, settings, hardware_report(), None)
+    choice = plan_model(installed, settings).choice  # what the daemon's load will decide, memory included
     if not choice.convert:
         return
     from rich.console import Console
