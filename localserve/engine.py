@@ -189,6 +189,8 @@ class Engine:
         seq.stream = stream
         self._active[request.request_id] = seq
         self._inbox.append(seq)
+        if lane != "batch":  # a step of batch work alone stops for it (Scheduler.execute)
+            self._backend.interrupt()
         self._wake()
         return stream
 
@@ -267,6 +269,7 @@ class Engine:
             steps=s.step,
             busy=self._busy,
             preemptions=s.preemptions,
+            interrupted_steps=s.interrupted_steps,
             parked=len(s.cache.parked),
             max_sequences=s.max_running,
             kv_moves=s.pool.moves,
@@ -348,6 +351,9 @@ class Engine:
         post_events(items)
 
     def _take_inbox(self) -> None:
+        # Cleared before taking: what arrived until now is in the next plan, and what arrives
+        # after this sets it again.
+        self._backend.clear_interrupt()
         inbox = self._inbox
         while inbox:
             self.scheduler.add(inbox.popleft())

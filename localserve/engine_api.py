@@ -57,6 +57,7 @@ class EngineStats:
     steps: int
     busy: bool
     preemptions: int = 0
+    interrupted_steps: int = 0  # batch-lane steps stopped for an arriving request (redone after it)
     parked: int = 0  # finished requests kept as prefix cache
     max_sequences: int = 0  # the running batch's capacity (occupancy = running / max_sequences)
     kv_moves: int = 0  # sequences moved to keep the running ids consecutive (batching/kvpool.py)

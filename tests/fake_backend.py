@@ -24,7 +24,7 @@ import time
 from typing import Sequence
 
 from localserve.backends.base import (
-    Backend, BatchToken, Capabilities, KVFullError, ModelInfo, PrefixSharing, SampledToken, Sampler,
+    Backend, BatchToken, Capabilities, DecodeInterrupted, KVFullError, ModelInfo, PrefixSharing, SampledToken, Sampler,
 )
 from localserve.requests import SamplingParams, TokenLogprob
 from localserve.errors import BackendError
@@ -62,6 +62,7 @@ class FakeBackend(Backend):
         micro_batch: int | None = None,
         min_chunk: int = 2,
         min_recompute: int = 2,
+        interruptible: bool = False,
     ):
         self.n_ctx = n_ctx
         self.n_batch = n_batch
@@ -87,7 +88,10 @@ class FakeBackend(Backend):
             # see a sampler that fails at creation): it constrains nothing.
             constraints=frozenset(),
             embeddings=True,
+            interruptible=interruptible,
         )
+        self.interrupted = False  # interrupt() was called and no clear_interrupt() since
+        self.interruptible_decodes: list[bool] = []  # per decode call: was it interruptible
         self.shares_cells = prefix_sharing == "share"
         self.n_ctx_seq = self._capabilities.kv_cells_per_seq
         self.info = ModelInfo(
@@ -120,7 +124,7 @@ class FakeBackend(Backend):
     def capabilities(self) -> Capabilities:
         return self._capabilities
 
-    def decode(self, batch: Sequence[BatchToken]) -> None:
+    def decode(self, batch: Sequence[BatchToken], interruptible: bool = False) -> None:
         if self.thread is None:
             self.thread = threading.current_thread()
         assert self.thread is threading.current_thread(), "decode called from two threads"
@@ -134,6 +138,9 @@ class FakeBackend(Backend):
             assert t.pos == expected, f"seq {t.seq_id}: position {t.pos}, expected {expected}"
             next_pos[t.seq_id] = t.pos + 1
         self.batches.append(list(batch))
+        self.interruptible_decodes.append(interruptible)
+        if interruptible and self._capabilities.interruptible and self.interrupted:
+            raise DecodeInterrupted("interrupted")  # like llama.cpp's: nothing of the batch kept
         if self.step_time or self.token_time:
             time.sleep(self.step_time + self.token_time * len(batch))
         if self.kv_full_when and self.kv_full_when(batch):
@@ -154,6 +161,12 @@ class FakeBackend(Backend):
             cells.append(cell)
             if t.logits:
                 self._rows[i] = self._hash[cell]
+
+    def interrupt(self) -> None:
+        self.interrupted = True
+
+    def clear_interrupt(self) -> None:
+        self.interrupted = False
 
     def new_sampler(self, params: SamplingParams, prompt_tokens: Sequence[int]) -> Sampler:
         if params.grammar == "invalid":

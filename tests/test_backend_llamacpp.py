@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import logging
+import threading
+import time
 
 import llama_cpp
 import numpy as np
 import pytest
 
-from localserve.backends.base import BatchToken, KVFullError
+from localserve.backends.base import BatchToken, DecodeInterrupted, KVFullError
 from localserve.backends.llamacpp import LlamaCppBackend
 from localserve.backends.llamacpp_baseline import greedy_bare_loop
 from localserve.requests import SamplingParams
@@ -190,6 +192,38 @@ def test_aborted_decode_rolls_back_processed_micro_batches(smollm2_gguf):
         b.kv_remove(1, len(other) - 1)
         b.decode(prompt_batch(other[-1:], 1, start=len(other) - 1))
         np.testing.assert_allclose(b.logits(0), reference, atol=1e-4, rtol=0)
+
+
+def test_interrupt_stops_an_interruptible_decode_from_another_thread(smollm2_gguf):
+    # The batch lane's long steps give way to an arriving request this way (Scheduler.execute):
+    # interrupt() from another thread stops the decode within a graph node, nothing of the batch is
+    # kept, and the same batch run again gives the logits it gives uninterrupted.
+    with load(smollm2_gguf, n_ctx=4096, n_seq_max=2, n_batch=512, kv_unified=False, flash_attention=False) as b:
+        assert b.capabilities.interruptible
+        long = [BatchToken(100 + i % 50, 0, i, i == 399) for i in range(400)] + [BatchToken(7, 1, 0, True)]
+        started = time.perf_counter()
+        b.decode(long)
+        full_s = time.perf_counter() - started
+        reference = b.logits(399).copy()
+        b.kv_clear()
+
+        timer = threading.Timer(full_s / 4, b.interrupt)
+        timer.start()
+        started = time.perf_counter()
+        with pytest.raises(DecodeInterrupted):
+            b.decode(long, interruptible=True)
+        stopped_s = time.perf_counter() - started
+        timer.join()
+        assert stopped_s < full_s * 3 / 4  # it stopped, rather than ran to its end
+        assert (b.kv_pos_max(0), b.kv_pos_max(1)) == (-1, -1)  # nothing kept
+        with pytest.raises(DecodeInterrupted):  # still set: the next interruptible decode stops too
+            b.decode(long, interruptible=True)
+        b.decode(long)  # an uninterruptible one ignores it
+        np.testing.assert_array_equal(b.logits(399), reference)
+        b.kv_clear()
+        b.clear_interrupt()
+        b.decode(long, interruptible=True)
+        np.testing.assert_array_equal(b.logits(399), reference)
 
 
 def test_logits_only_for_rows_that_asked(backend):

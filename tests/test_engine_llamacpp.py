@@ -145,6 +145,32 @@ async def test_sequences_moved_to_keep_ids_consecutive_continue_exactly(smollm2_
         streams.close()
 
 
+async def test_interactive_arrival_interrupts_a_batch_step_and_every_answer_stays_exact(smollm2_gguf):
+    """Batch-lane work alone runs in long steps (big prompt chunks); an interactive request that
+    arrives during one stops it (Backend.interrupt) instead of waiting for its end. The stopped
+    step is planned again, so every answer is still exactly the one its request gives alone."""
+    streams = LlamaCppBackend.load(smollm2_gguf, n_ctx=8 * 1024, n_seq_max=8, n_batch=512, n_threads=2,
+                                   kv_unified=False, flash_attention=False)
+    try:
+        background = " ".join(["Some background about the world and its many details."] * 30)
+        prompts = [chat(streams, f"{background} Write a story about {topic}.") for topic in ("the moon", "bread")]
+        quick = chat(streams, "Say hello.")
+        batch = lambda: [GenerationRequest(p, GREEDY, max_tokens=16, ignore_eos=True, lane="batch") for p in prompts]
+        interactive = lambda: GenerationRequest(quick, GREEDY, max_tokens=8, ignore_eos=True, lane="interactive")
+        with running_engine(streams, prefix_cache=False, n_ctx_seq=1024, batch_tokens=512) as engine:
+            alone = [(await run(engine, r))[0] for r in [*batch(), interactive()]]
+            assert engine.stats().interrupted_steps == 0
+            jobs = [asyncio.ensure_future(run(engine, r)) for r in batch()]
+            while engine.stats().running == 0:  # the first step (both prompts: ~2 s) is under way
+                await asyncio.sleep(0.01)
+            await asyncio.sleep(0.1)
+            together = [*await asyncio.gather(run(engine, interactive()), *jobs)]
+            assert engine.stats().interrupted_steps >= 1
+        assert [t for t, _, _ in together] == [alone[2], alone[0], alone[1]]
+    finally:
+        streams.close()
+
+
 async def test_shared_prefix_is_served_from_cache_with_the_same_output(backend):
     prefix = "Here is a long document. " + " ".join(f"Fact {i}: the sky was clear on day {i}." for i in range(25))
     first = chat(backend, prefix + " Question: what was the weather on day 3?")

@@ -499,3 +499,56 @@ def test_no_time_target_before_any_step_is_measured_or_when_it_is_off():
     # 0.1 s give a chunk 0.8 s, 8 tokens.
     slow.observe(8, 0, 0.8)
     assert slow.prompt_tokens_within(256, decoders=8) == 8
+
+
+def test_batch_work_alone_gets_long_steps_on_an_interruptible_backend():
+    # The 50 ms target bounds what a batch step adds to an interactive arrival's wait. A backend
+    # that can stop a step for the arrival (Backend.interrupt) lets batch work alone run ten times
+    # longer steps (big chunks cost less per token); while an interactive stream decodes, the
+    # target holds again, since its next token waits for the whole step.
+    from localserve.batching.step_clock import StepClock
+
+    clock = StepClock(target_s=0.05)
+    clock.observe(0, 100, 0.25)  # 2.5 ms a prompt token
+    assert (clock.prompt_tokens_within(512), clock.prompt_tokens_within(512, interruptible=True)) == (20, 200)
+
+    rng = random.Random(12)
+    h = Harness(FakeBackend(n_ctx=8192, n_batch=256, n_seq_max=16, interruptible=True), max_sequences=4)
+    _frozen_clock(h, 0.005, 0.0025)
+    job = h.submit(_prompt(rng, 400), max_tokens=40, lane="batch")
+    plan = h.step()
+    assert plan.interruptible and plan.scheduled == [(job.seq, 200)]
+    h.step()
+    chat = h.submit(_prompt(rng, 30), max_tokens=20, lane="interactive")
+    batch_chunks = []
+    while not chat.finish_reason:
+        plan = h.step()
+        fed = {seq.request_id: n for seq, n in plan.scheduled}
+        assert not plan.interruptible  # never a step that carries interactive work
+        batch_chunks.append(fed.get(job.seq.request_id, 0))
+    assert 0 < max(batch_chunks) <= 20
+    h.run()
+    assert job.tokens == alone(job.seq.request.prompt_tokens, 40)
+    assert chat.tokens == alone(chat.seq.request.prompt_tokens, 20)
+    h.assert_drained()
+
+
+def test_an_interrupted_step_is_planned_again_and_answers_stay_exact():
+    # The backend stopped a step of batch work (an interactive request arrived): nothing of it was
+    # kept, so the scheduler forgets the step's cells and plans the work again.
+    rng = random.Random(13)
+    h = Harness(FakeBackend(n_ctx=8192, n_batch=64, n_seq_max=16, interruptible=True), max_sequences=4)
+    jobs = [h.submit(_prompt(rng, 90), max_tokens=6, lane="batch") for _ in range(3)]
+    h.step()
+    used = h.backend.used_cells
+    h.backend.interrupt()
+    plan = h.step()
+    assert plan.interruptible and h.sched.interrupted_steps == 1
+    assert h.backend.used_cells == used and h.sched.pool.used == used  # the books match the backend
+    assert all(not r.tokens for r in jobs)
+    h.backend.clear_interrupt()
+    h.run()
+    assert h.sched.interrupted_steps == 1
+    for r in jobs:
+        assert r.tokens == alone(r.seq.request.prompt_tokens, 6)
+    h.assert_drained()

@@ -26,6 +26,11 @@ class KVFullError(BackendError):
     cells (preempt) or shrink the batch and retry."""
 
 
+class DecodeInterrupted(BackendError):
+    """An interruptible decode stopped because `Backend.interrupt` was called; nothing of the batch
+    was kept, and the scheduler plans the step again (with whatever arrived meanwhile)."""
+
+
 PrefixSharing = Literal["share", "copy"]
 PREFIX_SHARING: tuple[PrefixSharing, ...] = ("share", "copy")
 
@@ -57,6 +62,10 @@ class Capabilities:
     min_recompute: int = 1
     constraints: frozenset[str] = frozenset()  # constrained-decoding kinds new_sampler accepts
     embeddings: bool = False  # whether embed() works
+    # decode(batch, interruptible=True) stops within a fraction of a step once interrupt() is called
+    # from another thread: a step of batch-lane work alone may then be long, since an interactive
+    # request arriving during it need not wait for its end.
+    interruptible: bool = False
 
     def __post_init__(self) -> None:
         for name in ("max_batch_tokens", "kv_cells", "kv_cells_per_seq", "max_seqs", "micro_batch",
@@ -124,13 +133,22 @@ class Backend(ABC):
 
     # --- compute -------------------------------------------------------------------------
     @abstractmethod
-    def decode(self, batch: Sequence[BatchToken]) -> None:
+    def decode(self, batch: Sequence[BatchToken], interruptible: bool = False) -> None:
         """Run one packed batch.
 
         Raises ValueError before running anything for a batch that breaks the rules (empty, more
         than capabilities.max_batch_tokens tokens, sequence or token ids out of range); KVFullError when there is no room
         (nothing kept); BackendError when the compute failed (the batch's positions are rolled back,
-        so every sequence is as it was before the call)."""
+        so every sequence is as it was before the call); DecodeInterrupted when `interruptible`
+        and interrupt() was called since the last clear_interrupt() (rolled back the same way).
+        A backend whose capabilities are not `interruptible` ignores the flag."""
+
+    def interrupt(self) -> None:
+        """Stop the interruptible decode running now, or the next one if none is (any thread)."""
+
+    def clear_interrupt(self) -> None:
+        """Forget an interrupt() that no decode has acted on (the engine thread, before it takes
+        new requests in: what arrived until then is in the next plan anyway)."""
 
     @abstractmethod
     def new_sampler(self, params: SamplingParams, prompt_tokens: Sequence[int]) -> Sampler:

@@ -15,6 +15,7 @@ context behind its own lock.
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import logging
 import os
 import re
@@ -28,10 +29,11 @@ import numpy as np
 
 from ..requests import SamplingParams
 from ..errors import BackendError, GGUFError, InvalidRequestError, ModelNotFoundError
-from .base import Backend, BatchToken, Capabilities, KVFullError, ModelInfo
+from .base import Backend, BatchToken, Capabilities, DecodeInterrupted, KVFullError, ModelInfo
 from .llamacpp_batch import PackedBatch, stream_groups
 from .grammar import GRAMMAR_CONSTRAINTS
 from .llamacpp_embed import EmbeddingContext
+from .llamacpp_interrupt import InterruptFlag, available as interrupt_available
 from .llamacpp_offload import OffloadFacts, parse_load_log
 from .llamacpp_runtime import captured_log, ensure_runtime, error_count, last_error_since
 from .llamacpp_sampling import LlamaCppSampler
@@ -92,6 +94,7 @@ class LlamaCppBackend(Backend):
         # the last call are read in place (_row_in_call), earlier calls' rows were copied (_held).
         self._row_in_call = np.arange(self.n_batch)
         self._held: dict[int, np.ndarray] = {}
+        self._interrupt = InterruptFlag(ctx)
         self._pieces: dict[tuple[int, bool], bytes] = {}
         self._embedder_box: list[EmbeddingContext | None] = [None]
         self._embedder_lock = threading.Lock()
@@ -124,6 +127,7 @@ class LlamaCppBackend(Backend):
             min_recompute=2,
             constraints=GRAMMAR_CONSTRAINTS,  # grammar.py compiles schemas to GBNF
             embeddings=True,  # a second, pooling context on first use (llamacpp_embed.py)
+            interruptible=interrupt_available(),  # set_offload turns it off for GPU layers
         )
 
     # --- lifecycle ------------------------------------------------------------------------
@@ -232,6 +236,8 @@ class LlamaCppBackend(Backend):
         self.info.gpu_layers = facts.gpu_layers
         self.info.offloadable_layers = facts.offloadable_layers
         self.info.gpu_memory_bytes = facts.gpu_memory_bytes
+        if facts.gpu_layers:  # GPU backends never call the abort callback (llamacpp_interrupt.py)
+            self._capabilities = dataclasses.replace(self._capabilities, interruptible=False)
 
     def close(self) -> None:
         self._closed = True
@@ -249,10 +255,16 @@ class LlamaCppBackend(Backend):
             raise BackendError("the model has been unloaded")
 
     # --- compute --------------------------------------------------------------------------
-    def decode(self, batch: Sequence[BatchToken]) -> None:
+    def decode(self, batch: Sequence[BatchToken], interruptible: bool = False) -> None:
         self._check_open()
         self._packed.fill_tokens(batch)
-        self._run(self._packed)
+        self._run(self._packed, interruptible and self._capabilities.interruptible)
+
+    def interrupt(self) -> None:
+        self._interrupt.set()
+
+    def clear_interrupt(self) -> None:
+        self._interrupt.clear()
 
     def decode_arrays(self, tokens, seq_ids, positions, logits) -> None:
         """decode() for callers that already hold columns (numpy arrays or lists): no BatchToken objects."""
@@ -260,11 +272,14 @@ class LlamaCppBackend(Backend):
         self._packed.fill(tokens, seq_ids, positions, logits)
         self._run(self._packed)
 
-    def _run(self, packed: PackedBatch) -> None:
+    def _run(self, packed: PackedBatch, interruptible: bool = False) -> None:
         packed.check_ids(self.n_vocab, self.n_seq_max)
         n = packed.n_tokens
         self._n_out = 0  # the previous step's rows are gone whatever happens next
         self._held.clear()
+        self._interrupt.arm(interruptible)
+        if interruptible and self._interrupt.is_set():
+            raise DecodeInterrupted("decode interrupted before it started")
         groups = None if self.kv_unified else stream_groups(packed.seq[:n])
         errors_before = error_count()
         if groups is None:
@@ -298,6 +313,8 @@ class LlamaCppBackend(Backend):
             self._rollback(packed)
         if rc == 1:
             raise KVFullError(f"no room in the KV cache for a batch of {packed.n_tokens} tokens")
+        if rc == 2 and self._interrupt.is_set():
+            raise DecodeInterrupted(f"decode of {packed.n_tokens} tokens interrupted")
         reason = last_error_since(errors_before)
         raise BackendError(f"decode failed (llama.cpp code {rc})" + (f": {reason}" if reason else ""))
 

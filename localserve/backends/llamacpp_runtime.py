@@ -11,6 +11,7 @@ import contextlib
 import ctypes
 import logging
 import os
+import re
 import sys
 import tempfile
 import threading
@@ -27,6 +28,11 @@ logger.addHandler(logging.NullHandler())
 # previous line). llama-cpp-python's own _logger.py still has the older numbering; don't copy it.
 _LEVELS = {0: logging.INFO, 1: logging.DEBUG, 2: logging.INFO, 3: logging.WARNING, 4: logging.ERROR}
 _CONT = 5
+# What llama.cpp logs as warnings and errors when a decode stops because we asked it to
+# (llamacpp_interrupt.py; GGML_STATUS_ABORTED is 1, and llama_decode returns 2): routine, so debug.
+# A real compute failure has other status codes; the lost micro-batch's removal is only a detail.
+_INTERRUPT_LINES = re.compile(
+    r"failed with error 1$|compute status: 1$|failed to decode, ret = 2$|removing memory module entries")
 
 
 class _LogRouter:
@@ -60,6 +66,8 @@ class _LogRouter:
                 line = "".join(self._partial).rstrip()
                 self._partial.clear()
                 log_level = self._level
+                if log_level >= logging.WARNING and _INTERRUPT_LINES.search(line):
+                    log_level = logging.DEBUG
                 if line:
                     for capture in self._captures.get(threading.get_ident(), ()):
                         capture.append(line)

@@ -184,7 +184,7 @@ class OnnxBackend(Backend):
             raise BackendError("the model has been unloaded")
 
     # --- compute --------------------------------------------------------------------------
-    def decode(self, batch: Sequence[BatchToken]) -> None:
+    def decode(self, batch: Sequence[BatchToken], interruptible: bool = False) -> None:
         self._check_open()
         n = len(batch)
         if not 0 < n <= self.n_batch:

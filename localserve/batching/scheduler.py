@@ -17,7 +17,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
-from ..backends.base import Backend, BatchToken, Capabilities, KVFullError, SampledToken
+from ..backends.base import Backend, BatchToken, Capabilities, DecodeInterrupted, KVFullError, SampledToken
 from ..errors import BackendError, LocalserveError
 from .kvpool import KVPool
 from .lanes import LaneQueues, priority_key
@@ -39,6 +39,8 @@ class StepPlan:
     outputs: list[tuple[Sequence, int]] = field(default_factory=list)  # (sequence, batch row to sample)
     decode_tokens: int = 0
     prompt_tokens: int = 0
+    # Only batch-lane work: the backend may stop it for a better lane's arrival (Backend.interrupt).
+    interruptible: bool = False
 
 
 class Scheduler:
@@ -67,6 +69,7 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.step = 0
         self.preemptions = 0
+        self.interrupted_steps = 0
         self.updates: list[Sequence] = []  # sequences with output for the engine to deliver
         self._next_timeout_check = 0.0
         # Set when a decode found the backend fuller than our books and a sequence was preempted
@@ -124,7 +127,10 @@ class Scheduler:
         worse_share = max(min_chunk, self.budget // self.worse_lane_share)
         # Whatever else runs, batch-lane chunks together add at most the time target to the step,
         # so an interactive request arriving meanwhile waits for little more than its own prefill.
-        background_room = max(min_chunk, self.clock.prompt_tokens_within(self.budget, len(feeds)))
+        # A backend that can interrupt a step lets batch work alone take longer steps: big chunks
+        # cost less per token, and an arrival stops the step instead of waiting for its end.
+        alone = self.caps.interruptible and all(s.request.lane == "batch" for s in self.running)
+        background_room = max(min_chunk, self.clock.prompt_tokens_within(self.budget, len(feeds), alone))
         for seq in prefillers:
             if budget < min_chunk:
                 break
@@ -169,6 +175,7 @@ class Scheduler:
         for seq, n in feeds:
             if seq.status is Status.RUNNING:
                 self._feed(plan, seq, n)
+        plan.interruptible = self.caps.interruptible and all(s.request.lane == "batch" for s, _ in plan.scheduled)
         return plan
 
     def run_step(self) -> StepPlan:
@@ -181,7 +188,7 @@ class Scheduler:
     def execute(self, plan: StepPlan) -> None:
         try:
             started = time.perf_counter()
-            self.backend.decode(plan.batch)
+            self.backend.decode(plan.batch, interruptible=plan.interruptible)
             seconds = time.perf_counter() - started
             self.clock.observe(plan.decode_tokens, plan.prompt_tokens, seconds)
             log.debug("step %d: %d decode + %d prompt tokens in %.1f ms; %d running, %d waiting",
@@ -190,6 +197,12 @@ class Scheduler:
         except KVFullError:
             log.debug("KV cache full at step %d; freeing cells", self.step)
             self.on_kv_full(plan)
+            return
+        except DecodeInterrupted:
+            # A better lane's request arrived: the next plan has it; this step's work is redone.
+            log.debug("step %d interrupted after %.1f ms", self.step, (time.perf_counter() - started) * 1000)
+            self._rollback(plan)
+            self.interrupted_steps += 1
             return
         except Exception as e:
             if isinstance(e, BackendError):  # expected failure mode: the message says enough
