@@ -7,11 +7,13 @@ from __future__ import annotations
 
 import asyncio
 import json
+import threading
+import time
 
 import numpy as np
 import pytest
 
-from localserve.backends.base import BatchToken, KVFullError
+from localserve.backends.base import BatchToken, DecodeInterrupted, KVFullError
 from localserve.batching.limits import EngineLimits
 from localserve.engine import Engine
 from localserve.errors import InvalidRequestError
@@ -90,9 +92,9 @@ class _CountingSession:
     def __init__(self, session):
         self._s, self.runs = session, 0
 
-    def run_with_iobinding(self, io):
+    def run_with_iobinding(self, io, run_options=None):
         self.runs += 1
-        return self._s.run_with_iobinding(io)
+        return self._s.run_with_iobinding(io, run_options)
 
 
 def test_one_decode_and_another_prompt_in_one_run(onnx_backend):
@@ -152,6 +154,35 @@ def test_kv_full_keeps_nothing(smollm2_onnx, smollm2_gguf):  # noqa: F811
             small.decode([BatchToken(1, 5, 0)])  # sequence id out of range: refused before running
     finally:
         small.close()
+
+
+def test_interrupt_stops_an_interruptible_run(onnx_backend):
+    # What the batch lane's long steps rely on (Scheduler.execute): interrupt() from another thread
+    # stops the run (ORT's RunOptions.terminate), nothing is kept, and the same batch run again
+    # gives the logits it gives uninterrupted. Uninterruptible runs ignore the flag.
+    b = onnx_backend
+    assert b.capabilities.interruptible
+    long = [BatchToken(100 + i % 50, 3, i, i == 199) for i in range(200)]
+    started = time.perf_counter()
+    b.decode(long)
+    full_s = time.perf_counter() - started
+    reference = b.logits(199)
+    b.kv_remove(3)
+    timer = threading.Timer(full_s / 4, b.interrupt)
+    timer.start()
+    started = time.perf_counter()
+    with pytest.raises(DecodeInterrupted):
+        b.decode(long, interruptible=True)
+    assert time.perf_counter() - started < full_s * 3 / 4
+    timer.join()
+    assert b.kv_pos_max(3) == -1
+    b.decode(long)
+    np.testing.assert_array_equal(b.logits(199), reference)
+    b.kv_remove(3)
+    b.clear_interrupt()
+    b.decode(long, interruptible=True)
+    np.testing.assert_array_equal(b.logits(199), reference)
+    b.kv_remove(3)
 
 
 def test_sampling_semantics(onnx_backend):

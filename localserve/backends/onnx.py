@@ -25,7 +25,7 @@ import numpy as np
 
 from ..errors import BackendError
 from ..requests import SamplingParams
-from .base import Backend, BatchToken, Capabilities, Sampler
+from .base import Backend, BatchToken, Capabilities, DecodeInterrupted, Sampler
 from .llamacpp import default_threads
 from .llamacpp_vocab import LlamaVocab
 from .grammar import GRAMMAR_CONSTRAINTS
@@ -127,6 +127,10 @@ class OnnxBackend(Backend):
         self._closed = False
         self._embedder: OnnxEmbedder | None = None  # made on the first embed call
         self._grammar_host = LlamaVocabLogits(self, vocab.vocab)  # constrained samplers read through it
+        # interrupt() sets `terminate` on the options of interruptible runs; ORT checks it between
+        # the graph's nodes. An EP that compiles the graph into one node (an NPU's) would check it
+        # only at the end, so only the CPU EP declares itself interruptible.
+        self._stoppable_run = ort.RunOptions()
         self._capabilities = Capabilities(
             max_batch_tokens=n_batch,
             kv_cells=n_ctx,
@@ -143,6 +147,7 @@ class OnnxBackend(Backend):
             # Converters before the embeddings output made graphs without it; the static flavour's
             # fixed cache shapes leave no room for the embedder's own per-group cache.
             embeddings=has_embeddings(session) and meta.get("flavour") == "dynamic",
+            interruptible=session.get_providers()[0] == "CPUExecutionProvider",
         )
 
     @property
@@ -193,9 +198,16 @@ class OnnxBackend(Backend):
         seqs = np.fromiter((b.seq_id for b in batch), np.int64, n)
         pos = np.fromiter((b.pos for b in batch), np.int64, n)
         want = np.fromiter((b.logits for b in batch), bool, n)
-        self.decode_arrays(tokens, seqs, pos, want)
+        self.decode_arrays(tokens, seqs, pos, want, interruptible and self._capabilities.interruptible)
 
-    def decode_arrays(self, tokens: np.ndarray, seqs: np.ndarray, pos: np.ndarray, want: np.ndarray) -> None:
+    def interrupt(self) -> None:
+        self._stoppable_run.terminate = True
+
+    def clear_interrupt(self) -> None:
+        self._stoppable_run.terminate = False
+
+    def decode_arrays(self, tokens: np.ndarray, seqs: np.ndarray, pos: np.ndarray, want: np.ndarray,
+                      interruptible: bool = False) -> None:
         """decode() for callers that hold columns already."""
         n = tokens.size
         self._check_batch(tokens, seqs, pos)
@@ -208,17 +220,23 @@ class OnnxBackend(Backend):
         io.bind_cpu_input("attn_bias", self.slots.bias(seqs, pos, slots))
         io.bind_cpu_input("logits_idx", rows.astype(np.int64))
         io.bind_output("logits", "cpu")  # its row count changes per step: a fresh output each run
-        try:
-            self.session.run_with_iobinding(io)
-        except Exception as e:  # noqa: BLE001 - ORT's errors carry paths and internals
-            log.warning("onnxruntime run failed: %s", e)
-            # The rows it wrote sit in slots nobody holds: every sequence is as it was.
-            raise BackendError(f"decode failed in onnxruntime ({type(e).__name__})") from None
+        # On failure the rows it wrote sit in slots nobody holds: every sequence is as it was.
+        self._run_session(self.session, io, interruptible)
         self.slots.commit(seqs, pos, slots)
         self._logits = io.get_outputs()[-1].numpy()  # bound last: the caches are bound first
         self._row_of[:n] = -1
         self._row_of[rows] = np.arange(rows.size)
         self._n_out = n
+
+    def _run_session(self, session, io, interruptible: bool) -> None:
+        """One run of a bound session; BackendError or DecodeInterrupted when it fails."""
+        try:
+            session.run_with_iobinding(io, self._stoppable_run if interruptible else None)
+        except Exception as e:  # noqa: BLE001 - ORT's errors carry paths and internals
+            if interruptible and self._stoppable_run.terminate:
+                raise DecodeInterrupted("decode interrupted") from None
+            log.warning("onnxruntime run failed: %s", e)
+            raise BackendError(f"decode failed in onnxruntime ({type(e).__name__})") from None
 
     def _check_batch(self, tokens: np.ndarray, seqs: np.ndarray, pos: np.ndarray) -> None:
         """ValueError for ids out of range, before anything runs; the previous step's rows are gone."""

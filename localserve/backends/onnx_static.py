@@ -27,7 +27,6 @@ session setup and `decode_arrays` differ.
 from __future__ import annotations
 
 import dataclasses
-import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -38,8 +37,6 @@ import numpy as np
 from ..errors import BackendError
 from .llamacpp_vocab import LlamaVocab
 from .onnx import OnnxBackend, bind_caches, open_session, open_vocab
-
-log = logging.getLogger(__name__)
 
 _PAD_TOKEN = 0  # any valid id: its K/V land in the sink and its logits are dropped
 
@@ -151,7 +148,8 @@ class StaticOnnxBackend(OnnxBackend):
         backend._weights = (shared, arrays)  # for as long as the sessions read them
         return backend
 
-    def decode_arrays(self, tokens: np.ndarray, seqs: np.ndarray, pos: np.ndarray, want: np.ndarray) -> None:
+    def decode_arrays(self, tokens: np.ndarray, seqs: np.ndarray, pos: np.ndarray, want: np.ndarray,
+                      interruptible: bool = False) -> None:
         """decode() in runs of at most the largest bucket; each run sees the KV its predecessors
         wrote. A failed run rolls the slot table back to before the call: every sequence is as it
         was (the rows earlier runs wrote sit in slots nobody holds)."""
@@ -163,7 +161,7 @@ class StaticOnnxBackend(OnnxBackend):
         try:
             for start in range(0, n, self.layout.buckets[-1]):
                 part = slice(start, min(n, start + self.layout.buckets[-1]))
-                logits = self._run(tokens[part], seqs[part], pos[part], slots[part])
+                logits = self._run(tokens[part], seqs[part], pos[part], slots[part], interruptible)
                 self.slots.commit(seqs[part], pos[part], slots[part])
                 # Boolean indexing copies: the buffer is the next run's output. Padding rows drop here.
                 rows.append(logits[:part.stop - part.start][want[part]])
@@ -176,7 +174,8 @@ class StaticOnnxBackend(OnnxBackend):
         self._row_of[wanted] = np.arange(wanted.size)
         self._n_out = n
 
-    def _run(self, tokens: np.ndarray, seqs: np.ndarray, pos: np.ndarray, slots: np.ndarray) -> np.ndarray:
+    def _run(self, tokens: np.ndarray, seqs: np.ndarray, pos: np.ndarray, slots: np.ndarray,
+             interruptible: bool) -> np.ndarray:
         """One session.run of the smallest bucket holding these tokens, padded; its logits [T, vocab]."""
         n, S = tokens.size, self.layout.slots
         t = self.layout.bucket(n)
@@ -194,9 +193,5 @@ class StaticOnnxBackend(OnnxBackend):
         io.bind_cpu_input("attn_bias", bias)
         io.bind_cpu_input("logits_idx", np.arange(t, dtype=np.int64))
         self.runs_by_bucket[t] += 1
-        try:
-            self.sessions[t].run_with_iobinding(io)
-        except Exception as e:  # noqa: BLE001 - ORT's errors carry paths and internals
-            log.warning("onnxruntime run failed: %s", e)
-            raise BackendError(f"decode failed in onnxruntime ({type(e).__name__})") from None
+        self._run_session(self.sessions[t], io, interruptible)
         return self._out[t]
