@@ -184,6 +184,7 @@ def test_metrics(server):
         f"localserve_running_sequences{{{model}}}",
         f"localserve_kv_cells_total{{{model}}}",
         f"localserve_kv_moves_total{{{model}}}",
+        f"localserve_interrupted_steps_total{{{model}}} 0.0",
         f'localserve_tokens_total{{kind="completion",{model}}}',
         "localserve_models_loaded 1.0",
     ]:

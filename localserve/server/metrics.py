@@ -46,6 +46,8 @@ class EngineCollector(Collector):
                                       labels=["model"])
         moves = CounterMetricFamily("localserve_kv_moves", "Sequences whose KV moved to keep running ids consecutive",
                                     labels=["model"])
+        interrupted = CounterMetricFamily("localserve_interrupted_steps",
+                                          "Batch-lane steps stopped for an arriving request and redone", labels=["model"])
         loaded = GaugeMetricFamily("localserve_models_loaded", "Models loaded")
         rows = [r for r in self.status() if r.get("state", "loaded") in ("loaded", "remote")]
         loaded.add_metric([], sum(1 for r in rows if r.get("state", "loaded") == "loaded"))
@@ -66,7 +68,8 @@ class EngineCollector(Collector):
             hits.add_metric([model], _num(stats.get("prefix_cache_hits", 0)))
             queries.add_metric([model], _num(stats.get("prefix_cache_queries", 0)))
             moves.add_metric([model], _num(stats.get("kv_moves", 0)))
-        return [loaded, running, waiting, occupancy, kv_used, kv_total, tps, hits, queries, moves]
+            interrupted.add_metric([model], _num(stats.get("interrupted_steps", 0)))
+        return [loaded, running, waiting, occupancy, kv_used, kv_total, tps, hits, queries, moves, interrupted]
 
 
 class UpstreamCollector(Collector):
