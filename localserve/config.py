@@ -54,6 +54,7 @@ class Settings:
     threads: int = 0  # 0 = physical cores
     # Milliseconds a step's batch-lane prompt chunks may take, converted to tokens with the costs
     # measured on this machine: bounds what an interactive request arriving meanwhile waits. 0 = off.
+    # Ten times that for batch work alone on a backend that interrupts a step for an arrival.
     batch_step_ms: float = 50.0
     # "streams": one KV stream per sequence id, so a request's output does not depend on what else
     # runs (llama.cpp's attention sums over interleaved cells of a shared pool round differently),
