@@ -7,6 +7,9 @@ sent to /v1/chat/completions, and interactive TTFT while a batch runs.
 1. 256 short chats (5-40 words, 32 tokens out, end-of-generation banned so every answer has its
    full length) as one batch: output tokens/s from batches.create to completed.
 2. The same 256 requests streamed to /v1/chat/completions at concurrency 8: output tokens/s.
+   Each of the two runs twice, in the order batch, concurrent, concurrent, batch: a shared
+   machine's speed drifts by a tenth over minutes, more than the difference being measured, and
+   this order cancels a steady drift. Each figure is its two passes' tokens over their seconds.
 3. Interactive TTFT p95 of short chats sent one after another, idle and while a second copy of the
    batch runs. Figures, not assertions; a shared machine makes them noisy.
 """
@@ -27,7 +30,7 @@ import openai
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from serve import eog_bias, make_chats, percentile, run_load, start_localserve, stop, wait_ready  # noqa: E402
 
-PROBES = 12
+PROBES = 20
 
 
 def batch_file(chats: list, model: str, max_tokens: int, extra: dict) -> bytes:
@@ -68,10 +71,17 @@ async def bench(url: str, model: str, args: argparse.Namespace) -> None:
     data = batch_file(chats, model, args.max_tokens, extra)
     client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
     await asyncio.to_thread(run_batch, client, batch_file(chats[:8], model, 4, extra))  # load the model, warm up
-    b_s, b_tokens, _ = await asyncio.to_thread(run_batch, client, data)
-    results, c_s = await run_load(url, model, chats, concurrency=8, request_rate=math.inf,
-                                  max_tokens=args.max_tokens, seed=args.seed, api_key=None, extra=extra)
-    c_tokens = sum(r.output_tokens for r in results if r.ok)
+    passes: dict[str, list[tuple[float, int]]] = {"batch": [], "concurrent": []}
+    for mode in ("batch", "concurrent", "concurrent", "batch"):
+        if mode == "batch":
+            seconds, tokens, _ = await asyncio.to_thread(run_batch, client, data)
+        else:
+            results, seconds = await run_load(url, model, chats, concurrency=8, request_rate=math.inf,
+                                              max_tokens=args.max_tokens, seed=args.seed, api_key=None, extra=extra)
+            tokens = sum(r.output_tokens for r in results if r.ok)
+        passes[mode].append((seconds, tokens))
+        print(f"  pass: {mode:10s} {tokens / seconds:6.1f} tok/s ({seconds:.1f} s)", flush=True)
+    (b_s, b_tokens), (c_s, c_tokens) = ([sum(x) for x in zip(*passes[m])] for m in ("batch", "concurrent"))
     idle = await probe(url, model, extra, args.seed + 100)
     running = asyncio.create_task(asyncio.to_thread(run_batch, client, data))
     await asyncio.sleep(2)  # the batch is under way
@@ -80,7 +90,7 @@ async def bench(url: str, model: str, args: argparse.Namespace) -> None:
         if batch.status == "in_progress":
             client.batches.cancel(batch.id)
     await running
-    print(f"\n{args.lines} chats, {args.max_tokens} tokens out each")
+    print(f"\n{args.lines} chats, {args.max_tokens} tokens out each (two passes each)")
     print(f"  batch API:                {b_tokens / b_s:8.1f} tok/s ({b_s:.1f} s)")
     print(f"  /v1/chat, concurrency 8:  {c_tokens / c_s:8.1f} tok/s ({c_s:.1f} s)"
           f"   batch/concurrent = {(b_tokens / b_s) / (c_tokens / c_s):.2f}x")

@@ -533,6 +533,21 @@ def test_batch_work_alone_gets_long_steps_on_an_interruptible_backend():
     h.assert_drained()
 
 
+def test_batch_prompts_alone_go_whole_or_wait_for_a_step_of_their_own():
+    # Alone on an interruptible backend a batch prompt is never cut to fit beside another: it goes
+    # whole, or waits for the next step, where it comes first (a cut costs a micro-batch).
+    rng = random.Random(14)
+    h = Harness(FakeBackend(n_ctx=8192, n_batch=256, n_seq_max=16, interruptible=True), max_sequences=4)
+    _frozen_clock(h, 0.005, 0.0025)  # time room: 200 tokens
+    jobs = [h.submit(_prompt(rng, 150), max_tokens=4, lane="batch") for _ in range(3)]
+    fed = [[n for seq, n in h.step().scheduled if seq.num_generated == 0 or n > 1] for _ in range(3)]
+    assert fed == [[150], [150], [150]]  # 150 + a 106-token cut of the next would fit the budget
+    h.run()
+    for r in jobs:
+        assert r.tokens == alone(r.seq.request.prompt_tokens, 4)
+    h.assert_drained()
+
+
 def test_an_interrupted_step_is_planned_again_and_answers_stay_exact():
     # The backend stopped a step of batch work (an interactive request arrived): nothing of it was
     # kept, so the scheduler forgets the step's cells and plans the work again.

@@ -131,6 +131,7 @@ class Scheduler:
         # cost less per token, and an arrival stops the step instead of waiting for its end.
         alone = self.caps.interruptible and all(s.request.lane == "batch" for s in self.running)
         background_room = max(min_chunk, self.clock.prompt_tokens_within(self.budget, len(feeds), alone))
+        background_fed = False
         for seq in prefillers:
             if budget < min_chunk:
                 break
@@ -142,6 +143,15 @@ class Scheduler:
             background = seq.request.lane == "batch"
             if background:
                 room = min(room, background_room)
+                if alone and room >= min_chunk:
+                    # Alone, the time room only decides whether a prompt starts in this step: it
+                    # then goes whole if it fits, and one that fits only in part waits for a step
+                    # where it comes first. A cut costs a micro-batch and smaller matmuls (on 2
+                    # cores a prompt cut in two costs a sixth more), and an arrival stops the step.
+                    if seq.pending <= budget:
+                        room = budget
+                    elif background_fed:
+                        continue
             want = self.caps.chunk(seq.pending, room)
             if not want and background:
                 # The time target is soft by less than min_chunk: a 3-token prompt under a 2-token
@@ -157,6 +167,7 @@ class Scheduler:
                     worse_share -= n
                 if background:
                     background_room -= n
+                    background_fed = True
         if not feeds and prefillers and prefillers[0].status is Status.RUNNING:
             # Never an empty step while prompts wait: the engine would spin on it for ever. The
             # rules above should not allow it; this keeps a mistake in them from hanging the daemon.
