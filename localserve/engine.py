@@ -22,7 +22,7 @@ from typing import Callable, Generator
 from .backends import sampler_thread
 from .backends.base import Backend, Sampler
 from .batching.limits import EngineLimits
-from .requests import LANES, GenerationEvent, GenerationRequest, check_request
+from .requests import LANES, GenerationEvent, GenerationRequest, Lane, check_request
 from .batching.scheduler import Scheduler
 from .batching.sequence import Sequence
 from .engine_api import EngineStats, ModelInfo
@@ -216,7 +216,7 @@ class Engine:
             seq.cancelled = True
             self._wake()
 
-    async def embed(self, inputs: list[list[int]]) -> list[list[float]]:
+    async def embed(self, inputs: list[list[int]], lane: Lane = "default") -> list[list[float]]:
         """The inputs' vectors, computed on the engine thread one decode at a time between
         generation steps (see _advance_embed), so a huge request neither races a decode nor holds
         up the running streams. Cancelling the awaiting task stops the work at the next decode."""
@@ -237,6 +237,8 @@ class Engine:
             raise OverloadedError("the model is not running; retry shortly")
         job = _EmbedJob(self._backend.embed_steps(inputs), future)
         self._embeds.append(job)
+        if lane != "batch":  # the batch runner's embeddings lines must not keep stopping a chat batch
+            self._backend.interrupt()
         self._wake()
         try:
             return await asyncio.wrap_future(future)

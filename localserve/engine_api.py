@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any, AsyncIterator, Protocol, runtime_checkable
 
-from .requests import GenerationEvent, GenerationRequest
+from .requests import GenerationEvent, GenerationRequest, Lane
 
 
 @dataclass
@@ -104,8 +104,10 @@ class ModelEngine(Protocol):
         OverloadedError (503). Awaitable so that costly preparation (compiling a schema) can run
         off the loop."""
 
-    async def embed(self, inputs: list[list[int]]) -> list[list[float]]:
-        """One pooled, normalised vector per token list. Cancelling the caller stops the work."""
+    async def embed(self, inputs: list[list[int]], lane: Lane = "default") -> list[list[float]]:
+        """One pooled, normalised vector per token list. Cancelling the caller stops the work.
+        `lane`: the request's priority lane; other than "batch" it may interrupt a step of batch
+        work, as a generation request does."""
 
     def tokenize(self, text: str, add_special: bool = True) -> list[int]: ...
 

@@ -166,6 +166,18 @@ async def test_interactive_arrival_interrupts_a_batch_step_and_every_answer_stay
             await asyncio.sleep(0.1)
             together = [*await asyncio.gather(run(engine, interactive()), *jobs)]
             assert engine.stats().interrupted_steps >= 1
+            # An embedding request interrupts too, unless it is itself batch work (the batch
+            # runner's embeddings lines would otherwise keep stopping a chat batch).
+            for lane, interrupts in (("batch", False), ("default", True)):
+                before = engine.stats().interrupted_steps
+                jobs = [asyncio.ensure_future(run(engine, r)) for r in batch()]
+                while engine.stats().running == 0:
+                    await asyncio.sleep(0.01)
+                await asyncio.sleep(0.1)
+                assert len(await engine.embed([quick], lane=lane)) == 1
+                again = await asyncio.gather(*jobs)
+                assert (engine.stats().interrupted_steps > before) == interrupts
+                assert [t for t, _, _ in again] == alone[:2]
         assert [t for t, _, _ in together] == [alone[2], alone[0], alone[1]]
     finally:
         streams.close()

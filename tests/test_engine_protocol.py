@@ -98,7 +98,7 @@ class EchoEngine:
         self.streams.append(stream)
         return stream
 
-    async def embed(self, inputs: list[list[int]]) -> list[list[float]]:
+    async def embed(self, inputs: list[list[int]], lane: str = "default") -> list[list[float]]:
         if not inputs:
             raise InvalidRequestError("nothing to embed", param="input")
         vectors = []

@@ -70,6 +70,11 @@ def test_completion_and_embeddings_without_http_match_the_routes(server):
     status, over_http = server.json("POST", "/v1/embeddings", body)
     assert status == 200
     assert direct(server, embeddings, parse_embeddings, body) == over_http
+    # A batch line's body carries priority "batch" (its embedding must not stop the batch's own
+    # steps): the lane changes nothing in the answer, and a lane that does not exist is a 400.
+    assert direct(server, embeddings, parse_embeddings, {**body, "priority": "batch"}) == over_http
+    status, refused = server.json("POST", "/v1/embeddings", {**body, "priority": "urgent"})
+    assert status == 400 and refused["error"]["param"] == "priority"
 
 
 def test_refusals_without_http_are_the_same_errors(server):

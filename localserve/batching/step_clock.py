@@ -18,7 +18,7 @@ from __future__ import annotations
 # an interactive first token (one prefill step of its prompt, 0.1-0.3 s on a small CPU).
 DEFAULT_TARGET_S = 0.05
 # The target for batch work alone on a backend that can interrupt a step: an interactive arrival
-# stops the step, so the bound is only for what cannot (an embedding request, a cancellation, a
+# stops the step, so the bound is only for what cannot (a batch-lane embedding, a cancellation, a
 # model unload wait for the step's end). Prompt chunks this long cost a quarter less per token than
 # the ~10-token chunks of a 50 ms target (measured on SmolLM2, 2 threads).
 _ALONE_FACTOR = 10

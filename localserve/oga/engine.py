@@ -33,7 +33,7 @@ from ..batching.sequence import Sequence
 from ..engine import STREAM_BUFFER_EVENTS, RequestStream, _Rates, post_events
 from ..engine_api import EngineStats, ModelInfo
 from ..errors import InvalidRequestError, OverloadedError, QueueFullError
-from ..requests import LANES, GenerationRequest, check_request
+from ..requests import LANES, GenerationRequest, Lane, check_request
 from .params import check_supported, turn_options
 from .vocab import OgaVocab
 
@@ -103,7 +103,7 @@ class OgaEngine:
             self._cond.notify()
         return stream
 
-    async def embed(self, inputs: list[list[int]]) -> list[list[float]]:
+    async def embed(self, inputs: list[list[int]], lane: Lane = "default") -> list[list[float]]:
         raise InvalidRequestError("this model's backend does not compute embeddings "
                                   "(onnxruntime-genai folders generate text only)", param="model")
 

@@ -30,7 +30,7 @@ from aiohttp import web
 
 from ..engine_api import EventStream, ModelEngine
 from ..errors import BackendError, ContextLengthExceededError, InvalidRequestError
-from ..requests import GenerationEvent, GenerationRequest, TokenLogprob, Usage
+from ..requests import GenerationEvent, GenerationRequest, Lane, TokenLogprob, Usage
 from .errors import ClientGone
 from .state import SETTINGS_KEY
 from .templates import ChatTemplate
@@ -96,11 +96,11 @@ async def embed_inputs(engine: ModelEngine, inputs: Sequence[str | list[int]], *
 
 
 async def embed_texts(engine: ModelEngine, inputs: Sequence[str | list[int]], *, truncate: bool, param: str,
-                      max_tokens: int) -> tuple[list[list[int]], list[list[float]]]:
+                      max_tokens: int, lane: Lane = "default") -> tuple[list[list[int]], list[list[float]]]:
     """(token lists, vectors) of one embeddings request. Cancelling the caller (a client that
     left: run it under guard_disconnect) stops both the tokenizing and the embedding."""
     token_lists = await embed_inputs(engine, inputs, truncate=truncate, param=param, max_tokens=max_tokens)
-    return token_lists, await engine.embed(token_lists)
+    return token_lists, await engine.embed(token_lists, lane=lane)
 
 
 def _embed_tokens(engine: ModelEngine, inputs: Sequence[str | list[int]], truncate: bool, param: str,

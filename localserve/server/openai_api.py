@@ -384,6 +384,7 @@ class EmbeddingsCall:
     inputs: list[str | list[int]]
     encoding: str  # "float" or "base64"
     dimensions: int | None
+    lane: Lane = "default"
 
 
 def parse_embeddings(body: Body, env: ApiEnv) -> EmbeddingsCall:
@@ -392,6 +393,7 @@ def parse_embeddings(body: Body, env: ApiEnv) -> EmbeddingsCall:
         inputs=parse_text_or_tokens(body.raw("input"), "input", MAX_EMBED_INPUTS),
         encoding=body.get_str("encoding_format", "float", choices=("float", "base64")) or "float",
         dimensions=body.get_int("dimensions", None, lo=1, hi=1 << 20),
+        lane=parse_lane(body, env.priority_header, "default"),
     )
 
 
@@ -405,7 +407,7 @@ async def embeddings(call: EmbeddingsCall, env: ApiEnv) -> dict[str, Any]:
             if call.dimensions is not None and call.dimensions != n_embd:
                 raise invalid(f"'dimensions' must be {n_embd} for this model (no reduction supported)", "dimensions")
             token_lists, vectors = await embed_texts(loaded.engine, call.inputs, truncate=False, param="input",
-                                                     max_tokens=env.settings.max_embed_tokens)
+                                                     max_tokens=env.settings.max_embed_tokens, lane=call.lane)
             n_tokens = sum(len(t) for t in token_lists)
     data = []
     for i, vector in enumerate(vectors):

@@ -17,7 +17,7 @@ from typing import Any, Awaitable, Callable, TypeVar
 
 from ..engine_api import EngineStats, ModelInfo
 from ..errors import InvalidRequestError, LocalserveError, UpstreamError
-from ..requests import LANE_RANK, GenerationEvent, GenerationRequest, TokenLogprob, Usage
+from ..requests import LANE_RANK, GenerationEvent, GenerationRequest, Lane, TokenLogprob, Usage
 from .http import UpstreamFailed, clean, json_body, post, sse_events
 from .pool import Upstream, UpstreamPool
 
@@ -57,7 +57,7 @@ class RemoteEngine:
         stream.start()
         return stream
 
-    async def embed(self, inputs: list[list[int]]) -> list[list[float]]:
+    async def embed(self, inputs: list[list[int]], lane: Lane = "default") -> list[list[float]]:
         return (await self.embed_text(list(inputs)))[0]
 
     async def embed_text(self, inputs: list[str | list[int]],
