@@ -123,8 +123,12 @@ def wait_healthy(
         if info is not None and check_health(info.url, timeout=2.0):
             return info
         if proc is not None and proc.poll() is not None:
-            if info is None and (again := find_daemon(settings)) is not None and check_health(again.url):
-                return again  # lost a start race to another CLI process: its daemon serves us too
+            if _lock_held(settings.run_dir):
+                # Ours lost a start race to another CLI process's daemon, which serves us too once
+                # it is up. Only waiting for one that was already healthy failed a `run` whenever
+                # the winner was still loading (seen in CI: two runs autostarting at once).
+                proc = None
+                continue
             raise DaemonError(f"the daemon exited while starting: {_last_error_line(settings)}")
         if time.monotonic() > deadline:
             raise DaemonError(f"the daemon did not become healthy within {timeout:.0f}s (see {settings.log_dir})")

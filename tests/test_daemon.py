@@ -166,6 +166,49 @@ def test_lock_is_exclusive_in_process(tmp_path: Path) -> None:
     second.release()
 
 
+def test_a_run_that_lost_the_start_race_waits_for_the_winner_still_starting(tmp_path: Path) -> None:
+    """Our daemon exited at once (another CLI process's daemon holds the lock) while the winner was
+    still loading: no pid file, no /health yet. wait_healthy waits for the winner instead of
+    failing the `run` (CI saw two racing `run`s fail this way)."""
+    import http.server
+    import subprocess
+    import sys
+
+    from localserve.daemon import DaemonInfo, wait_healthy
+
+    class Health(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            self.send_response(200)
+            self.send_header("Content-Length", "2")
+            self.end_headers()
+            self.wfile.write(b"ok")
+
+        def log_message(self, *args) -> None:
+            pass
+
+    settings = load_settings(flags={"home": str(tmp_path)}, environ={}, config_path=tmp_path / "none.toml")
+    winner = DaemonLock(settings)
+    winner.acquire()
+    server = http.server.HTTPServer(("127.0.0.1", 0), Health)
+    url = f"http://127.0.0.1:{server.server_port}"
+    ours = subprocess.Popen([sys.executable, "-c", "pass"])
+    ours.wait()
+
+    def winner_comes_up() -> None:
+        time.sleep(0.5)
+        threading.Thread(target=server.serve_forever, daemon=True).start()
+        winner.publish(DaemonInfo(pid=os.getpid(), url=url, host="127.0.0.1", port=server.server_port,
+                                  started_at=time.time()))
+
+    threading.Thread(target=winner_comes_up, daemon=True).start()
+    try:
+        assert wait_healthy(settings, timeout=20, proc=ours).url == url
+    finally:
+        server.shutdown()
+        server.server_close()
+        winner.release()
+
+
 def test_non_loopback_bind_needs_an_api_key(env: dict[str, str]) -> None:
     result = cli(env, "serve", "--host", "0.0.0.0", timeout=60)
     assert result.returncode == 2
