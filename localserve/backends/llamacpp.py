@@ -29,10 +29,11 @@ import numpy as np
 
 from ..requests import SamplingParams
 from ..errors import BackendError, GGUFError, InvalidRequestError, ModelNotFoundError
-from .base import Backend, BatchToken, Capabilities, DecodeInterrupted, KVFullError, ModelInfo
+from .base import Backend, BatchToken, Capabilities, DecodeInterrupted, KVFullError
 from .llamacpp_batch import PackedBatch, stream_groups
 from .grammar import GRAMMAR_CONSTRAINTS
 from .llamacpp_embed import EmbeddingContext
+from .llamacpp_info import read_model_info
 from .llamacpp_interrupt import InterruptFlag, available as interrupt_available
 from .llamacpp_offload import OffloadFacts, parse_load_log
 from .llamacpp_runtime import captured_log, ensure_runtime, error_count, last_error_since
@@ -41,7 +42,6 @@ from .llamacpp_sampling import LlamaCppSampler
 log = logging.getLogger(__name__)
 
 _INT32_MIN = -(2**31)
-_META_VALUE_MAX = 4096  # longer metadata values (token lists, merges) are not worth carrying around
 _KV_TYPES = {"f16": llama_cpp.GGML_TYPE_F16, "q8_0": llama_cpp.GGML_TYPE_Q8_0}
 
 
@@ -100,7 +100,7 @@ class LlamaCppBackend(Backend):
         self._embedder_lock = threading.Lock()
         self._closed = False
         self._finalizer = weakref.finalize(self, _free_native, model, ctx, self._embedder_box)
-        self.info = self._read_info(path)
+        self.info = read_model_info(model, self.vocab, path, n_vocab=self.n_vocab, n_embd=self.n_embd)
         self.offload = OffloadFacts()  # load() fills it in from the load's log lines
         self._capabilities = self._read_capabilities()
 
@@ -466,41 +466,6 @@ class LlamaCppBackend(Backend):
 
     def is_eog(self, token: int) -> bool:
         return bool(llama_cpp.llama_vocab_is_eog(self.vocab, token))
-
-    # --- model facts ----------------------------------------------------------------------
-    def _read_info(self, path: Path) -> ModelInfo:
-        meta = self._metadata()
-        template = llama_cpp.llama_model_chat_template(self.model, None)
-        return ModelInfo(
-            name=meta.get("general.name") or path.stem,
-            architecture=meta.get("general.architecture", ""),
-            n_ctx_train=llama_cpp.llama_model_n_ctx_train(self.model),
-            n_vocab=self.n_vocab,
-            n_embd=self.n_embd,
-            n_params=llama_cpp.llama_model_n_params(self.model),
-            chat_template=template.decode("utf-8", errors="replace") if template else None,
-            bos_token=self._special_text(llama_cpp.llama_vocab_bos(self.vocab)),
-            eos_token=self._special_text(llama_cpp.llama_vocab_eos(self.vocab)),
-            metadata=meta,
-        )
-
-    def _special_text(self, token: int) -> str | None:
-        if token < 0:
-            return None
-        text = llama_cpp.llama_vocab_get_text(self.vocab, token)
-        return text.decode("utf-8", errors="replace") if text else None
-
-    def _metadata(self) -> dict[str, Any]:
-        meta: dict[str, Any] = {}
-        buf = ctypes.create_string_buffer(_META_VALUE_MAX)
-        for i in range(llama_cpp.llama_model_meta_count(self.model)):
-            if llama_cpp.llama_model_meta_key_by_index(self.model, i, buf, _META_VALUE_MAX) < 0:
-                continue
-            key = buf.value.decode("utf-8", errors="replace")
-            n = llama_cpp.llama_model_meta_val_str_by_index(self.model, i, buf, _META_VALUE_MAX)
-            if 0 <= n < _META_VALUE_MAX:
-                meta[key] = buf.value.decode("utf-8", errors="replace")
-        return meta
 
 
 _ABS_PATH = re.compile(r"(?<![\w.])(?:[A-Za-z]:\\|/)[^\s:'\"]+")

@@ -3,8 +3,8 @@
 A backend that computes elsewhere (ONNX Runtime) must tokenize and render tokens exactly as the
 llama.cpp backend does, or the same prompt would become other ids on each backend. So this class
 does not reimplement anything: it loads the GGUF with `vocab_only` (no weights read, a few MB) and
-borrows LlamaCppBackend's own tokenizer and model-facts methods, which need only `model`, `vocab`,
-`n_vocab`, `n_embd` and a piece cache.
+borrows LlamaCppBackend's own tokenizer methods, which need only `model`, `vocab`, `n_vocab` and a
+piece cache, and reads the model's facts with the same function (llamacpp_info.py).
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ import llama_cpp
 from ..errors import GGUFError
 from .base import ModelInfo
 from .llamacpp import LlamaCppBackend, _without_paths
+from .llamacpp_info import read_model_info
 from .llamacpp_runtime import ensure_runtime, error_count, last_error_since
 
 
@@ -29,9 +30,6 @@ class LlamaVocab:
     _piece = LlamaCppBackend._piece
     token_text = LlamaCppBackend.token_text
     is_eog = LlamaCppBackend.is_eog
-    _read_info = LlamaCppBackend._read_info
-    _special_text = LlamaCppBackend._special_text
-    _metadata = LlamaCppBackend._metadata
 
     def __init__(self, path: str | os.PathLike[str], *, n_ctx_train: int, n_embd: int, n_params: int) -> None:
         path = Path(path)
@@ -50,7 +48,8 @@ class LlamaVocab:
         self.n_embd = n_embd
         self._pieces: dict[tuple[int, bool], bytes] = {}
         # A vocab-only load reads no hyperparameters or tensors: the caller knows these sizes.
-        self.info: ModelInfo = dataclasses.replace(self._read_info(path), n_ctx_train=n_ctx_train,
+        info = read_model_info(model, self.vocab, path, n_vocab=self.n_vocab, n_embd=n_embd)
+        self.info: ModelInfo = dataclasses.replace(info, n_ctx_train=n_ctx_train,
                                                    n_embd=n_embd, n_params=n_params)
 
     def close(self) -> None:
