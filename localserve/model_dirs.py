@@ -15,6 +15,10 @@ Two kinds, told apart by a marker file:
   `genai_config.json` whose `model.decoder.filename` names a file in the folder, and `tokenizer.json`
   (OGA's tokenizer reads it).
 
+Both kinds are data, never code (folder_checks, oga_config): every name a config or graph holds
+stays inside the folder, no library or program is taken from it, and genai_config.json's session
+options come from an allow-list. check_layout says so at add, at pull and before each load.
+
 A folder's checksum is the sha256 of its sorted `sha256  size  path` listing, so one digest names
 the whole folder and the per-file entries say which file changed. Symlinks are refused: a link can
 point outside the folder, and we copy what we checksum.
@@ -29,7 +33,9 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+from . import oga_config
 from .errors import ModelDirError
+from .folder_checks import check_graph, check_no_native_code, inside
 
 ONNX = "onnx"
 OGA = "oga"
@@ -56,16 +62,6 @@ def detect_kind(directory: Path) -> str:
     )
 
 
-def _inside(directory: Path, rel: Any, what: str) -> Path:
-    """`rel` as a file inside `directory`; metadata naming a path outside it is corrupt, not a lookup."""
-    if not isinstance(rel, str) or not rel or Path(rel).is_absolute() or ".." in Path(rel).parts:
-        raise ModelDirError(f"{what} must name a file inside the folder (got {str(rel)[:60]!r})")
-    path = directory / rel
-    if not path.is_file():
-        raise ModelDirError(f"the folder has no {rel} ({what})")
-    return path
-
-
 def _read_json(path: Path) -> dict[str, Any]:
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
@@ -76,75 +72,59 @@ def _read_json(path: Path) -> dict[str, Any]:
     return data
 
 
-def _check_onnx_graph(path: Path) -> None:
-    # Without importing onnx: a serialized ModelProto starts with field 1 (ir_version, a varint),
-    # whose tag byte is 0x08. This catches a truncated-to-empty file or a wrong file named model.onnx.
-    with open(path, "rb") as f:
-        head = f.read(2)
-    if len(head) < 2 or head[0] != 0x08:
-        raise ModelDirError(f"{path.name} is not an ONNX model (empty or not a serialized ModelProto)")
+def _check_onnx(directory: Path) -> dict[str, Any]:
+    meta = _read_json(inside(directory, ONNX_META_FILE, "the converter's metadata"))
+    if meta.get("localserve_onnx") != ONNX_META_VERSION:
+        raise ModelDirError(f"{ONNX_META_FILE}: 'localserve_onnx' must be {ONNX_META_VERSION} "
+                            f"(got {meta.get('localserve_onnx')!r})")
+    if not isinstance(meta.get("architecture"), str) or not meta["architecture"]:
+        raise ModelDirError(f"{ONNX_META_FILE}: 'architecture' is missing")
+    tokenizer = meta.get("tokenizer")
+    if isinstance(tokenizer, dict) and "file" in tokenizer:
+        inside(directory, tokenizer["file"], f"{ONNX_META_FILE} tokenizer.file")
+    elif not (isinstance(tokenizer, dict) and isinstance(tokenizer.get("gguf_sha256"), str)
+              and len(tokenizer["gguf_sha256"]) == 64):
+        raise ModelDirError(f"{ONNX_META_FILE}: 'tokenizer' must be {{\"gguf_sha256\": <64 hex>}} "
+                            "or {\"file\": <tokenizer.json in the folder>}")
+    check_graph(directory, ONNX_MODEL_FILE, "the graph")
+    # The static flavour's per-bucket graphs (backends/onnx_static.py opens each one).
+    static = meta.get("static") if isinstance(meta.get("static"), dict) else {}
+    graphs = static.get("graphs") if isinstance(static.get("graphs"), dict) else {}
+    for bucket, name in graphs.items():
+        if name != ONNX_MODEL_FILE:
+            check_graph(directory, name, f"{ONNX_META_FILE} static.graphs[{str(bucket)[:20]}]")
+    return meta
 
 
-_MAX_GRAPH_PARSE = 64 << 20  # larger graphs embed their weights and name no external files
-
-
-def _check_external_data(graph: Path) -> None:
-    """Every external-data file the graph names exists beside it and holds the bytes it points at,
-    so a folder copied without its (multi-GB) weights file is refused at add, not at first load.
-    Skipped when onnx is not installed (the graph was still checked to be a ModelProto)."""
-    if graph.stat().st_size > _MAX_GRAPH_PARSE:
-        return
-    try:
-        import onnx
-        from onnx.external_data_helper import ExternalDataInfo, _get_all_tensors, uses_external_data
-    except ImportError:
-        return
-    try:
-        model = onnx.load(str(graph), load_external_data=False)
-    except Exception as e:  # noqa: BLE001 - onnx raises DecodeError and others for a bad file
-        raise ModelDirError(f"{graph.name} is not a readable ONNX model ({type(e).__name__})") from None
-    sizes: dict[str, int] = {}
-    for tensor in _get_all_tensors(model):
-        if not uses_external_data(tensor):
+def _check_oga(directory: Path) -> dict[str, Any]:
+    config = _read_json(inside(directory, OGA_CONFIG_FILE, "onnxruntime-genai's config"))
+    model = config.get("model") if isinstance(config.get("model"), dict) else {}
+    decoder = model.get("decoder")
+    if not isinstance(decoder, dict) or not isinstance(decoder.get("filename"), str):
+        raise ModelDirError(f"{OGA_CONFIG_FILE}: model.decoder.filename is missing")
+    checked: set[str] = set()
+    for field, rel in oga_config.checked_files(config):
+        if rel in checked:  # several sections may share one graph: parse it once
             continue
-        info = ExternalDataInfo(tensor)
-        location = _inside(graph.parent, info.location, f"{graph.name}'s external data")
-        size = sizes.setdefault(info.location, location.stat().st_size)
-        if (info.offset or 0) + (info.length or 0) > size:
-            raise ModelDirError(f"{info.location} is shorter than {graph.name} says (truncated?)")
+        checked.add(rel)
+        what = f"{OGA_CONFIG_FILE} {field}"
+        if rel.lower().endswith(".onnx") or field == "model.decoder.filename":
+            check_graph(directory, rel, what)
+        else:
+            inside(directory, rel, what)
+    inside(directory, OGA_TOKENIZER_FILE, "the tokenizer")
+    return {"model_type": model.get("type")}
 
 
 def check_layout(directory: Path, kind: str) -> dict[str, Any]:
-    """Raise ModelDirError unless `directory` holds every file `kind` requires; returns the
-    metadata (localserve-onnx.json or genai_config.json) for the manifest."""
-    if kind == ONNX:
-        meta_path = _inside(directory, ONNX_META_FILE, "the converter's metadata")
-        _check_onnx_graph(_inside(directory, ONNX_MODEL_FILE, "the graph"))
-        meta = _read_json(meta_path)
-        if meta.get("localserve_onnx") != ONNX_META_VERSION:
-            raise ModelDirError(f"{ONNX_META_FILE}: 'localserve_onnx' must be {ONNX_META_VERSION} "
-                                f"(got {meta.get('localserve_onnx')!r})")
-        if not isinstance(meta.get("architecture"), str) or not meta["architecture"]:
-            raise ModelDirError(f"{ONNX_META_FILE}: 'architecture' is missing")
-        tokenizer = meta.get("tokenizer")
-        if isinstance(tokenizer, dict) and "file" in tokenizer:
-            _inside(directory, tokenizer["file"], f"{ONNX_META_FILE} tokenizer.file")
-        elif not (isinstance(tokenizer, dict) and isinstance(tokenizer.get("gguf_sha256"), str)
-                  and len(tokenizer["gguf_sha256"]) == 64):
-            raise ModelDirError(f"{ONNX_META_FILE}: 'tokenizer' must be {{\"gguf_sha256\": <64 hex>}} "
-                                "or {\"file\": <tokenizer.json in the folder>}")
-        return meta
-    if kind == OGA:
-        config = _read_json(_inside(directory, OGA_CONFIG_FILE, "onnxruntime-genai's config"))
-        decoder = (config.get("model") or {}).get("decoder") if isinstance(config.get("model"), dict) else None
-        if not isinstance(decoder, dict) or "filename" not in decoder:
-            raise ModelDirError(f"{OGA_CONFIG_FILE}: model.decoder.filename is missing")
-        graph = _inside(directory, decoder["filename"], f"{OGA_CONFIG_FILE} model.decoder.filename")
-        _check_onnx_graph(graph)
-        _check_external_data(graph)
-        _inside(directory, OGA_TOKENIZER_FILE, "the tokenizer")
-        return {"model_type": (config.get("model") or {}).get("type")}
-    raise ModelDirError(f"unknown model folder kind {kind!r}")
+    """Raise ModelDirError unless `directory` holds every file `kind` requires, every name its graphs
+    and configs hold stays inside it, and it holds no library or program (folder_checks); returns
+    the metadata (localserve-onnx.json or genai_config.json facts) for the manifest. Run at add, at
+    pull (install_folder) and again before each load."""
+    if kind not in (ONNX, OGA):
+        raise ModelDirError(f"unknown model folder kind {kind!r}")
+    check_no_native_code(_walk(directory))
+    return _check_onnx(directory) if kind == ONNX else _check_oga(directory)
 
 
 def _walk(directory: Path) -> list[tuple[str, Path]]:

@@ -55,8 +55,12 @@ def kv_slots(meta: dict, planned: int) -> int:
 def load_onnx_engine(installed: "InstalledModel", variant: "StoredVariant", plan: "ModelPlan",
                      settings: Settings) -> "ModelEngine":
     from ..engine import Engine
+    from ..model_dirs import ONNX, check_layout
     from .onnx import OnnxBackend
 
+    # Again at load, not only at add: a folder stored before the graph checks existed, or changed
+    # since, must not hand onnxruntime an external-data name that leaves it.
+    check_layout(variant.path, ONNX)
     want = (variant.meta.get("tokenizer") or {}).get("gguf_sha256")
     gguf = installed.gguf
     if gguf is None or not gguf.available or (want and gguf.sha256 and gguf.sha256 != want):

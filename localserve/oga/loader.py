@@ -1,8 +1,10 @@
 """From an OGA folder (or the store's `oga` variant) to a started OgaEngine.
 
-The folder's genai_config.json is the vendor's: its execution provider and session options are
-kept, since an NPU build only runs on the EP it was compiled for. What we overlay is what the plan
-sizes: `search.max_length` (OGA allocates each batch's KV cache at max length up front, so it is
+The folder's genai_config.json is the vendor's: its execution provider and its plain EP flags are
+kept, since an NPU build only runs on the EP it was compiled for. Its session options are checked
+against the allow-list again before OGA reads the folder (oga_config via model_dirs.check_layout:
+a folder stored before that check existed, or changed since, never reaches og.Config with a
+library, a profiling prefix or a path in it). What we overlay is what the plan sizes: `search.max_length` (OGA allocates each batch's KV cache at max length up front, so it is
 the context we grant, capped at MAX_LENGTH) and the thread count when the user set one.
 """
 
@@ -14,7 +16,8 @@ from typing import TYPE_CHECKING, Any
 
 from ..config import Settings
 from ..engine_api import ModelInfo
-from ..errors import BackendError, ModelDirError
+from ..errors import BackendError, ModelDirError, redact_paths
+from ..model_dirs import OGA, check_layout
 from .engine import OgaEngine
 from .vocab import OgaVocab
 
@@ -55,6 +58,12 @@ def _token_text(value: Any) -> str | None:
     return value if isinstance(value, str) else None
 
 
+def _scrub(error: Exception, folder: Path) -> str:
+    """OGA's and ORT's error text without host paths: the folder's own becomes <folder>, any other
+    (the file an escaping name resolved to, beside or above the folder) its last part."""
+    return redact_paths(str(error).replace(str(folder.resolve()), "<folder>").replace(str(folder), "<folder>"))[:300]
+
+
 def _provider(decoder: dict[str, Any]) -> str:
     """The EP the folder's config asks OGA for (its first provider_options entry), else OGA's CPU."""
     options = (decoder.get("session_options") or {}).get("provider_options") or []
@@ -69,6 +78,7 @@ def build_oga_engine(folder: Path, name: str = "", *, max_length: int = MAX_LENG
     import onnxruntime_genai as og
 
     folder = Path(folder)
+    check_layout(folder, OGA)
     genai = _read_json(folder / "genai_config.json")
     model_cfg = genai.get("model") or {}
     tok_config = _read_json(folder / _TOKENIZER_CONFIG)
@@ -82,8 +92,7 @@ def build_oga_engine(folder: Path, name: str = "", *, max_length: int = MAX_LENG
         model = og.Model(config)
         tokenizer = og.Tokenizer(model)
     except Exception as e:  # noqa: BLE001 - OGA raises RuntimeError with its own text
-        raise BackendError(f"onnxruntime-genai could not load {folder.name!r}: "
-                           f"{str(e).replace(str(folder), '<folder>')[:300]}") from None
+        raise BackendError(f"onnxruntime-genai could not load {folder.name!r}: {_scrub(e, folder)}") from None
     vocab = OgaVocab(folder, tokenizer)
     eos = model_cfg.get("eos_token_id")
     eog = {int(t) for t in (eos if isinstance(eos, list) else [eos]) if isinstance(t, int)}
@@ -105,7 +114,7 @@ def build_oga_engine(folder: Path, name: str = "", *, max_length: int = MAX_LENG
     try:
         engine.start()
     except Exception as e:  # noqa: BLE001 - og.Engine refused the model
-        raise BackendError(f"onnxruntime-genai's engine could not start {folder.name!r}: {str(e)[:300]}") from None
+        raise BackendError(f"onnxruntime-genai's engine could not start {folder.name!r}: {_scrub(e, folder)}") from None
     return engine
 
 

@@ -11,12 +11,15 @@ shows nothing. The caller holds the tag's lock throughout.
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from .. import oga_config
 from ..errors import ModelDirError
-from ..model_dirs import OGA, remove_tree
+from ..folder_checks import check_no_native_code
+from ..model_dirs import OGA, OGA_CONFIG_FILE, remove_tree
 from ..store import InstalledModel
 from .download import ensure_free_space
 from .events import emit
@@ -34,17 +37,33 @@ def pull_folder(job: "_Job", folder: RepoFolder) -> InstalledModel:
     """Fetch every file of `folder` (resuming what an earlier pull left) and install it."""
     staging = job.directory / STAGING_DIR
     staging.mkdir(parents=True, exist_ok=True)
-    _drop_strays(staging, {rel for rel, _ in folder.files})
-    _check_disk(job, staging, folder)
-    files = {rel: _fetch(job, staging / rel, remote, f"{folder.path}/{rel}" if folder.path else rel)
-             for rel, remote in folder.files}
-    emit(job.progress, "writing manifest")
-    source = {"kind": "hf", "ref": folder.describe(), "repo": folder.repo, "folder": folder.path}
     try:
+        # A library is refused by its name before a byte of it is fetched, and the config's options
+        # before the weights are: the full check (install_folder) then sees the bytes themselves.
+        check_no_native_code((rel, None) for rel, _ in folder.files)
+        _drop_strays(staging, {rel for rel, _ in folder.files})
+        _check_disk(job, staging, folder)
+        files = {}
+        for rel, remote in sorted(folder.files, key=lambda f: f[0] != OGA_CONFIG_FILE):
+            files[rel] = _fetch(job, staging / rel, remote, f"{folder.path}/{rel}" if folder.path else rel)
+            if rel == OGA_CONFIG_FILE:
+                _check_options(staging / rel)
+        emit(job.progress, "writing manifest")
+        source = {"kind": "hf", "ref": folder.describe(), "repo": folder.repo, "folder": folder.path}
         return job.store.install_folder(staging, job.entry.name, job.variant.tag, OGA, files, source)
     except ModelDirError as e:
         remove_tree(staging)  # the published bytes do not make a usable folder: nothing to resume
         raise ModelDirError(f"{folder.describe()} is not a usable onnxruntime-genai folder: {e}") from None
+
+
+def _check_options(config_path: Path) -> None:
+    """Refuse the config's session and run options outside the allow-list (its files come later)."""
+    try:
+        config = json.loads(config_path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return  # install_folder's check names a config that is not JSON
+    if isinstance(config, dict):
+        oga_config.checked_files(config)
 
 
 def _fetch(job: "_Job", target: Path, remote: RemoteFile, label: str) -> dict[str, Any]:
