@@ -81,9 +81,12 @@ def write_tiny_gguf(path: Path, arch: str = "llama", weights: dict[str, np.ndarr
     w.add_block_count(TINY["n_layer"])
     w.add_embedding_length(TINY["n_embd"])
     w.add_feed_forward_length(TINY["n_ff"])
-    w.add_head_count(TINY["n_head"])
-    w.add_head_count_kv(TINY["n_head_kv"])
-    w.add_context_length(TINY["n_ctx"])
+    # `meta` may claim another layout than the tensors have (the converter's attack tests).
+    w.add_head_count(meta.get("head_count", TINY["n_head"]))
+    w.add_head_count_kv(meta.get("head_count_kv", TINY["n_head_kv"]))
+    w.add_context_length(meta.get("context_length", TINY["n_ctx"]))
+    if "key_length" in meta:
+        w.add_key_length(meta["key_length"])
     w.add_rope_freq_base(meta.get("rope_base", 10000.0))
     w.add_layer_norm_rms_eps(1e-5)
     for name, value in (weights if weights is not None else tiny_weights(arch)).items():

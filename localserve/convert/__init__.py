@@ -13,6 +13,7 @@ import json
 from pathlib import Path
 from typing import Any, Callable, Collection, Sequence
 
+from .bounds import SERVING_POSITIONS
 from .spec import SUPPORTED_ARCHS, SUPPORTED_TYPES, ModelSpec, UnsupportedModelError, open_reader, read_spec
 
 # Bump when the graph or its inputs change: cached conversions keyed by it are then redone.
@@ -88,7 +89,8 @@ def convert_gguf(gguf_path: Path, out_dir: Path, *, gguf_sha256: str | None = No
     if out_dir.exists():
         raise FileExistsError(f"{out_dir.name} already exists")
     reader = open_reader(gguf_path)
-    spec = read_spec(reader)  # every refusal happens here, before any work
+    # Every refusal happens here, before any work. A static pool fixes the positions it reaches.
+    spec = read_spec(reader, max(SERVING_POSITIONS, static_slots) if buckets else SERVING_POSITIONS)
     if weights is None:
         from .weights import matmul_types
 
@@ -142,7 +144,10 @@ def _meta(spec: ModelSpec, gguf_path: Path, sha: str, flavour: str,
         "converter_version": CONVERTER_VERSION,
         "flavour": flavour,
         "static": static,
-        "context_length": spec.n_ctx_train,
+        # The positions the rope tables cover (the backend's max_pos); the trained context only
+        # when that is longer, so a folder from a sane GGUF is what it was before the bound.
+        "context_length": spec.n_positions,
+        **({"trained_context_length": spec.n_ctx_train} if spec.n_ctx_train != spec.n_positions else {}),
         "n_layer": spec.n_layer, "n_embd": spec.n_embd, "n_head": spec.n_head, "n_head_kv": spec.n_head_kv,
         "head_dim": spec.head_dim, "n_vocab": spec.n_vocab, "n_params": n_params,
         **weights,

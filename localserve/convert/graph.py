@@ -71,13 +71,15 @@ class _Nodes:
 
 
 def rope_tables(spec: ModelSpec, factors: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
-    """cos/sin caches [n_ctx_train, head_dim/2] for RotaryEmbedding (theta_i = base^(-2i/d),
-    divided by llama 3's per-frequency factors when the GGUF has them, as llama.cpp does)."""
+    """cos/sin caches [n_positions, head_dim/2] for RotaryEmbedding (theta_i = base^(-2i/d),
+    divided by llama 3's per-frequency factors when the GGUF has them, as llama.cpp does).
+    n_positions, not the claimed n_ctx_train: rows past what serving reaches would only cost
+    memory here and disk in the folder (spec.read_spec bounds it)."""
     half = spec.head_dim // 2
     inv_freq = spec.rope_base ** (-np.arange(half, dtype=np.float64) * 2.0 / spec.head_dim)
     if factors is not None:
         inv_freq = inv_freq / factors.astype(np.float64).ravel()[:half]
-    angles = np.outer(np.arange(spec.n_ctx_train, dtype=np.float64), inv_freq)
+    angles = np.outer(np.arange(spec.n_positions, dtype=np.float64), inv_freq)
     return np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32)
 
 

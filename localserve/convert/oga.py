@@ -69,7 +69,7 @@ def genai_config(spec: ModelSpec, ids: dict[str, Any]) -> dict[str, Any]:
     return {
         "model": {
             "bos_token_id": ids["bos"], "eos_token_id": ids["eos"], "pad_token_id": ids["pad"],
-            "context_length": spec.n_ctx_train, "type": spec.arch, "vocab_size": spec.n_vocab,
+            "context_length": spec.n_positions, "type": spec.arch, "vocab_size": spec.n_vocab,
             "decoder": {
                 "session_options": {"log_id": "onnxruntime-genai", "provider_options": []},
                 "filename": MODEL_FILE, "head_size": spec.head_dim, "hidden_size": spec.n_embd,
@@ -77,7 +77,7 @@ def genai_config(spec: ModelSpec, ids: dict[str, Any]) -> dict[str, Any]:
                 "num_key_value_heads": spec.n_head_kv, "inputs": dict(INPUT_NAMES), "outputs": dict(OUTPUT_NAMES),
             },
         },
-        "search": {"max_length": min(spec.n_ctx_train, 4096), "min_length": 0, "do_sample": False, "num_beams": 1,
+        "search": {"max_length": min(spec.n_positions, 4096), "min_length": 0, "do_sample": False, "num_beams": 1,
                    "past_present_share_buffer": True, "top_k": 1, "top_p": 1.0, "temperature": 1.0,
                    "repetition_penalty": 1.0},
     }

@@ -7,12 +7,15 @@ and what is supported, so a user learns in a second, not after minutes of work.
 
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
 from ..errors import GGUFError
+from .bounds import (SERVING_POSITIONS, check_layer_count, check_memory, check_shapes, check_vocab, finite_float,
+                     positive_int, rope_positions)
 
 # llama: SmolLM2, Llama 2/3, Mistral as llama.cpp writes them. qwen2: llama plus q/k/v biases and
 # NEOX ("half split") rope on unpermuted q/k weights.
@@ -41,7 +44,8 @@ class ModelSpec:
     n_head_kv: int
     head_dim: int
     n_vocab: int
-    n_ctx_train: int
+    n_ctx_train: int  # the context the GGUF claims (checked only against a sanity bound)
+    n_positions: int  # the rope tables' length: n_ctx_train capped at what serving reaches (bounds.py)
     rope_base: float
     rms_eps: float
     rope_interleaved: bool  # llama.cpp's "normal" rope on permuted q/k rows: adjacent pairs rotate
@@ -68,8 +72,10 @@ def open_reader(path: Path):
         raise GGUFError(f"{Path(path).name} is not a readable GGUF file ({type(e).__name__})") from None
 
 
-def read_spec(reader) -> ModelSpec:
-    """The model's shape from its metadata; UnsupportedModelError before any work if we cannot convert it."""
+def read_spec(reader, max_positions: int = SERVING_POSITIONS) -> ModelSpec:
+    """The model's shape from its metadata, checked against its tensors and this machine's memory
+    (bounds.py); UnsupportedModelError or GGUFError before any work if we cannot convert it.
+    `max_positions`: the most positions serving the result can reach (the rope tables' cap)."""
     arch = str(_field(reader, "general.architecture", "") or "")
     if arch not in SUPPORTED_ARCHS:
         raise UnsupportedModelError(
@@ -80,7 +86,8 @@ def read_spec(reader) -> ModelSpec:
     missing = [f"{arch}.{k}" for k, v in need.items() if v is None]
     if missing:
         raise UnsupportedModelError(f"the GGUF lacks metadata the converter needs: {', '.join(missing)}")
-    if int(_field(reader, f"{arch}.expert_count", 0) or 0) > 0:
+    experts = _field(reader, f"{arch}.expert_count", 0)
+    if not isinstance(experts, numbers.Integral) or experts > 0:
         raise UnsupportedModelError("mixture-of-experts models are not supported by the ONNX converter "
                                     "(supported: dense llama and qwen2 models)")
     scaling = str(_field(reader, f"{arch}.rope.scaling.type", "none") or "none")
@@ -88,9 +95,14 @@ def read_spec(reader) -> ModelSpec:
         raise UnsupportedModelError(f"rope scaling {scaling!r} is not supported by the ONNX converter "
                                     "(supported: none, and llama 3's rope_freqs factors)")
     _check_types(reader)
+
+    def count(key: str, default: int | None = None) -> int:
+        return positive_int(_field(reader, f"{arch}.{key}", default), f"{arch}.{key}")
+
     names = {t.name for t in reader.tensors}
-    n_layer = int(need["block_count"])
+    n_layer = count("block_count")
     qkv_bias = arch == "qwen2"
+    check_layer_count(n_layer, len(names), len(_LAYER_TENSORS) + (3 if qkv_bias else 0))
     wanted = ["token_embd.weight", "output_norm.weight"] + [
         f"blk.{i}.{t}.weight" for i in range(n_layer) for t in _LAYER_TENSORS]
     if qkv_bias:
@@ -99,28 +111,34 @@ def read_spec(reader) -> ModelSpec:
     if absent:
         raise UnsupportedModelError(f"the GGUF lacks {len(absent)} tensor(s) a {arch} model needs, "
                                     f"e.g. {', '.join(absent[:3])}")
-    n_embd, n_head = int(need["embedding_length"]), int(need["attention.head_count"])
-    n_head_kv = int(_field(reader, f"{arch}.attention.head_count_kv", n_head))
-    head_dim = int(_field(reader, f"{arch}.attention.key_length", n_embd // n_head))
+    n_embd, n_head = count("embedding_length"), count("attention.head_count")
+    n_head_kv = count("attention.head_count_kv", n_head)
+    head_dim = count("attention.key_length", max(n_embd // n_head, 1))
     if head_dim * n_head != n_embd or n_head % n_head_kv or head_dim % 2:
         raise UnsupportedModelError(f"head layout {n_head}x{head_dim} (kv heads {n_head_kv}) for width "
                                     f"{n_embd} is not supported (needs heads x head size = width)")
-    rope_dim = int(_field(reader, f"{arch}.rope.dimension_count", head_dim))
+    rope_dim = count("rope.dimension_count", head_dim)
     if rope_dim != head_dim:
         raise UnsupportedModelError(f"partial rotary embeddings ({rope_dim} of {head_dim}) are not supported")
     embd = next(t for t in reader.tensors if t.name == "token_embd.weight")
-    return ModelSpec(
-        arch=arch, n_layer=n_layer, n_embd=n_embd, n_ff=int(need["feed_forward_length"]),
+    n_ctx_train = count("context_length", 4096)
+    spec = ModelSpec(
+        arch=arch, n_layer=n_layer, n_embd=n_embd, n_ff=count("feed_forward_length"),
         n_head=n_head, n_head_kv=n_head_kv, head_dim=head_dim,
-        n_vocab=int(embd.shape[1]),
-        n_ctx_train=int(_field(reader, f"{arch}.context_length", 4096)),
-        rope_base=float(_field(reader, f"{arch}.rope.freq_base", 10000.0)),
-        rms_eps=float(_field(reader, f"{arch}.attention.layer_norm_rms_epsilon", 1e-5)),
+        n_vocab=int(embd.shape[-1]),
+        n_ctx_train=n_ctx_train, n_positions=rope_positions(n_ctx_train, max_positions),
+        rope_base=finite_float(_field(reader, f"{arch}.rope.freq_base", 10000.0), f"{arch}.rope.freq_base"),
+        rms_eps=finite_float(_field(reader, f"{arch}.attention.layer_norm_rms_epsilon", 1e-5),
+                             f"{arch}.attention.layer_norm_rms_epsilon", zero_ok=True),
         rope_interleaved=arch == "llama",
         qkv_bias=qkv_bias,
         tied_embeddings="output.weight" not in names,
         rope_freqs="rope_freqs.weight" in names,
     )
+    check_shapes(reader, spec)  # n_vocab above is the table's last dim: its shape check is here too
+    check_vocab(reader, spec)
+    check_memory(spec)
+    return spec
 
 
 def _check_types(reader) -> None:

@@ -82,6 +82,6 @@ def tokenizer_config(reader, spec: ModelSpec, ids: dict[str, Any]) -> dict[str, 
         "bos_token": str(tokens[ids["bos"]]), "eos_token": str(tokens[ids["eos"][0]]),
         "pad_token": str(tokens[ids["pad"]]), "unk_token": None,
         "clean_up_tokenization_spaces": False,
-        "model_max_length": spec.n_ctx_train,
+        "model_max_length": spec.n_positions,
         "chat_template": _field(reader, "tokenizer.chat_template"),
     }
