@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from .config import Settings
+from .daemon_crash import enable_fault_record, explain, last_death
 from .errors import DaemonError
 from .store import FileLock, atomic_write_json
 
@@ -129,6 +130,8 @@ def wait_healthy(
                 # the winner was still loading (seen in CI: two runs autostarting at once).
                 proc = None
                 continue
+            if proc.returncode < 0:  # a signal: the fault record says more than its stderr
+                raise DaemonError(explain(settings.log_dir, settings.log_dir / LOG_NAME, proc.pid, "starting", proc))
             raise DaemonError(f"the daemon exited while starting: {_last_error_line(settings)}")
         if time.monotonic() > deadline:
             raise DaemonError(f"the daemon did not become healthy within {timeout:.0f}s (see {settings.log_dir})")
@@ -174,7 +177,29 @@ def start_background(settings: Settings, timeout: float = 60.0) -> DaemonInfo:
         proc = subprocess.Popen(
             serve_command(settings), stdin=subprocess.DEVNULL, stdout=err, stderr=err, close_fds=True, **kwargs
         )
+    _started[proc.pid] = proc
     return wait_healthy(settings, timeout, proc)
+
+
+# Daemons this process started: their exit status names a signal even when nothing else could
+# record it (SIGKILL), and polling them reaps the zombie that would otherwise look alive.
+_started: dict[int, subprocess.Popen[bytes]] = {}
+
+
+def death_message(settings: Settings, info: DaemonInfo | None, doing: str) -> str | None:
+    """One line saying how the daemon `info` died while this CLI was `doing` something, or None
+    while it still lives (the error was something else)."""
+    if info is None:
+        return None
+    proc = _started.get(info.pid)
+    # The lock goes with the process's files as it exits (a zombie holds none), a moment after the
+    # stream's socket closed: give it that moment before concluding the daemon lives.
+    deadline = time.monotonic() + 1.0
+    while _lock_held(settings.run_dir) and _pid_alive(info.pid) and (proc is None or proc.poll() is None):
+        if time.monotonic() > deadline:
+            return None
+        time.sleep(0.05)
+    return explain(settings.log_dir, settings.log_dir / LOG_NAME, info.pid, doing, proc)
 
 
 def ensure_daemon(settings: Settings, timeout: float = 60.0) -> DaemonInfo:
@@ -267,10 +292,25 @@ def run_daemon(settings: Settings, *, background: bool = False) -> int:
     lock.acquire()
     try:
         _setup_logging(settings, background)
+        _report_previous_death(settings, announce=not background)
+        enable_fault_record(settings.log_dir)
         asyncio.run(_serve(settings, lock, announce=not background))
     finally:
         lock.release()
     return 0
+
+
+def _report_previous_death(settings: Settings, *, announce: bool) -> None:
+    """Once, at the next start: the last daemon of this home died from a signal."""
+    import logging
+
+    death = last_death(settings.log_dir)
+    if death is None:
+        return
+    line = explain(settings.log_dir, settings.log_dir / LOG_NAME, death.pid, "serving")
+    logging.getLogger("localserve.daemon").warning("the previous %s", line.removeprefix("the "))
+    if announce:
+        print(f"Note: the previous {line.removeprefix('the ')}", file=sys.stderr, flush=True)
 
 
 async def _serve(settings: Settings, lock: DaemonLock, *, announce: bool) -> None:

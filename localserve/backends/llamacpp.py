@@ -146,6 +146,7 @@ class LlamaCppBackend(Backend):
         kv_unified: bool = True,
         flash_attention: bool = True,
         kv_type: str = "f16",
+        extra_buffers: bool = True,
     ) -> LlamaCppBackend:
         """Load a GGUF model and create its batching context.
 
@@ -179,6 +180,8 @@ class LlamaCppBackend(Backend):
         kv_type: "f16" or "q8_0" for K and V (q8_0 halves KV memory; llama.cpp needs flash
             attention for a quantized V cache, so it turns flash attention on). Ignored with
             exact_attention, which keeps F32.
+        extra_buffers: llama.cpp's extra CPU buffer types (AMX, repacked Q4_0/Q4_K layouts). False
+            where the build's AMX path kills the process here (llamacpp_probe.py).
         """
         path = Path(path)
         max_seq = llama_cpp.llama_max_parallel_sequences()
@@ -194,6 +197,7 @@ class LlamaCppBackend(Backend):
         errors_before = error_count()
         mparams = llama_cpp.llama_model_default_params()
         mparams.n_gpu_layers = n_gpu_layers
+        mparams.use_extra_bufts = extra_buffers
         with captured_log() as load_lines:
             model = llama_cpp.llama_model_load_from_file(os.fsencode(path), mparams)
         if not model:

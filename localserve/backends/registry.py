@@ -45,6 +45,7 @@ def _load_llamacpp(installed: "InstalledModel", variant: "StoredVariant", plan: 
         raise BackendError(f"{installed.ref}: {why_not}")
     from ..engine import Engine
     from .llamacpp import LlamaCppBackend
+    from .llamacpp_probe import extra_buffers_allowed
 
     limits = plan.limits
     backend = LlamaCppBackend.load(
@@ -57,6 +58,7 @@ def _load_llamacpp(installed: "InstalledModel", variant: "StoredVariant", plan: 
         kv_unified=limits.kv_unified,
         flash_attention=limits.flash_attention,
         kv_type=limits.kv_type,
+        extra_buffers=extra_buffers_allowed(settings.run_dir, variant.path),
     )
     engine = Engine(backend, limits, installed.ref)
     engine.start()

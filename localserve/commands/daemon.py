@@ -16,7 +16,8 @@ from typing import Any
 from ..requests import LANES
 from ..client import DaemonClient
 from ..config import Settings
-from ..daemon import ensure_daemon, find_daemon, run_daemon, stop_daemon
+from ..daemon import death_message, ensure_daemon, find_daemon, run_daemon, stop_daemon
+from ..errors import DaemonError
 
 HELP_TEXT = """Commands:
   /set temperature X   sampling temperature (0 = greedy)
@@ -176,10 +177,14 @@ def cmd_run(args: argparse.Namespace, settings: Settings) -> int:
             return 0
     info = ensure_daemon(settings)
     chat = Chat(DaemonClient(info.url, api_key=settings.api_key), model, args)
-    if prompt:
-        chat.ask(prompt)
-        return 0
-    return chat.interactive()
+    try:
+        if prompt:
+            chat.ask(prompt)
+            return 0
+        return chat.interactive()
+    except DaemonError as e:
+        # A stream that broke off because the daemon died says how it died, not just that it did.
+        raise DaemonError(death_message(settings, info, f"answering with {model}") or str(e)) from None
 
 
 def _ensure_model(ref: str, settings: Settings) -> str:

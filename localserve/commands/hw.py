@@ -13,6 +13,7 @@ from ..buildinfo import Toolkits, installed_build, installed_version, recommend,
 from ..config import Settings
 from ..hardware import HardwareReport, detect_hardware
 from ..memory import format_bytes
+from .models import native_condition
 
 
 def register(subparsers: argparse._SubParsersAction, common: argparse.ArgumentParser) -> None:
@@ -25,12 +26,15 @@ def run_hw(args: argparse.Namespace, settings: Settings) -> int:
     report = detect_hardware()
     build = build_summary(report, Toolkits.probe())
     placements = model_placements(report, settings)
+    build["native"] = native_condition(settings)
     if args.json:
         print(json.dumps({**report.to_dict(), "llama_build": build, "models": placements}, indent=2))
     else:
         console = Console()
         console.print(render(report))
         console.print(render_build(build))
+        if build["native"]:
+            console.print(f"  {build['native']}")
         if placements:
             console.print(render_placements(placements))
     return 0

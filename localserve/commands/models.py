@@ -192,12 +192,22 @@ def describe_model(model: InstalledModel, settings: Settings, n_ctx: int | None 
         "ctx_given": ctx_given,
     }
     info["placement"] = place = _placement(estimate, model, settings)
+    info["native"] = native_condition(settings) if place.get("backend") == "llamacpp" else None
     # Layers a load would put on the GPU (llama.cpp's count: the output layer is one more) and
     # their memory; `ps` / /api/ps show what a loaded model actually got.
     layers = place.get("n_gpu_layers") or 0
     info["gpu"] = {"layers": facts.n_layers + 1 if layers < 0 else layers, "of_layers": facts.n_layers + 1,
                    "memory_bytes": planned_vram(layers, estimate, estimate.total_bytes)}
     return info
+
+
+def native_condition(settings: Settings) -> str | None:
+    """A condition of this machine's llama.cpp build that decides how models load (llamacpp_probe)."""
+    try:
+        from ..backends.llamacpp_probe import condition
+    except ImportError:  # no llama_cpp: nothing to say about its build
+        return None
+    return condition(settings.run_dir)
 
 
 def _placement(estimate: Any, model: InstalledModel, settings: Settings) -> dict[str, Any]:
@@ -270,6 +280,8 @@ def run_show(args: argparse.Namespace, settings: Settings) -> int:
         ("runs on", runs_on(place)),
         ("why", str(place["reason"])),
     ]
+    if info["native"]:
+        rows.append(("llama.cpp here", info["native"]))
     gpu = info["gpu"]
     if gpu["layers"]:
         rows.append(("on the GPU", f"{gpu['layers']} of {gpu['of_layers']} layers, "

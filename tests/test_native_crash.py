@@ -1,0 +1,240 @@
+"""Native crashes: the llama.cpp probe and its fallback, and a daemon that dies explaining itself.
+
+This machine's CPU does not claim AMX, so the probe's trigger (a CPU that claims AMX and a build that
+compiled it) is the one thing faked here; the child process, the model, the load and the signals are
+real."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from daemon_util import REPO, cli, cli_env, free_port, register_model, serving, stop_quietly, wait_published
+
+pytestmark = pytest.mark.model
+
+
+@pytest.fixture
+def claims_amx(monkeypatch: pytest.MonkeyPatch) -> None:
+    from localserve.backends import llamacpp_probe
+
+    monkeypatch.setattr(llamacpp_probe, "cpu_claims_amx", lambda: True)
+    monkeypatch.setattr(llamacpp_probe, "build_uses_amx", lambda: True)
+
+
+def test_the_probe_loads_and_decodes_the_real_model_here(smollm2_gguf: Path, tmp_path: Path, claims_amx: None) -> None:
+    from localserve.backends import llamacpp_probe
+
+    assert llamacpp_probe.extra_buffers_allowed(tmp_path, smollm2_gguf) is True
+    verdict = llamacpp_probe.read_verdict(tmp_path)
+    assert verdict is not None and verdict.ok and verdict.signal is None and verdict.seconds > 0
+    assert "probed on this CPU and runs" in llamacpp_probe.condition(tmp_path)
+
+
+def _kill_probe_child_while_loading(model: Path, sig: int, done: threading.Event) -> int | None:
+    """Find the probe child, hold it with SIGSTOP, let it run in 5 ms slices until it has mapped the
+    model (it is loading), then deliver `sig`. Returns the child's pid."""
+    me = psutil.Process()
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and not done.is_set():
+        for child in me.children(recursive=True):
+            try:
+                if "localserve.backends.llamacpp_probe" not in " ".join(child.cmdline()):
+                    continue
+                child.send_signal(signal.SIGSTOP)
+                while True:
+                    if any(m.path == str(model.resolve()) for m in child.memory_maps(grouped=True)):
+                        child.send_signal(sig)
+                        child.send_signal(signal.SIGCONT)
+                        return child.pid
+                    child.send_signal(signal.SIGCONT)
+                    time.sleep(0.005)
+                    child.send_signal(signal.SIGSTOP)
+            except psutil.NoSuchProcess:
+                return None
+        time.sleep(0.001)
+    return None
+
+
+@pytest.mark.parametrize("sig", [signal.SIGSEGV, signal.SIGILL])
+def test_a_probe_child_killed_by_a_signal_makes_the_load_take_the_fallback(
+    smollm2_gguf: Path, tmp_path: Path, claims_amx: None, monkeypatch: pytest.MonkeyPatch, sig: int,
+) -> None:
+    from localserve.backends import llamacpp_probe
+    from localserve.backends.llamacpp import LlamaCppBackend
+
+    result: list[bool] = []
+    done = threading.Event()
+    worker = threading.Thread(target=lambda: (result.append(llamacpp_probe.extra_buffers_allowed(tmp_path, smollm2_gguf)),
+                                              done.set()))
+    worker.start()
+    killed = _kill_probe_child_while_loading(smollm2_gguf, sig, done)
+    worker.join(120)
+    assert killed is not None, "the probe child finished before it could be killed"
+    assert result == [False]
+    verdict = llamacpp_probe.read_verdict(tmp_path)
+    assert verdict is not None and not verdict.ok and verdict.signal == signal.Signals(sig).name
+    record = json.loads((tmp_path / llamacpp_probe.VERDICT_NAME).read_text())
+    assert record["key"] == llamacpp_probe.build_key()
+    assert f"died with {signal.Signals(sig).name}" in llamacpp_probe.condition(tmp_path)
+    assert "localserve setup" in llamacpp_probe.condition(tmp_path)
+
+    # Remembered: the next load asks no child, and goes through the registry without extra buffers.
+    monkeypatch.setattr(llamacpp_probe, "probe", lambda *a, **k: pytest.fail("probed twice"))
+    from localserve.config import load_settings
+    from localserve.models import plan_model
+    from localserve.store import ModelStore
+    from localserve.backends import registry
+
+    settings = load_settings(flags={"home": str(tmp_path), "context_length": 512, "max_sequences": 2},
+                             environ={}, config_path=tmp_path / "no-config.toml")
+    settings.run_dir.mkdir(parents=True, exist_ok=True)
+    (settings.run_dir / llamacpp_probe.VERDICT_NAME).write_text((tmp_path / llamacpp_probe.VERDICT_NAME).read_text())
+    installed = ModelStore(settings).register_local(smollm2_gguf, "smol")
+    seen: list[bool] = []
+    original = LlamaCppBackend.load.__func__
+
+    def spy(cls, path, **kwargs):
+        seen.append(kwargs["extra_buffers"])
+        return original(cls, path, **kwargs)
+
+    monkeypatch.setattr(LlamaCppBackend, "load", classmethod(spy))
+    engine = registry.load(installed, plan_model(installed, settings), settings)
+    engine.shutdown()
+    assert seen == [False]
+
+
+def test_the_fallback_load_gives_the_full_builds_greedy_tokens(smollm2_gguf: Path) -> None:
+    """What the fallback changes is where weights live, not what the model says."""
+    from localserve.backends.base import BatchToken
+    from localserve.backends.llamacpp import LlamaCppBackend
+
+    def greedy(extra_buffers: bool) -> list[int]:
+        import numpy as np
+
+        with LlamaCppBackend.load(smollm2_gguf, n_ctx=256, n_seq_max=1, n_batch=64, n_threads=2,
+                                  extra_buffers=extra_buffers, kv_unified=False, flash_attention=False) as b:
+            tokens = b.tokenize("The capital of France is")
+            out: list[int] = []
+            b.decode([BatchToken(t, 0, i, i == len(tokens) - 1) for i, t in enumerate(tokens)])
+            row = len(tokens) - 1  # the prompt's last row, then each single row
+            for step in range(8):
+                nxt = int(np.argmax(b.logits(row)))
+                row = 0
+                out.append(nxt)
+                b.decode([BatchToken(nxt, 0, len(tokens) + step, True)])
+            return out
+
+    assert greedy(False) == greedy(True)
+
+
+def test_faults_record_names_the_signal_and_what_the_crashing_thread_did(smollm2_gguf: Path, tmp_path: Path) -> None:
+    """A real SIGSEGV in a thread that is decoding, as a daemon's engine thread would be."""
+    script = textwrap.dedent(f"""
+        import os, signal, threading, time
+        from pathlib import Path
+        from localserve.daemon_crash import enable_fault_record
+        from localserve.backends.base import BatchToken
+        from localserve.backends.llamacpp import LlamaCppBackend
+        enable_fault_record(Path({str(tmp_path)!r}))
+        b = LlamaCppBackend.load({str(smollm2_gguf)!r}, n_ctx=512, n_seq_max=1, n_batch=64, n_threads=1)
+        started = threading.Event()
+        def work():
+            started.set()
+            while True:
+                b.kv_remove(0)
+                b.decode([BatchToken(1, 0, i, i == 63) for i in range(64)])
+        t = threading.Thread(target=work, daemon=True); t.start(); started.wait(); time.sleep(0.3)
+        signal.pthread_kill(t.ident, signal.SIGSEGV)
+        time.sleep(10)
+    """)
+    proc = subprocess.Popen([sys.executable, "-c", script], cwd=REPO, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "PYTHONPATH": str(REPO)})
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == -signal.SIGSEGV, err
+    from localserve.daemon_crash import CRASH_NAME, explain, read_death
+
+    assert "Fatal Python error: Segmentation fault" in (tmp_path / CRASH_NAME).read_text()
+    death = read_death(tmp_path, proc.pid)
+    assert death is not None and death.signal == "SIGSEGV" and death.activity == "decoding"
+    line = explain(tmp_path, tmp_path / "localserve.log", proc.pid, "answering with smol")
+    assert "SIGSEGV" in line and "while decoding" in line and str(tmp_path / "localserve.log") in line
+
+
+def test_run_says_how_the_daemon_died_when_it_dies_mid_stream(tmp_path: Path, smollm2_gguf: Path) -> None:
+    env = cli_env(tmp_path, free_port())
+    register_model(env, smollm2_gguf, "smol")
+    with serving(env) as daemon:
+        info = wait_published(tmp_path, daemon)
+        run = subprocess.Popen([sys.executable, "-m", "localserve", "run", "smol", "Write a long story about a dragon.",
+                                "--max-tokens", "3000"], env=env, cwd=REPO, stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True)
+        try:
+            assert run.stdout is not None and run.stdout.read(8)  # the answer streams
+            os.kill(info["pid"], signal.SIGSEGV)
+            out, err = run.communicate(timeout=60)
+        finally:
+            if run.poll() is None:
+                run.kill()
+        assert daemon.wait(30) == -signal.SIGSEGV
+    assert run.returncode != 0
+    message = err.strip().splitlines()[-1]
+    assert message.startswith("Error: the daemon (pid ") and "died from SIGSEGV" in message, err
+    assert str(tmp_path / "logs" / "localserve.log") in message and "answering with smol" in message
+    assert "Traceback" not in err
+
+    # The next start says it once, on its terminal and in its log.
+    with serving(env) as daemon:
+        wait_published(tmp_path, daemon)
+        stop_quietly(env, daemon)
+        _, serve_err = daemon.communicate(timeout=30)
+    assert f"Note: the previous daemon (pid {info['pid']}) died from SIGSEGV" in serve_err
+
+
+def test_hw_and_show_name_the_condition_and_the_command(smollm2_gguf: Path, tmp_path: Path, claims_amx: None,
+                                                        capsys: pytest.CaptureFixture[str]) -> None:
+    from dataclasses import asdict
+
+    from localserve.backends.llamacpp_probe import VERDICT_NAME, Verdict, build_key
+    from localserve.cli import main
+
+    env = cli_env(tmp_path, free_port())
+    register_model(env, smollm2_gguf, "smol")
+    (tmp_path / "run").mkdir(exist_ok=True)
+    (tmp_path / "run" / VERDICT_NAME).write_text(json.dumps(asdict(Verdict(build_key(), False, "SIGILL", 0.6, 1.0))))
+    config = ["--home", str(tmp_path)]
+    assert main(["hw", *config]) == 0
+    out = capsys.readouterr().out
+    assert "died with SIGILL" in " ".join(out.split()) and "localserve setup" in out
+    assert main(["show", "smol", *config]) == 0
+    shown = " ".join(capsys.readouterr().out.split())
+    assert "llama.cpp here" in shown and "died with SIGILL" in shown
+
+
+def test_run_names_sigkill_for_the_daemon_it_started(tmp_path: Path, smollm2_gguf: Path) -> None:
+    """SIGKILL leaves no fault record; the CLI that autostarted the daemon learns it from the exit status."""
+    env = cli_env(tmp_path, free_port())
+    register_model(env, smollm2_gguf, "smol")
+    run = subprocess.Popen([sys.executable, "-m", "localserve", "run", "smol", "Write a long story about a dragon.",
+                            "--max-tokens", "3000"], env=env, cwd=REPO, stdout=subprocess.PIPE,
+                           stderr=subprocess.PIPE, text=True)
+    try:
+        assert run.stdout is not None and run.stdout.read(8)
+        info = json.loads((tmp_path / "run" / "daemon.json").read_text())
+        os.kill(info["pid"], signal.SIGKILL)
+        _, err = run.communicate(timeout=60)
+    finally:
+        if run.poll() is None:
+            run.kill()
+    message = err.strip().splitlines()[-1]
+    assert f"the daemon (pid {info['pid']}) died from SIGKILL" in message and "out-of-memory" in message, err
