@@ -78,7 +78,7 @@ def write_tiny_gguf(path: Path, arch: str = "llama", weights: dict[str, np.ndarr
     import gguf
 
     w = gguf.GGUFWriter(os.fspath(path), arch)
-    w.add_block_count(TINY["n_layer"])
+    w.add_block_count(meta.get("block_count", TINY["n_layer"]))
     w.add_embedding_length(TINY["n_embd"])
     w.add_feed_forward_length(TINY["n_ff"])
     # `meta` may claim another layout than the tensors have (the converter's attack tests).
