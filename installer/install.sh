@@ -6,8 +6,8 @@
 #
 #   bash installer/install.sh [--from WHEEL|SDIST|DIR] [--find-links DIR] [--port N] [--build B]
 #                             [--no-service] [--no-tray] [--no-run]
-#   bash installer/install.sh --uninstall   # everything but downloaded models
-#   bash installer/install.sh --purge       # models too
+#   bash installer/install.sh --uninstall   # what localserve made, but downloaded models
+#   bash installer/install.sh --purge       # models too (never a file localserve did not write)
 set -euo pipefail
 
 SRC="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"  # default: the checkout this script is in
@@ -50,16 +50,61 @@ LS="$VENV/bin/localserve"
 
 say() { printf '==> %s\n' "$*"; }
 
-# Everything in a directory except its models/ folder; the directory itself when nothing is left.
-remove_all_but_models() {
-    local dir="$1" entry
-    [ -d "$dir" ] || return 0
-    for entry in "$dir"/* "$dir"/.[!.]*; do
-        [ -e "$entry" ] || [ -L "$entry" ] || continue
-        [ "$(basename "$entry")" = models ] && [ "$MODE" = uninstall ] && continue
-        rm -rf "$entry"
+# Only what localserve writes in a data home, never an unknown entry: LOCALSERVE_HOME may be a
+# folder the user keeps other things in (even $HOME). The names are localserve's own: config.py
+# (models/, run/, logs/ under a LOCALSERVE_HOME), daemon.py (run/daemon.lock, run/daemon.json,
+# logs/localserve.log and its rotations, logs/daemon-stderr.log), daemon_crash.py
+# (logs/daemon-crash.log), backends/llamacpp_probe.py (run/native-probe.json), store.py's atomic
+# writes (run/.NAME.PID.tmp), service.py (logs/daemon.log, launchd's), commands/setup.py
+# (logs/setup-*.log), batches/ (batches.sqlite3 and its WAL files, files/file-*, files/.tmp/*.part)
+# and store.py (models/.locks/*.lock, models/.tmp; with --purge each models/NAME/TAG folder that
+# holds a manifest.json or only a pull's partial files). A folder is removed only once empty.
+remove_ours() {
+    local home="$1" tag entry
+    [ -d "$home" ] || return 0
+    rm -f "$home/run/daemon.lock" "$home/run/daemon.json" "$home/run/native-probe.json" \
+          "$home/run"/.daemon.json.*.tmp "$home/run"/.native-probe.json.*.tmp
+    rm -f "$home/logs/localserve.log" "$home/logs/localserve.log".[0-9] "$home/logs/daemon-stderr.log" \
+          "$home/logs/daemon-crash.log" "$home/logs/daemon.log" "$home/logs"/setup-*.log
+    rm -f "$home/batches/batches.sqlite3" "$home/batches/batches.sqlite3-wal" "$home/batches/batches.sqlite3-shm" \
+          "$home/batches/files"/file-* "$home/batches/files/.tmp"/*.part
+    rm -f "$home/models/.locks"/*.lock
+    rm -rf "$home/models/.tmp"
+    [ "$home" = "$DATA" ] && [ "$CONFIG" = "$DATA" ] && rm -f "$home/config.toml"  # macOS: one folder
+    if [ "$MODE" = purge ]; then
+        for tag in "$home/models"/*/*/; do
+            # A link in the path leads out of our store: whatever it reaches is not ours to remove.
+            [ -d "$tag" ] && [ ! -L "${tag%/}" ] && [ ! -L "$(dirname "${tag%/}")" ] || continue
+            if [ -f "$tag/manifest.json" ] || only_partials "$tag"; then rm -rf "$tag"; fi
+        done
+        for entry in "$home/models"/*/; do rmdir "$entry" 2>/dev/null || true; done
+    fi
+    for entry in batches/files/.tmp batches/files batches logs run models/.locks models; do
+        rmdir "$home/$entry" 2>/dev/null || true
     done
-    rmdir "$dir" 2>/dev/null || true
+    # The data home itself once empty, unless it is the user's home directory (LOCALSERVE_HOME=$HOME).
+    [ "$(cd "$home" && pwd -P)" = "$(cd "$HOME" && pwd -P)" ] || rmdir "$home" 2>/dev/null || true
+}
+
+# A tag folder an interrupted pull left: nothing in it but `*.partial`, `*.partial.json` and `folder.partial/`.
+only_partials() {
+    local entry
+    for entry in "$1"/* "$1"/.[!.]*; do
+        [ -e "$entry" ] || [ -L "$entry" ] || continue
+        case "$(basename "$entry")" in *.partial|*.partial.json) ;; *) return 1 ;; esac
+    done
+}
+
+# Say what stayed in a data home, so nothing is left there unseen.
+report_left() {
+    local home="$1" entry names=""
+    [ -d "$home" ] || return 0
+    for entry in "$home"/* "$home"/.[!.]*; do
+        [ -e "$entry" ] || [ -L "$entry" ] || continue
+        names="$names ${entry##*/}"
+    done
+    [ -n "$names" ] && say "left in $home (not removed):$names"
+    return 0
 }
 
 if [ "$MODE" != install ]; then
@@ -70,14 +115,16 @@ if [ "$MODE" != install ]; then
     fi
     [ -L "$LINK" ] && [ "$(readlink "$LINK")" = "$LS" ] && rm -f "$LINK"
     rm -rf "$VENV" "$LOGS" "$CACHE"
-    remove_all_but_models "$MODELS_HOME"
-    remove_all_but_models "$DATA"
+    remove_ours "$MODELS_HOME"
+    [ "$MODELS_HOME" != "$DATA" ] && remove_ours "$DATA"
     [ "$CONFIG" != "$DATA" ] && rm -rf "$CONFIG"
     if [ "$MODE" = uninstall ] && [ -d "$MODELS_HOME/models" ]; then
         say "localserve removed; downloaded models kept in $MODELS_HOME/models (--purge removes them)"
     else
         say "localserve removed"
     fi
+    report_left "$MODELS_HOME"
+    [ "$MODELS_HOME" != "$DATA" ] && report_left "$DATA"
     exit 0
 fi
 

@@ -1,6 +1,7 @@
 """installer/install.sh for real, in a fresh HOME: install from a wheel of this checkout, answer,
-service files that verify, upgrade in place, uninstall down to the models. Plus the service texts
-and the port-in-use report.
+service files that verify, upgrade in place, uninstall down to the models; uninstall and purge
+with LOCALSERVE_HOME on a folder of the user's own files, which stay. Plus the service texts and
+the port-in-use report.
 
 llama.cpp is not compiled again: pip gets the wheel of exactly the build this test environment
 runs (found in pip's wheel cache by the hash of its libllama.so) through --find-links.
@@ -23,7 +24,7 @@ from pathlib import Path
 
 import pytest
 
-from daemon_util import free_port
+from daemon_util import cli_env, free_port, register_model, serving, stop_quietly, wait_published
 from localserve.service import ServiceSpec, launch_agent, systemd_unit
 
 REPO = Path(__file__).resolve().parent.parent
@@ -88,7 +89,8 @@ def test_install_answer_upgrade_uninstall(tmp_path: Path, smollm2_gguf: Path) ->
     add = subprocess.run([sys.executable, "-m", "localserve", "--home", str(data), "add", str(smollm2_gguf),
                           "--name", "smollm2-135m"], env=env, capture_output=True, text=True)
     assert add.returncode == 0, add.stderr
-    models_before = _files(data)
+    # What uninstall keeps: the models, not the store's lock files (localserve's, not the user's).
+    models_before = [f for f in _files(data) if not f.startswith("models/.locks/")]
     ls = data / "venv" / "bin" / "localserve"
     start = time.monotonic()
     try:
@@ -133,6 +135,49 @@ def test_install_answer_upgrade_uninstall(tmp_path: Path, smollm2_gguf: Path) ->
     assert _files(home) == [str(Path(".local/share/localserve") / f) for f in models_before]
     assert _install(env, "--purge").returncode == 0
     assert _files(home) == []
+
+
+def test_uninstall_and_purge_remove_only_what_localserve_wrote(tmp_path: Path) -> None:
+    """LOCALSERVE_HOME on a folder of the user's own files, some under the names localserve uses
+    (logs/, batches/, models/): the real daemon, the Batch API's file store and a model registered
+    in place write their entries; --uninstall removes them but the model, --purge the model too,
+    and every file of the user's stays, named in what the uninstaller says it left."""
+    import openai
+
+    from onnx_helpers import write_tiny_gguf
+
+    mine = tmp_path / "mine"
+    own = {"notes.txt": "groceries", "photos/cat.jpg": "jpeg", "logs/diary.log": "day 1", "batches/plan.md": "q3",
+           "models/README.md": "my models", "models/other/thing/weights.bin": "not in our layout"}
+    for rel, text in own.items():
+        (mine / rel).parent.mkdir(parents=True, exist_ok=True)
+        (mine / rel).write_text(text)
+    gguf = write_tiny_gguf(mine / "photos" / "tiny.gguf")  # the user's file, registered in place
+    own_files = sorted([*own, "photos/tiny.gguf"])
+    env = cli_env(mine, free_port())
+    register_model(env, gguf, "tiny")
+    with serving(env) as proc:
+        info = wait_published(mine, proc)
+        client = openai.OpenAI(base_url=info["url"] + "/v1", api_key="unused", max_retries=0)
+        client.files.create(file=("in.jsonl", b'{"custom_id": "a"}\n'), purpose="batch")
+        stop_quietly(env, proc)
+    written = set(_files(mine)) - set(own_files)
+    manifest = "models/tiny/latest/manifest.json"
+    assert {manifest, "batches/batches.sqlite3", "logs/localserve.log", "run/daemon.lock"} <= written, written
+    assert any(f.startswith("batches/files/file-") for f in written), written
+
+    env = _env(tmp_path / "home", LOCALSERVE_HOME=str(mine))
+    (tmp_path / "home").mkdir()
+    gone = _install(env, "--uninstall", timeout=60)
+    assert gone.returncode == 0, gone.stderr
+    assert _files(mine) == sorted([*own_files, manifest])
+    left = gone.stdout.splitlines()[-1]
+    assert left.startswith(f"==> left in {mine} (not removed):"), gone.stdout
+    assert all(name in left.split() for name in ("batches", "logs", "models", "notes.txt", "photos")), left
+    purged = _install(env, "--purge", timeout=60)
+    assert purged.returncode == 0, purged.stderr
+    assert _files(mine) == own_files
+    assert not (mine / "models" / "tiny").exists() and not (mine / "run").exists()
 
 
 def test_unsupported_python_is_refused_before_anything_is_written(tmp_path: Path) -> None:
