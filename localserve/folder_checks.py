@@ -24,7 +24,7 @@ import struct
 from pathlib import Path, PurePosixPath
 from typing import Any, Iterable, Iterator
 
-from .errors import ModelDirError
+from .errors import ModelDirError, redact_paths
 
 # Names a loader takes for a library or program: .so and its versioned forms (libx.so.1.2).
 _NATIVE_NAME = re.compile(r"\.(so(\.\d+)*|dll|dylib|exe|pyd)$", re.IGNORECASE)
@@ -39,7 +39,8 @@ def inside(directory: Path, rel: Any, what: str) -> Path:
     when it is not a plain relative name or resolves outside, e.g. through a linked folder."""
     if (not isinstance(rel, str) or not rel or "\\" in rel or ":" in rel or "\0" in rel
             or PurePosixPath(rel).is_absolute() or ".." in PurePosixPath(rel).parts):
-        raise ModelDirError(f"{what} must name a file inside the folder (got {str(rel)[:60]!r})")
+        # An absolute name is shown by its last part: the message may reach a client.
+        raise ModelDirError(f"{what} must name a file inside the folder (got {redact_paths(str(rel))[:60]!r})")
     path = directory / rel
     try:
         escapes = not path.resolve().is_relative_to(directory.resolve())

@@ -5,6 +5,7 @@ converter writes (test_oga's cached conversion, 540 MB of fp32 weights)."""
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import time
 from pathlib import Path
@@ -249,3 +250,60 @@ def test_which_folder_a_listing_gives():
     escape = [item("../genai_config.json", b"{}", False), item("../model.onnx", b"g", True)]
     with pytest.raises(ModelNotFoundError, match="neither GGUF files nor"):
         choose_folder(escape, None, REPO, "http://hub")
+
+
+# --- hostile folders (issue 25): a pull never brings code in ------------------------------------------
+ATTACKER = "ls3-attacker/npu-model"
+
+
+def published_hostile(tmp_path: Path, server: LocalServer) -> Path:
+    """The review's attack folder (test_folder_attacks.hostile_oga) on the fake Hub as ATTACKER:npu."""
+    from test_folder_attacks import hostile_oga
+
+    folder, marker = hostile_oga(tmp_path)
+    files = {p.name: p.read_bytes() for p in folder.iterdir()}
+    publish(server, ATTACKER, {"npu": files})
+    return marker
+
+
+def test_a_folder_shipping_a_library_is_refused_at_pull_before_the_library_is_fetched(tmp_path, server):
+    marker = published_hostile(tmp_path, server)
+    settings = make_settings(tmp_path, server)
+    with pytest.raises(ModelDirError, match=f"hf.co/{ATTACKER}:npu is not a usable onnxruntime-genai folder: "
+                                            "libls3ops.so is a shared library or an executable"):
+        pull_model(f"hf.co/{ATTACKER}:npu", settings, retry=FAST_RETRY)
+    assert file_requests(server) == []  # refused by its listing: not one byte fetched
+    assert ModelStore(settings).list() == [] and not marker.exists()
+
+
+def test_a_library_by_another_name_is_refused_by_its_bytes(tmp_path, server):
+    from test_folder_attacks import marker_library, oga_config
+
+    marker = tmp_path / "marker"
+    elf = marker_library(tmp_path / "build", marker).read_bytes()
+    publish(server, ATTACKER, {"npu": {"genai_config.json": json.dumps(oga_config()).encode(),
+                                       "model.onnx": b"\x08\x09", "tokenizer.json": b"{}", "weights.bin": elf}})
+    settings = make_settings(tmp_path, server)
+    with pytest.raises(ModelDirError, match="weights.bin is a shared library or an executable"):
+        pull_model(f"hf.co/{ATTACKER}:npu", settings, retry=FAST_RETRY)
+    store = ModelStore(settings)
+    assert store.list() == [] and not (store.model_dir(f"hf.co/{ATTACKER}", "npu") / STAGING_DIR).exists()
+    assert not marker.exists()
+
+
+def test_over_the_api_a_config_naming_a_library_is_refused_before_the_weights(tmp_path, server):
+    """POST /api/pull as the dashboard's Pull form sends it: the config's option is refused once the
+    config is in, so the (here 64 KiB, in real folders multi-GB) weights are never fetched."""
+    from test_folder_attacks import oga_config
+
+    config = oga_config(custom_ops_library="/usr/lib/libls3ops.so")
+    publish(server, ATTACKER, {"npu": {"genai_config.json": json.dumps(config).encode(), "model.onnx": b"\x08\x09",
+                                       "model.onnx.data": bytes(65536), "tokenizer.json": b"{}"}})
+    with LiveServer(replace(make_settings(tmp_path, server), threads=2)) as live:
+        status, body = live.json("POST", "/api/pull", {"model": f"hf.co/{ATTACKER}:npu", "stream": False})
+        assert status == 400, body
+        assert "custom_ops_library is not allowed" in body["error"] and str(tmp_path) not in body["error"]
+        assert file_requests(server) == ["/files/genai_config.json"]
+        status, body = live.json("POST", "/api/chat", {"model": f"hf.co/{ATTACKER}:npu", "stream": False,
+                                                       "messages": [{"role": "user", "content": "hi"}]})
+        assert status == 404, body  # nothing was installed
