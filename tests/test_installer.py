@@ -180,6 +180,18 @@ def test_uninstall_and_purge_remove_only_what_localserve_wrote(tmp_path: Path) -
     assert not (mine / "models" / "tiny").exists() and not (mine / "run").exists()
 
 
+def test_purge_with_localserve_home_on_the_home_directory_keeps_it(tmp_path: Path) -> None:
+    """LOCALSERVE_HOME=$HOME (the review's worst case: the old uninstaller emptied it)."""
+    home = tmp_path / "home"
+    (home / "Documents").mkdir(parents=True)
+    (home / "Documents" / "cv.odt").write_text("me")
+    (home / ".bashrc").write_text("export A=1")
+    purged = _install(_env(home, LOCALSERVE_HOME=str(home)), "--purge", timeout=60)
+    assert purged.returncode == 0, purged.stderr
+    assert _files(home) == [".bashrc", "Documents/cv.odt"]
+    assert purged.stdout.splitlines()[-1] == f"==> left in {home} (not removed): Documents .bashrc"
+
+
 def test_unsupported_python_is_refused_before_anything_is_written(tmp_path: Path) -> None:
     old = tmp_path / "python3.8"
     old.write_text("#!/bin/sh\n[ \"$1\" = --version ] && echo 'Python 3.8.18'\nexit 1\n")
