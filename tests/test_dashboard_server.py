@@ -54,6 +54,19 @@ def test_assets_are_a_fixed_list(server):
         assert status == 404 and b"Traceback" not in body and b"/" + b"work" not in body, path
 
 
+def test_the_page_and_its_files_cannot_be_framed_by_another_site(server):
+    """Clickjacking (review 3 A.10): "Unload" is one click on the page's own origin, so the page says
+    no site may frame it, and loads nothing but its own files."""
+    paths = ["/"] + [f"/dashboard/{name}" for name in dashboard_routes.ASSETS]
+    for path in paths:
+        status, headers, _ = server.request("GET", path, headers=HTML)
+        assert status == 200, path
+        policy = {d.split()[0]: d.split()[1:] for d in headers["Content-Security-Policy"].split("; ")}
+        assert policy["frame-ancestors"] == ["'none'"] and headers["X-Frame-Options"] == "DENY", path
+        assert policy["default-src"] == policy["script-src"] == ["'self'"], path
+        assert headers["X-Content-Type-Options"] == "nosniff", path
+
+
 def test_state_and_stream(server):
     status, state = server.json("GET", "/api/dashboard/state")
     assert status == 200 and state["models"] == [] and state["pulls"] == 0 and state["api_key"] is False

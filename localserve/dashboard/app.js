@@ -61,7 +61,9 @@ $("#key-form").addEventListener("submit", (ev) => {
 // --- tabs --------------------------------------------------------------------------------------
 function showTab() {
   const hash = location.hash.slice(1) || "scheduler";
-  const link = document.querySelector(`nav a[href="#${hash}"]`);
+  // The hash is the URL's, anyone's to write: escaped, `#x"]` is a tab that does not exist, not a
+  // broken selector that throws before the page starts.
+  const link = document.querySelector(`nav a[href="#${CSS.escape(hash)}"]`);
   const tab = link ? link.dataset.tab : "scheduler";
   for (const section of document.querySelectorAll("main > section")) section.hidden = section.id !== "tab-" + tab;
   for (const a of document.querySelectorAll("nav a")) a.classList.toggle("active", a === link);
