@@ -20,6 +20,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Mapping, Protocol, Sequence
 
+from .plain_values import check_plain
+
 APP_ID = "localserve"
 LAUNCH_AGENT_LABEL = "io.localserve.tray"
 RUN_KEY_PATH = r"Software\Microsoft\Windows\CurrentVersion\Run"
@@ -99,7 +101,13 @@ def _exec_arg(arg: str) -> str:
     return f'"{inner}"'
 
 
+def _check_command(command: Sequence[str], target: str) -> None:
+    check_plain([("the interpreter's path" if i == 0 else f"argument {i} of the tray command", arg)
+                 for i, arg in enumerate(command)], target)
+
+
 def desktop_entry(command: Sequence[str]) -> str:
+    _check_command(command, "the autostart entry")
     # The value of a desktop-file key is itself escaped: each backslash of the Exec line doubles.
     exec_line = " ".join(_exec_arg(a) for a in command).replace("\\", "\\\\")
     return (
@@ -147,6 +155,7 @@ def launch_agent_file(home: Path) -> Path:
 
 
 def launch_agent(command: Sequence[str]) -> bytes:
+    _check_command(command, "the LaunchAgent")
     return plistlib.dumps({
         "Label": LAUNCH_AGENT_LABEL,
         "ProgramArguments": list(command),
@@ -174,6 +183,7 @@ def enable(command: Sequence[str] | None = None, *, platform: str | None = None,
     command = list(command or tray_command(platform=platform))
     kind = _kind(platform)
     if kind == "windows":
+        _check_command(command, "the Run key")
         (run_key or WinRegRunKey()).set(APP_ID, subprocess.list2cmdline(command))
     else:
         path = desktop_file(home, environ) if kind == "xdg" else launch_agent_file(home)

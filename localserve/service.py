@@ -18,6 +18,8 @@ from pathlib import Path
 
 import psutil
 
+from .plain_values import check_plain
+
 UNIT_NAME = "localserve.service"
 AGENT_LABEL = "io.localserve.daemon"
 
@@ -28,6 +30,12 @@ class ServiceSpec:
     port: int
     home: Path | None = None  # LOCALSERVE_HOME for the daemon, when the installer set one
     log_dir: Path | None = None  # macOS: where launchd sends the daemon's stdout/stderr
+
+    def __post_init__(self) -> None:
+        # Checked here, once for both renderers: a spec that could add lines to a unit never exists.
+        check_plain([("the localserve program's path", str(self.exe)),
+                     ("LOCALSERVE_HOME", str(self.home or "")), ("the log directory", str(self.log_dir or ""))],
+                    "the service definition")
 
     def argv(self) -> list[str]:
         return [str(self.exe), "serve", "--port", str(self.port)]

@@ -111,3 +111,43 @@ def test_bare_localserve_prints_the_dashboard(tmp_path):
     assert result.returncode == 0
     assert f"Dashboard: http://127.0.0.1:{port}/" in result.stdout and "--help" in result.stdout
     assert "autostart" in cli(cli_env(tmp_path, port), "--help").stdout
+
+
+# --- values that would add lines (review 3 A.11) ---------------------------------------------------
+from pathlib import Path  # noqa: E402
+
+from localserve.errors import ConfigError  # noqa: E402
+from localserve.service import ServiceSpec, systemd_unit  # noqa: E402
+
+INJECTED = "/home/u\nExecStartPre=/bin/sh -c 'touch /tmp/pwned'"
+
+
+@pytest.mark.parametrize("bad", ["\n", "\r", "\t", "\0", "\x1b", "\x85", "\u2028"])
+def test_unit_and_launch_agent_values_with_control_characters_are_refused(bad):
+    for spec in (lambda: ServiceSpec(Path(f"/opt/ls{bad}bin/localserve"), 11480),
+                 lambda: ServiceSpec(Path("/opt/localserve"), 11480, home=Path(f"/data{bad}x")),
+                 lambda: ServiceSpec(Path("/opt/localserve"), 11480, log_dir=Path(f"/logs{bad}x"))):
+        with pytest.raises(ConfigError, match="holds a control character .* into the service definition"):
+            spec()
+
+
+def test_a_home_with_a_newline_never_reaches_the_unit_text():
+    with pytest.raises(ConfigError, match=r"LOCALSERVE_HOME holds a control character \('\\n' at position 7\)") as refused:
+        systemd_unit(ServiceSpec(Path("/opt/localserve"), 11480, home=Path(INJECTED)))
+    assert "ExecStartPre" not in str(refused.value) and "/home/u" not in str(refused.value)  # the role, not the path
+    ok = systemd_unit(ServiceSpec(Path("/opt/my apps/localserve"), 11480, home=Path("/data/a b")))
+    assert "Environment=\"LOCALSERVE_HOME=/data/a b\"" in ok
+
+
+@pytest.mark.parametrize("platform", ["linux", "darwin", "win32"])
+def test_autostart_entries_with_control_characters_are_refused_and_nothing_is_written(tmp_path, platform):
+    run_key = DictRunKey()
+    env = {"XDG_CONFIG_HOME": str(tmp_path / "cfg")}
+    for command in ([f"/opt/py\nExec=/bin/evil", "-m", "localserve", "tray"], ["/usr/bin/python3", "-m", "tray\r"]):
+        with pytest.raises(ConfigError, match="holds a control character"):
+            autostart.enable(command, platform=platform, home=tmp_path, environ=env, run_key=run_key)
+    assert run_key.values == {} and not any(tmp_path.rglob("*.desktop")) and not any(tmp_path.rglob("*.plist"))
+    with pytest.raises(ConfigError, match="the interpreter's path holds a control character"):
+        autostart.desktop_entry(["/opt/py\nExec=/bin/evil", "-m", "localserve", "tray"])
+    with pytest.raises(ConfigError, match="argument 2 of the tray command"):
+        autostart.launch_agent(["/usr/bin/python3", "-m", "local\x00serve"])
