@@ -2,7 +2,8 @@
 files.create -> batches.create -> batches.retrieve until final -> files.content, for chat,
 completions and embeddings (each greedy line answers as the same request sent alone); bad lines
 in the error file with the endpoint's own error body; bad files refused at create naming the line;
-404s; cancel, expiry and a full disk, each leaving every custom_id exactly once."""
+404s. Cancel, expiry, a full disk and a failing database, each at a point the test holds the batch
+at, are test_batches_gated.py."""
 
 from __future__ import annotations
 
@@ -13,7 +14,6 @@ from typing import Any
 import openai
 import pytest
 
-from localserve.server.batch_routes import BATCHES_KEY
 from server_harness import MODEL, model_server
 
 FINAL = ("completed", "failed", "expired", "cancelled")
@@ -181,57 +181,3 @@ def test_limits_unknown_ids_and_bad_fields(client, live):
     assert client.files.delete(f.id).deleted
     with pytest.raises(openai.NotFoundError):
         client.files.retrieve(f.id)
-
-
-def long_lines(n: int, prefix: str) -> list[str]:
-    return [line(f"{prefix}{i}", "/v1/chat/completions", chat_body(i, max_tokens=200)) for i in range(n)]
-
-
-def assert_exactly_once(client: openai.OpenAI, done: Any, n: int, code: str) -> None:
-    out = by_id(contents(client, done.output_file_id))
-    errors = by_id(contents(client, done.error_file_id))
-    assert not set(out) & set(errors) and len(out) + len(errors) == n
-    assert all(e["error"]["code"] == code and e["response"] is None for e in errors.values())
-    assert (done.request_counts.completed, done.request_counts.failed) == (len(out), len(errors))
-
-
-def test_cancel(client):
-    batch = submit(client, long_lines(30, "k"), "/v1/chat/completions")
-    deadline = time.monotonic() + 120
-    while client.batches.retrieve(batch.id).status != "in_progress" and time.monotonic() < deadline:
-        time.sleep(0.1)
-    cancelling = client.batches.cancel(batch.id)
-    assert cancelling.status in ("cancelling", "cancelled") and cancelling.cancelling_at
-    done = wait(client, batch.id, timeout=60)
-    assert done.status == "cancelled" and done.cancelled_at
-    assert_exactly_once(client, done, 30, "batch_cancelled")
-    assert done.request_counts.failed > 0
-
-
-def test_queued_batch_cancels_at_once_and_expiry(client, live):
-    live.settings.batch_completion_window = 1.5
-    try:
-        expiring = submit(client, long_lines(30, "x"), "/v1/chat/completions")
-    finally:
-        live.settings.batch_completion_window = 86_400.0
-    queued = submit(client, long_lines(3, "q"), "/v1/chat/completions")
-    assert client.batches.cancel(queued.id).status == "cancelled"  # nobody ran it yet: no wait
-    done = wait(client, expiring.id, timeout=60)
-    assert done.status == "expired" and done.expired_at
-    assert_exactly_once(client, done, 30, "batch_expired")
-    assert_exactly_once(client, client.batches.retrieve(queued.id), 3, "batch_cancelled")
-
-
-def test_full_disk_fails_the_batch_with_its_state_saved(client, live):
-    runner = live.runner.app[BATCHES_KEY]
-    batch = submit(client, [line(f"d{i}", "/v1/embeddings", {"model": MODEL, "input": f"t{i}"}) for i in range(4)],
-                   "/v1/embeddings")
-    runner.files.min_free = 1 << 62  # no disk has this much free: writing the output must fail
-    try:
-        done = wait(client, batch.id)
-    finally:
-        runner.files.min_free = live.settings.batch_min_free_disk
-    assert done.status == "failed" and done.failed_at and done.output_file_id is None
-    assert done.errors.data[0].code == "disk_full"
-    assert done.request_counts.completed == 4  # every result stayed recorded
-    assert not list((runner.files.root / ".tmp").iterdir())

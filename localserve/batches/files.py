@@ -45,11 +45,11 @@ class FileStorage:
         path = self.tmp / f"{uuid.uuid4().hex}.part"
         return path, open(path, "wb")
 
-    def check_room(self, needed: int) -> None:
-        """DiskFullError unless `needed` bytes still leave batch_min_free_disk free."""
+    def check_room(self, needed: int, what: str = "batch files") -> None:
+        """DiskFullError (507) unless `needed` bytes of `what` still leave batch_min_free_disk free."""
         free = shutil.disk_usage(self.root).free
         if free - needed < self.min_free:
-            raise DiskFullError(f"not enough free disk for {needed} bytes of batch files "
+            raise DiskFullError(f"not enough free disk for {needed} bytes of {what} "
                                 f"(setting batch_min_free_disk keeps {self.min_free} bytes free)")
 
     def publish(self, tmp: Path, file_id: str) -> None:

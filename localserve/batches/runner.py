@@ -1,4 +1,8 @@
-"""Runs batches, one at a time in creation order, on the `batch` lane, and finalizes them.
+"""Runs batches on the `batch` lane and finalizes them.
+
+Order: oldest first within a queue (queues.py) -- batches on local models one at a time, each
+upstream model a queue of its own -- so a batch waiting for an upstream that is down holds no
+batch on another model.
 
 A batch's lines are sorted so that lines sharing a prompt prefix run next to each other (the
 prefix cache then serves the shared part), and `width` of them are in flight at once: twice the
@@ -6,31 +10,42 @@ model's max_sequences by default, so the continuous batch stays full with the ne
 queued while nothing else runs; the scheduler puts interactive and default lanes first whenever
 they have work. Every model a batch's lines use is pinned (ModelManager.use) until the batch ends,
 so it is loaded once and never unloaded by keep_alive between lines. Lines go through the engine
-protocol only (ModelManager -> ModelEngine), whatever engine serves the model.
+protocol only (ModelManager -> ModelEngine), whatever engine serves the model. A line refused for
+now (its lane is full, its model loading, every upstream of it down) is tried again until the
+completion window ends.
 
-States: validating (created; the file was checked at create) -> in_progress -> finalizing ->
-completed; cancelling -> cancelled; expired when completion_window passes first; failed when the
-result files cannot be written (disk full; every recorded result stays in the store). On start
-every unfinished batch resumes: its unrecorded lines run again, recorded ones never do.
+States: validating (created; the file was checked at create, room for it too) -> in_progress ->
+finalizing -> completed; cancelling -> cancelled; expired when completion_window passes first
+(through finalizing); failed only when a bug inside the server stops the batch (logged; every
+recorded result stays in the store).
+
+Results are never lost to the disk. A finalize whose files do not fit keeps the batch finalizing
+(or cancelling) with every result in the store; it is finished when room returns, tried again
+every ROOM_RETRY_S and at the next start. Any storage error (SQLite's full disk or I/O error
+included) leaves the batch in its state, logged with its id and the reason, and it is tried again
+after STORAGE_RETRY_S: unrecorded lines run again, recorded ones never do. The runner itself
+outlives both. On start every unfinished batch resumes the same way.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
+import functools
 import logging
+import sqlite3
 import time
 from collections import deque
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ..config import Settings
-from ..errors import DiskFullError, InvalidRequestError, OverloadedError, QueueFullError
+from ..errors import DiskFullError, InvalidRequestError, NotFoundError, OverloadedError, QueueFullError
 from ..server.openai_api import ApiEnv
 from .files import FileStorage, dumps, file_object, new_id
 from .jsonl import read_input
-from .lines import ENDPOINTS, Outcome, run_line
+from .lines import ENDPOINTS, Outcome, first_model, run_line, sort_pending
+from .queues import queues_of, overlap
 from .store import TERMINAL, BatchStore
 
 if TYPE_CHECKING:
@@ -40,7 +55,11 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 DEFAULT_WIDTH = 16  # lines in flight when the model's max_sequences is unknown (it failed to load)
 RETRY_S = 5.0  # longest wait before retrying a line the lane refused (full) or a loading model held
+ROOM_RETRY_S = 30.0  # between tries of a finalize that found the disk too full for its files
+STORAGE_RETRY_S = 10.0  # before a batch (or the queue) that hit a storage error is tried again
+STORAGE_ERRORS = (sqlite3.Error, OSError)
 ENDED = {"cancelled": "batch_cancelled", "expired": "batch_expired"}
+QUIET = ("finalizing", "cancelling")  # states that run no lines: they hold no queue
 
 
 def batches_dir(settings: Settings) -> Path:
@@ -55,9 +74,10 @@ class BatchRunner:
         self.files = FileStorage(batches_dir(settings) / "files", settings.batch_min_free_disk)
         self.env = ApiEnv(settings, manager, metrics, "batch")
         self._wake = asyncio.Event()
-        self._lock = asyncio.Lock()  # picking the current batch vs cancelling one
-        self._current: str | None = None
-        self._stop = asyncio.Event()  # the current batch was cancelled
+        self._lock = asyncio.Lock()  # starting a batch vs cancelling one
+        self._running: dict[str, asyncio.Event] = {}  # running batch -> its stop (a cancel sets it)
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._retry_at: dict[str, float] = {}  # set-back batch -> time.monotonic() it is tried again
         self._task: asyncio.Task[None] | None = None
 
     # --- lifecycle -------------------------------------------------------------------------
@@ -67,16 +87,21 @@ class BatchRunner:
 
     async def close(self) -> None:
         """Stop (in-flight lines are cancelled and stay pending: the next start runs them)."""
-        if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
+        tasks = [t for t in (self._task, *self._tasks) if t is not None]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
         self.store.close()
 
     # --- API -------------------------------------------------------------------------------
     async def create(self, input_file_id: str, endpoint: str, metadata: dict[str, str] | None) -> dict[str, Any]:
         await self.store.call(self.store.get_file, input_file_id)  # 404 first
-        lines = await asyncio.to_thread(read_input, self.files.path(input_file_id),
-                                        self.settings.batch_max_file_bytes, self.settings.batch_max_lines)
+        try:
+            data = await asyncio.to_thread(read_input, self.files.path(input_file_id), self.settings)
+        except FileNotFoundError:  # deleted since the lookup: the answer a create after the delete gets
+            raise NotFoundError(f"no file with id {input_file_id[:80]!r}", param="input_file_id") from None
+        await asyncio.to_thread(self.files.check_room, data.input_bytes + 2 * data.worst_output_bytes,
+                                "this batch (its input and the largest output its lines allow)")
         now = int(time.time())
         batch = {
             "id": new_id("batch_"), "object": "batch", "endpoint": endpoint, "errors": None,
@@ -87,8 +112,9 @@ class BatchRunner:
             "cancelled_at": None, "metadata": metadata,
             # The exact deadline (expires_at is whole seconds, as OpenAI's): short test windows.
             "_expires": time.time() + self.settings.batch_completion_window,
+            "_models": None if data.models is None else sorted(data.models),  # its queues (queues.py)
         }
-        await self.store.call(self.store.create_batch, batch, lines)
+        await self.store.call(self.store.create_batch, batch, data.lines)
         self._wake.set()
         return public(await self.store.call(self.store.get_batch, batch["id"]))
 
@@ -98,85 +124,146 @@ class BatchRunner:
     async def cancel(self, batch_id: str) -> dict[str, Any]:
         async with self._lock:
             batch = await self.store.call(self.store.get_batch, batch_id)
-            if batch["status"] in TERMINAL or batch["status"] == "cancelling":
+            # A finalizing batch has every line answered: nothing is left to cancel.
+            if batch["status"] in TERMINAL or batch["status"] in QUIET:
                 return public(batch)
             await self.store.call(lambda: self.store.update_batch(
                 batch_id, status="cancelling", cancelling_at=int(time.time())))
-            if batch_id == self._current:
-                self._stop.set()  # the running batch stops its lines and finalizes itself
+            if (stop := self._running.get(batch_id)) is not None:
+                stop.set()  # the running batch stops its lines and finalizes itself
             else:
-                await self._finalize(batch_id, "cancelled")  # nobody runs it: the lock keeps it so
+                try:
+                    await self._finalize(batch_id, "cancelled")  # nobody runs it: the lock keeps it so
+                except (DiskFullError, *STORAGE_ERRORS) as e:
+                    self._set_back(batch_id, e)  # it stays cancelling; the loop finishes it
+                    self._wake.set()
         return await self.get(batch_id)
 
     # --- the loop --------------------------------------------------------------------------
     async def _loop(self) -> None:
         while True:
             self._wake.clear()
-            async with self._lock:
-                queue = await self.store.call(self.store.unfinished)
-                self._current = queue[0][0] if queue else None
-                self._stop.clear()
-            if self._current is None:
-                await self._wake.wait()
-                continue
             try:
-                await self._process(self._current)
+                delay = await self._schedule()
             except asyncio.CancelledError:
                 raise
-            except Exception:  # noqa: BLE001 - one broken batch must not stop the others
-                log.exception("batch %s failed", self._current)
-                await self.store.call(lambda: self.store.update_batch(
-                    self._current, status="failed", failed_at=int(time.time()),
-                    errors=batch_errors("internal_error", "the batch failed inside the server")))
-            finally:
-                async with self._lock:
-                    self._current = None
+            except Exception:  # noqa: BLE001 - the store itself failing must not end the runner
+                log.exception("the batch runner could not read its queue; trying again in %.0f s", STORAGE_RETRY_S)
+                delay = STORAGE_RETRY_S
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._wake.wait(), delay)
 
-    async def _process(self, batch_id: str) -> None:
+    async def _schedule(self) -> float | None:
+        """Start each unfinished batch that shares no queue with an older one; the seconds until
+        the soonest set-back batch is due (None: none is)."""
+        due: float | None = None
+        async with self._lock:
+            queue = await self.store.call(self.store.unfinished)
+            now = time.monotonic()
+            held: list[frozenset[str]] = []
+            for batch_id, status, models in queue:
+                needs = frozenset() if status in QUIET else queues_of(models, self._is_remote)
+                waits = any(overlap(needs, h) for h in held)
+                held.append(needs)  # a set-back batch keeps its place too: a queue stays in order
+                if batch_id in self._running or waits:
+                    continue
+                if (wait := self._retry_at.get(batch_id, 0.0) - now) > 0:
+                    due = wait if due is None else min(due, wait)
+                    continue
+                self._launch(batch_id)
+        return due
+
+    def _is_remote(self, model: str) -> bool:
+        pool = self.manager.upstreams
+        return pool is not None and bool(pool.candidates(model))
+
+    def _launch(self, batch_id: str) -> None:
+        stop = self._running[batch_id] = asyncio.Event()
+        task = asyncio.create_task(self._guarded(batch_id, stop), name=f"batch {batch_id}")
+        self._tasks.add(task)
+        task.add_done_callback(functools.partial(self._ended, batch_id))
+
+    def _ended(self, batch_id: str, task: "asyncio.Task[None]") -> None:
+        self._tasks.discard(task)
+        self._running.pop(batch_id, None)
+        self._wake.set()  # its queue is free, or it is due again later
+
+    async def _guarded(self, batch_id: str, stop: asyncio.Event) -> None:
+        """`_process`, every failure logged with the batch's id and survived."""
+        try:
+            await self._process(batch_id, stop)
+            self._retry_at.pop(batch_id, None)
+        except asyncio.CancelledError:
+            raise
+        except (DiskFullError, *STORAGE_ERRORS) as e:
+            self._set_back(batch_id, e)
+        except Exception:  # noqa: BLE001 - a bug in one batch must not stop the others
+            log.exception("batch %s failed", batch_id)
+            try:
+                await self.store.call(lambda: self.store.update_batch(
+                    batch_id, status="failed", failed_at=int(time.time()),
+                    errors=batch_errors("internal_error", "the batch failed inside the server")))
+            except Exception as e:  # noqa: BLE001 - the store failing too: try the batch again later
+                self._set_back(batch_id, e)
+
+    def _set_back(self, batch_id: str, error: Exception) -> None:
+        """Leave the batch as it is (results recorded, lines pending) and try it again later."""
+        room = isinstance(error, DiskFullError)
+        delay = ROOM_RETRY_S if room else STORAGE_RETRY_S
+        self._retry_at[batch_id] = time.monotonic() + delay
+        reason = error.message if room else f"storage error, {type(error).__name__}: {error}"
+        log.error("batch %s: %s; it keeps its state and every recorded result, and is tried again in %.0f s",
+                  batch_id, reason, delay)
+
+    async def _process(self, batch_id: str, stop: asyncio.Event) -> None:
         batch = await self.store.call(self.store.get_batch, batch_id)
         status = batch["status"]
         if status == "cancelling":
             return await self._finalize(batch_id, "cancelled")
-        if status != "finalizing":
-            if time.time() < batch["_expires"]:
-                if status == "validating":
-                    await self.store.call(lambda: self.store.update_batch(
-                        batch_id, status="in_progress", in_progress_at=int(time.time())))
-                if not await self._run_lines(batch):
-                    return await self._finalize(batch_id, "cancelled" if self._stop.is_set() else "expired")
-            elif await self.store.call(self.store.pending_lines, batch_id):
-                return await self._finalize(batch_id, "expired")
+        if status == "finalizing":
+            return await self._finalize(batch_id, batch.get("_outcome", "completed"))
+        if time.time() < batch["_expires"]:
+            if status == "validating":
+                await self.store.call(lambda: self.store.update_batch(
+                    batch_id, status="in_progress", in_progress_at=int(time.time())))
+            if not await self._run_lines(batch, stop):
+                return await self._finalize(batch_id, "cancelled" if stop.is_set() else "expired")
+        elif await self.store.call(self.store.pending_lines, batch_id):
+            return await self._finalize(batch_id, "expired")
         await self._finalize(batch_id, "completed")
 
-    async def _run_lines(self, batch: dict[str, Any]) -> bool:
+    async def _run_lines(self, batch: dict[str, Any], stop: asyncio.Event) -> bool:
         """Run every pending line; False if cancelled or expired first (pending lines remain)."""
         pending = await self.store.call(self.store.pending_lines, batch["id"])
-        queue = deque(sorted(pending, key=lambda line: prefix_key(line[2])))
+        queue = deque(await asyncio.to_thread(sort_pending, pending, self.settings.max_body_bytes))
         async with contextlib.AsyncExitStack() as pins:
             pin = Pins(self.manager, pins)
             width = await self._width(pin, queue)
             workers = [asyncio.create_task(self._work(batch, queue, pin)) for _ in range(min(width, len(queue)))]
             if not workers:
                 return True
-            stop = asyncio.create_task(self._stop.wait())
+            stopped = asyncio.create_task(stop.wait())
             done_all = asyncio.gather(*workers)
             try:
-                await asyncio.wait({done_all, stop}, timeout=max(0.0, batch["_expires"] - time.time()),
+                await asyncio.wait({done_all, stopped}, timeout=max(0.0, batch["_expires"] - time.time()),
                                    return_when=asyncio.FIRST_COMPLETED)
                 if done_all.done():
-                    done_all.result()  # a worker's bug surfaces here
+                    done_all.result()  # a worker's bug or storage error surfaces here
                     return True
                 return False
             finally:
-                stop.cancel()
-                done_all.cancel()
-                await asyncio.gather(done_all, stop, return_exceptions=True)
+                # Every worker, not only the gather: one that raised leaves its siblings running,
+                # and they must not outlive the models pinned for them.
+                for task in (*workers, stopped):
+                    task.cancel()
+                await asyncio.gather(*workers, done_all, stopped, return_exceptions=True)
 
     async def _width(self, pin: "Pins", queue: deque) -> int:
         """Lines in flight: the setting, else twice the first model's max_sequences (pinned here)."""
         if self.settings.batch_in_flight:
             return self.settings.batch_in_flight
-        model = first_model(queue, self.settings.default_model)
+        model = await asyncio.to_thread(first_model, list(queue), self.settings.default_model,
+                                        self.settings.max_body_bytes)
         loaded = None
         with contextlib.suppress(Exception):  # an unknown model: its lines will report it
             loaded = await pin.model(model)
@@ -197,8 +284,11 @@ class BatchRunner:
             await self.store.call(self.store.record, batch["id"], idx, line, not outcome.ok)
 
     async def _finalize(self, batch_id: str, outcome: str) -> None:
-        """Close unfinished lines (cancelled/expired), write the files, set the final state."""
-        now = int(time.time())
+        """Close unfinished lines (cancelled/expired), write the files, set the final state. A
+        DiskFullError leaves the batch finalizing (a cancel: cancelling) for a later try."""
+        if outcome != "cancelled":  # a cancel shows `cancelling` until it is done, as OpenAI's
+            # First, so a kill or a full disk after the lines are closed still finishes as `outcome`.
+            await self.store.call(self._mark_finalizing, batch_id, outcome)
         if outcome in ENDED:
             code = ENDED[outcome]
             message = (f"This request was not run: the batch was {outcome}"
@@ -206,17 +296,14 @@ class BatchRunner:
             await self.store.call(self.store.close_pending, batch_id, lambda idx, cid: dumps({
                 "id": line_id(batch_id, idx), "custom_id": cid, "response": None,
                 "error": {"code": code, "message": message}}))
-        else:
-            await self.store.call(lambda: self.store.update_batch(batch_id, status="finalizing", finalizing_at=now))
-        try:
-            fields = await self.store.call(self._write_files, batch_id)
-        except DiskFullError as e:
-            log.error("batch %s failed: %s", batch_id, e.message)
-            await self.store.call(lambda: self.store.update_batch(
-                batch_id, status="failed", failed_at=int(time.time()), errors=batch_errors("disk_full", e.message)))
-            return
+        fields = await self.store.call(self._write_files, batch_id)
         await self.store.call(lambda: self.store.update_batch(
             batch_id, status=outcome, **{f"{outcome}_at": int(time.time())}, **fields))
+
+    def _mark_finalizing(self, batch_id: str, outcome: str) -> None:
+        """(In a worker thread.) Status finalizing, with the outcome it finalizes to; once."""
+        if self.store.get_batch(batch_id)["status"] != "finalizing":
+            self.store.update_batch(batch_id, status="finalizing", finalizing_at=int(time.time()), _outcome=outcome)
 
     def _write_files(self, batch_id: str) -> dict[str, Any]:
         """(In a worker thread.) The output and error files from the recorded lines, each under an
@@ -269,34 +356,6 @@ def result_line(batch_id: str, idx: int, custom_id: str | None, outcome: Outcome
     """OpenAI's output/error line: the endpoint's status and body under `response`."""
     return dumps({"id": line_id(batch_id, idx), "custom_id": custom_id, "error": None, "response": {
         "status_code": outcome.status, "request_id": f"req_{new_id('')}", "body": outcome.body}})
-
-
-def _body(raw: str) -> dict[str, Any]:
-    try:
-        line = json.loads(raw)
-        body = line.get("body") if isinstance(line, dict) else None
-        return body if isinstance(body, dict) else {}
-    except (ValueError, RecursionError):
-        return {}
-
-
-def prefix_key(raw: str) -> str:
-    """Lines whose prompts share a beginning sort next to each other: the model, then the
-    messages/prompt/input as JSON text (a shared system prompt is a shared prefix of that text)."""
-    body = _body(raw)
-    prompt = body.get("messages", body.get("prompt", body.get("input", "")))
-    try:
-        return f"{body.get('model', '')}\0{json.dumps(prompt, ensure_ascii=False)}"
-    except (TypeError, ValueError):
-        return ""
-
-
-def first_model(queue: deque, default: str) -> str:
-    for _, _, raw in queue:
-        model = _body(raw).get("model")
-        if isinstance(model, str) and model:
-            return model
-    return default
 
 
 def check_endpoint(endpoint: Any) -> str:

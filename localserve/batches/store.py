@@ -115,12 +115,14 @@ class BatchStore:
             items = [self._with_counts(db, json.loads(r[0])) for r in rows[:limit]]
         return items, len(rows) > limit
 
-    def unfinished(self) -> list[tuple[str, str]]:
-        """(id, status) of every batch not in a final state, oldest first: the runner's queue."""
+    def unfinished(self) -> list[tuple[str, str, list[str] | None]]:
+        """(id, status, models) of every batch not in a final state, oldest first: the runner's
+        queue. `models` are the ones its lines name (None: unknown, a batch from before they were
+        recorded, or too many)."""
         with self._tx() as db:
-            rows = db.execute("SELECT id, status FROM batches WHERE status NOT IN (?, ?, ?, ?) ORDER BY seq",
+            rows = db.execute("SELECT id, status, data FROM batches WHERE status NOT IN (?, ?, ?, ?) ORDER BY seq",
                               TERMINAL).fetchall()
-        return [(r[0], r[1]) for r in rows]
+        return [(r[0], r[1], json.loads(r[2]).get("_models")) for r in rows]
 
     def update_batch(self, batch_id: str, **fields: Any) -> dict[str, Any]:
         """Set fields of the batch object (status among them) in one transaction; the new object."""
@@ -193,6 +195,19 @@ class _Tx:
 
     def __exit__(self, exc_type: Any, *rest: Any) -> None:
         try:
-            self.db.execute("ROLLBACK" if exc_type else "COMMIT")
+            if exc_type:
+                self._rollback()
+            else:
+                try:
+                    self.db.execute("COMMIT")
+                except BaseException:  # a COMMIT that fails (a full disk) must not leave it open
+                    self._rollback()
+                    raise
         finally:
             self.lock.release()
+
+    def _rollback(self) -> None:
+        # SQLite has already rolled back after some errors (SQLITE_FULL: a full disk); a second
+        # ROLLBACK would raise and hide the error that says what happened.
+        if self.db.in_transaction:
+            self.db.execute("ROLLBACK")

@@ -13,6 +13,7 @@ import errno
 from typing import Any, AsyncIterator
 
 from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError, LineTooLong
 
 from ..batches.files import file_object, new_id
 from ..batches.runner import BatchRunner, check_endpoint, public
@@ -65,12 +66,16 @@ async def upload_file(request: web.Request) -> web.Response:
 
 
 async def _read_upload(request: web.Request, runner: BatchRunner) -> tuple[str | None, Any]:
-    reader = await request.multipart()
+    try:
+        reader = await request.multipart()
+    except ValueError:  # aiohttp's words for it quote the whole header back: ours instead
+        raise InvalidRequestError("a multipart/form-data upload needs a boundary (of at most 70 characters) "
+                                  "in its Content-Type") from None
     purpose: str | None = None
     saved = None
     limit = runner.settings.batch_max_file_bytes
     try:
-        while (part := await reader.next()) is not None:
+        while (part := await _next_part(reader)) is not None:
             if part.name == "purpose":
                 purpose = (await part.text())[:64]  # type: ignore[union-attr]
             elif part.name == "file" and saved is None:
@@ -84,6 +89,16 @@ async def _read_upload(request: web.Request, runner: BatchRunner) -> tuple[str |
     if saved is None:
         raise InvalidRequestError("the form has no 'file' part", param="file")
     return purpose, saved
+
+
+async def _next_part(reader: Any) -> Any:
+    """The form's next part; a malformed form is the client's 400, not our 500."""
+    try:
+        return await reader.next()
+    except LineTooLong:
+        raise InvalidRequestError("a header line of a form part is longer than 8190 bytes") from None
+    except (ValueError, HttpProcessingError):  # a wrong boundary line, too many headers
+        raise InvalidRequestError("the multipart/form-data body is malformed") from None
 
 
 async def _save_part(part: Any, runner: BatchRunner, limit: int) -> tuple[Any, str, int]:
