@@ -192,6 +192,10 @@ def test_run_says_how_the_daemon_died_when_it_dies_mid_stream(tmp_path: Path, sm
     assert message.startswith("Error: the daemon (pid ") and "died from SIGSEGV" in message, err
     assert str(tmp_path / "logs" / "localserve.log") in message and "answering with smol" in message
     assert "Traceback" not in err
+    from localserve.tray.state import read_state
+
+    tray = read_state(None, "http://127.0.0.1:1", False, tmp_path / "logs")  # no daemon answers: stopped
+    assert tray.status == "stopped" and "died from SIGSEGV" in (tray.error or "")
 
     # The next start says it once, on its terminal and in its log.
     with serving(env) as daemon:

@@ -90,8 +90,11 @@ class TrayApp:
     # --- state ---------------------------------------------------------------------------------
     def refresh(self) -> DaemonState:
         old = self.state
-        new = read_state(self.actions.client(), self.settings.base_url, autostart.status().enabled)
+        new = read_state(self.actions.client(), self.settings.base_url, autostart.status().enabled,
+                         self.settings.log_dir)
         self.state = new
+        if new.status == "stopped" and new.error and old.status != "stopped":
+            self.notify(new.error)  # the daemon died from a signal: say how, once
         if old.pulls > new.pulls:
             pulled = set(new.installed) - set(old.installed)
             self.notify(f"Pulled {', '.join(sorted(pulled))}" if pulled else "A pull ended without a new model")

@@ -59,7 +59,7 @@ def build_menu(state: DaemonState) -> tuple[Item, ...]:
 
 def tooltip(state: DaemonState) -> str:
     if state.status == "stopped":
-        return "localserve: stopped"
+        return f"localserve: stopped ({state.error})"[:120] if state.error else "localserve: stopped"
     if state.status == "error":
         return f"localserve: error ({state.error})"[:120]
     lines = [f"localserve: {state.status}"]

@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from ..client import DaemonClient
+from ..daemon import LOG_NAME
+from ..daemon_crash import explain, last_death
 from ..errors import LocalserveError
 from ..requests import LANES
 
@@ -42,10 +45,15 @@ def from_snapshot(url: str, snapshot: dict[str, Any], tags: dict[str, Any], auto
     )
 
 
-def read_state(client: DaemonClient | None, url: str, autostart: bool) -> DaemonState:
-    """None for a client means no daemon runs; a daemon that answers badly is an "error" state."""
+def read_state(client: DaemonClient | None, url: str, autostart: bool, log_dir: Path | None = None) -> DaemonState:
+    """None for a client means no daemon runs; a daemon that answers badly is an "error" state.
+
+    A stopped daemon whose last run ended in a fatal signal carries that line as its error (from
+    the fault record in `log_dir`), until the next start."""
     if client is None:
-        return DaemonState("stopped", url, autostart=autostart)
+        death = last_death(log_dir) if log_dir is not None else None
+        line = explain(log_dir, log_dir / LOG_NAME, death.pid, "serving") if death and log_dir else None
+        return DaemonState("stopped", url, autostart=autostart, error=line)
     try:
         return from_snapshot(url, client.request_json("GET", "/api/dashboard/state"),
                              client.request_json("GET", "/api/tags"), autostart)
