@@ -22,11 +22,12 @@ import pytest
 
 from daemon_util import free_port
 from gated_upstream import GatedUpstream, vector
-from localserve.server.batch_routes import BATCHES_KEY
+from localserve.server.batch_routes import BATCHES_KEY  # first: localserve.batches and .server import each other
+from localserve.batches.lines import run_line
 from localserve.upstream.config import parse_upstreams
 from server_harness import LiveServer, server_settings
 
-MODELS = ("g-cancel", "g-expire", "g-disk", "g-sqlite", "g-open")
+MODELS = ("g-cancel", "g-expire", "g-disk", "g-room", "g-sqlite", "g-open")
 DOWN = {"name": "down", "url": f"http://127.0.0.1:{free_port()}/v1", "models": ["down-model"]}  # nothing listens
 FINAL = ("completed", "failed", "expired", "cancelled")
 
@@ -160,6 +161,39 @@ def test_full_disk_keeps_the_results_and_a_restart_with_room_finishes(tmp_path, 
         assert done.status == "completed" and done.completed_at and done.error_file_id is None
         out, _ = exactly_once(client, done, "d", 6)
         assert len(out) == 6
+
+
+def test_a_finalize_without_room_finishes_on_a_later_loop_once_room_returns(live, gate, monkeypatch):
+    monkeypatch.setattr("localserve.batches.runner.ROOM_RETRY_S", 0.2)  # the loop's retry period, shortened
+    client = client_of(live)
+    files = live.runner.app[BATCHES_KEY].files
+    batch = submit(client, "g-room", 3, "r")
+    files.min_free = 1 << 62
+    try:
+        gate.open("g-room")
+        until(client, batch.id, lambda b: b.status == "finalizing" and b.request_counts.completed == 3)
+    finally:
+        files.min_free = live.settings.batch_min_free_disk  # room again, no restart
+    done = final(client, batch.id)
+    assert done.status == "completed"
+    exactly_once(client, done, "r", 3)
+
+
+def test_a_stored_line_over_the_body_limit_is_answered_413_unparsed(live):
+    raw = emb_line("big", "g-open", "x" * 200)
+    runner = live.runner.app[BATCHES_KEY]
+    pinned: list[str] = []
+
+    async def pin(model: str) -> None:
+        pinned.append(model)
+
+    live.settings.max_body_bytes = 100  # lowered after the line was accepted
+    try:
+        outcome = live.call(run_line(raw, "/v1/embeddings", runner.env, pin))
+    finally:
+        live.settings.max_body_bytes = 8 * 1024 * 1024
+    assert outcome.status == 413 and "max_body_bytes" in outcome.body["error"]["message"]
+    assert not pinned  # refused before the body was parsed, let alone a model used
 
 
 def test_a_full_database_sets_the_batch_back_and_the_runner_keeps_running(live, gate, caplog):
