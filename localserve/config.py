@@ -105,7 +105,7 @@ class Settings:
     # own limits); unfinished lines expire this many seconds after the batch was created (OpenAI's
     # completion_window "24h"); lines in flight at once (0 = twice the model's max_sequences, at
     # most queue_size: the continuous batch stays full and the next line is already queued); free
-    # disk that writing a batch's files must leave, or the batch fails (its results stay saved).
+    # disk that batch files must leave (create: 507; finalize: the batch waits, results saved).
     batch_max_file_bytes: int = 200 * 1024 * 1024
     batch_max_lines: int = 50_000
     batch_completion_window: float = 86_400.0

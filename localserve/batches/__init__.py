@@ -5,6 +5,8 @@
 - `files.py`: file contents in the data directory, written atomically.
 - `jsonl.py`: what a batch input file must be (refused at create with a 400 naming the line).
 - `lines.py`: one line through the same openai_api functions the HTTP routes use.
+- `room.py`: the disk a batch may need (checked at create).
+- `queues.py`: which batches may run at once (local models share one queue, upstream models not).
 - `runner.py`: runs batches on the `batch` lane and finalizes them into output/error files.
 
 Exactly once: a line's result is written to its row (result IS NULL -> set) in one transaction and
