@@ -34,11 +34,11 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from localserve.backends.llamacpp import LlamaCppBackend  # noqa: E402
-from localserve.backends.llamacpp_baseline import greedy_bare_loop  # noqa: E402
+from localserve.backends.llamacpp.backend import LlamaCppBackend  # noqa: E402
+from localserve.backends.llamacpp.baseline import greedy_bare_loop  # noqa: E402
 from localserve.batching.limits import EngineLimits  # noqa: E402
-from localserve.requests import GenerationRequest, SamplingParams  # noqa: E402
-from localserve.engine import Engine  # noqa: E402
+from localserve.protocol.requests import GenerationRequest, SamplingParams  # noqa: E402
+from localserve.engine.local import Engine  # noqa: E402
 
 # Where the test suite's fixture pulls the model (through our own puller).
 DEFAULT_MODEL = REPO / ".test-cache/home/models/smollm2-135m/Q4_1/SmolLM2-135M-Instruct.Q4_1.gguf"

@@ -30,9 +30,9 @@ sys.path.insert(0, str(REPO))
 import llama_cpp  # noqa: E402
 
 from localserve.backends.base import BatchToken  # noqa: E402
-from localserve.backends.llamacpp import LlamaCppBackend  # noqa: E402
-from localserve.backends.llamacpp_baseline import greedy_bare_loop  # noqa: E402
-from localserve.backends.llamacpp_probe import probe  # noqa: E402
+from localserve.backends.llamacpp.backend import LlamaCppBackend  # noqa: E402
+from localserve.backends.llamacpp.baseline import greedy_bare_loop  # noqa: E402
+from localserve.backends.llamacpp.probe import probe  # noqa: E402
 
 DEFAULT_MODEL = REPO / ".test-cache/home/models/smollm2-135m/Q4_1/SmolLM2-135M-Instruct.Q4_1.gguf"
 QUANTS = {"q4_0": llama_cpp.LLAMA_FTYPE_MOSTLY_Q4_0, "q4_k": llama_cpp.LLAMA_FTYPE_MOSTLY_Q4_K_M,

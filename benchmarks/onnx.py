@@ -82,7 +82,7 @@ def mixed_requests(tokenize, seed: int = 0) -> list[tuple[list[int], int]]:
 
 async def _stream(engine, ids: list[int], max_tokens: int, started: float) -> tuple[float, int]:
     """(TTFT s, tokens) of one greedy streaming request that runs to max_tokens."""
-    from localserve.requests import GenerationRequest, SamplingParams
+    from localserve.protocol.requests import GenerationRequest, SamplingParams
 
     ttft, n = None, 0
     stream = await engine.generate(GenerationRequest(ids, SamplingParams(temperature=0), max_tokens=max_tokens,
@@ -126,7 +126,7 @@ def our_engine(backend, slots: int):
     """Our scheduler over `backend`, sized as the mixed load needs (8 sequences, no prefix cache: the
     prompts share a filler that would otherwise favour whoever caches it)."""
     from localserve.batching.limits import EngineLimits
-    from localserve.engine import Engine
+    from localserve.engine.local import Engine
 
     limits = EngineLimits(max_sequences=MIXED_CONCURRENCY, batch_tokens=256, n_ctx=slots, n_ctx_seq=512,
                           prefix_cache=False, kv_unified=True)
@@ -144,8 +144,8 @@ def main() -> int:
     ap.add_argument("--weights", default="fp32,int8", help="the ONNX folders' weights, comma-separated")
     ap.add_argument("--no-oga", action="store_true", help="leave out onnxruntime-genai's engine")
     args = ap.parse_args()
-    from localserve.backends.llamacpp import LlamaCppBackend
-    from localserve.backends.onnx import OnnxBackend
+    from localserve.backends.llamacpp.backend import LlamaCppBackend
+    from localserve.backends.onnx.backend import OnnxBackend
     from localserve.convert import convert_gguf
 
     gguf = args.model or next((HERE.parent / ".test-cache" / "home").rglob("*.gguf"))
@@ -178,7 +178,7 @@ def main() -> int:
     llama.close()
     if not args.no_oga:
         from localserve.convert.oga import convert_gguf_oga
-        from localserve.oga.loader import build_oga_engine
+        from localserve.engine.oga.loader import build_oga_engine
 
         with tempfile.TemporaryDirectory() as tmp:
             convert_gguf_oga(gguf, Path(tmp) / "oga", weights="fp32")

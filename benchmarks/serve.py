@@ -95,7 +95,7 @@ def eog_bias(model_path: Path | None) -> dict[str, float]:
     if model_path is None:
         return {}
     sys.path.insert(0, str(REPO))
-    from localserve.gguf_facts import read_gguf_facts
+    from localserve.store.gguf_facts import read_gguf_facts
 
     facts = read_gguf_facts(model_path)
     ids = {t for t in (facts.eos_token_id, 0) if t is not None}  # 0: <|endoftext|> of gpt2-style vocabularies

@@ -70,7 +70,7 @@ def _greedy(backend, prompt: str, n_tokens: int) -> tuple[list[int], float, floa
 
 
 def _answers(gguf: str, n_gpu_layers: int, prompts: list[str], n_tokens: int, threads: int) -> dict:
-    from localserve.backends.llamacpp import LlamaCppBackend
+    from localserve.backends.llamacpp.backend import LlamaCppBackend
 
     t0 = time.perf_counter()
     backend = LlamaCppBackend.load(gguf, n_ctx=256, n_seq_max=1, n_batch=64, n_gpu_layers=n_gpu_layers,
@@ -94,8 +94,8 @@ def _answers(gguf: str, n_gpu_layers: int, prompts: list[str], n_tokens: int, th
 
 def _estimate(gguf: str) -> dict:
     """Our estimate for the load _answers makes (256 cells, one stream, f16, no flash attention)."""
-    from localserve.gguf_facts import read_gguf_facts
-    from localserve.memory import estimate_memory
+    from localserve.store.gguf_facts import read_gguf_facts
+    from localserve.runtime.memory import estimate_memory
 
     return estimate_memory(read_gguf_facts(gguf), 256, flash_attention=False).as_dict()
 
@@ -105,14 +105,14 @@ def _platform(gguf: str, threads: int) -> dict:
     import asyncio
     import tempfile
 
-    from localserve.buildinfo import installed_build
+    from localserve.runtime.buildinfo import installed_build
     from localserve.config import Settings, replace
-    from localserve.gguf_facts import read_gguf_facts
+    from localserve.store.gguf_facts import read_gguf_facts
     from localserve.hardware import detect_hardware
-    from localserve.memory import estimate_memory
-    from localserve.models import ModelManager
-    from localserve.placement import choose_backend
-    from localserve.store import ModelStore
+    from localserve.runtime.memory import estimate_memory
+    from localserve.runtime.manager import ModelManager
+    from localserve.runtime.placement import choose_backend
+    from localserve.store.cache import ModelStore
 
     report = detect_hardware()
     choice = choose_backend(report, ["gguf"], estimate=estimate_memory(read_gguf_facts(gguf), 2048))

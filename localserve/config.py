@@ -16,7 +16,7 @@ from typing import Any, Mapping
 import platformdirs
 
 from .errors import ConfigError
-from .upstream.config import UpstreamConfig, parse_upstreams, resolve_keys
+from .engine.upstream.config import UpstreamConfig, parse_upstreams, resolve_keys
 
 try:  # Python 3.11+
     import tomllib

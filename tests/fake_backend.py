@@ -26,7 +26,7 @@ from typing import Sequence
 from localserve.backends.base import (
     Backend, BatchToken, Capabilities, DecodeInterrupted, KVFullError, ModelInfo, PrefixSharing, SampledToken, Sampler,
 )
-from localserve.requests import SamplingParams, TokenLogprob
+from localserve.protocol.requests import SamplingParams, TokenLogprob
 from localserve.errors import BackendError
 
 EOG = 0

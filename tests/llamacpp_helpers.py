@@ -6,7 +6,7 @@ from pathlib import Path
 from typing import Sequence
 
 from localserve.backends.base import BatchToken, Sampler
-from localserve.backends.llamacpp import LlamaCppBackend
+from localserve.backends.llamacpp.backend import LlamaCppBackend
 
 # The machine has 2 cores shared by everyone's tests.
 THREADS = 2

@@ -180,7 +180,7 @@ def greedy(backend, ids: list[int], n: int = 8) -> list[int]:
 
 async def answer(engine, ids: list[int], max_tokens: int) -> list[int]:
     """One greedy request's tokens through the engine."""
-    from localserve.requests import GenerationRequest, SamplingParams
+    from localserve.protocol.requests import GenerationRequest, SamplingParams
 
     tokens: list[int] = []
     async for event in await engine.generate(GenerationRequest(ids, SamplingParams(temperature=0),
@@ -192,7 +192,7 @@ async def answer(engine, ids: list[int], max_tokens: int) -> list[int]:
 def engine_answers(backend, limits, prompts: list[list[int]], together: bool, max_tokens: int) -> list[list[int]]:
     """Each prompt's greedy answer from a fresh Engine over `backend`: all submitted at once, or one
     after another (each alone)."""
-    from localserve.engine import Engine
+    from localserve.engine.local import Engine
 
     async def run() -> list[list[int]]:
         engine = Engine(backend, limits, name="onnx-test")

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 from localserve.backends.base import Backend
 from localserve.batching.limits import EngineLimits
-from localserve.requests import GenerationRequest, SamplingParams
+from localserve.protocol.requests import GenerationRequest, SamplingParams
 from localserve.batching.scheduler import Scheduler
 from localserve.batching.sequence import Sequence, Status
 

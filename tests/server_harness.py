@@ -28,9 +28,9 @@ import pytest
 from aiohttp import web
 
 from localserve.config import Settings, replace
-from localserve.models import ModelManager
+from localserve.runtime.manager import ModelManager
 from localserve.server import create_app
-from localserve.store import ModelStore
+from localserve.store.cache import ModelStore
 
 MODEL = "smollm2-135m"
 MODEL_TAG = "Q4_1"

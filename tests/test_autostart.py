@@ -12,7 +12,7 @@ import subprocess
 
 import pytest
 
-from localserve import autostart
+from localserve.desktop import autostart
 
 from daemon_util import cli, cli_env, free_port
 
@@ -117,7 +117,7 @@ def test_bare_localserve_prints_the_dashboard(tmp_path):
 from pathlib import Path  # noqa: E402
 
 from localserve.errors import ConfigError  # noqa: E402
-from localserve.service import ServiceSpec, systemd_unit  # noqa: E402
+from localserve.desktop.service import ServiceSpec, systemd_unit  # noqa: E402
 
 INJECTED = "/home/u\nExecStartPre=/bin/sh -c 'touch /tmp/pwned'"
 

@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 
 from localserve.backends.base import BatchToken, DecodeInterrupted, KVFullError
-from localserve.backends.llamacpp import LlamaCppBackend
-from localserve.backends.llamacpp_baseline import greedy_bare_loop
-from localserve.requests import SamplingParams
+from localserve.backends.llamacpp.backend import LlamaCppBackend
+from localserve.backends.llamacpp.baseline import greedy_bare_loop
+from localserve.protocol.requests import SamplingParams
 from localserve.errors import (
     BackendError,
     ContextLengthExceededError,

@@ -15,9 +15,9 @@ import pytest
 
 from localserve.backends.base import BatchToken, DecodeInterrupted, KVFullError
 from localserve.batching.limits import EngineLimits
-from localserve.engine import Engine
+from localserve.engine.local import Engine
 from localserve.errors import InvalidRequestError
-from localserve.requests import GenerationRequest, SamplingParams
+from localserve.protocol.requests import GenerationRequest, SamplingParams
 from onnx_helpers import chat, greedy, prefill, smollm2_onnx  # noqa: F401 - smollm2_onnx: session fixture
 
 pytest.importorskip("onnxruntime")
@@ -30,7 +30,7 @@ PROMPTS = ["What is the capital of France?", "Write a haiku about rain.", "List 
 
 @pytest.fixture(scope="module")
 def onnx_backend(smollm2_onnx, smollm2_gguf):  # noqa: F811
-    from localserve.backends.onnx import OnnxBackend
+    from localserve.backends.onnx.backend import OnnxBackend
 
     b = OnnxBackend.load(smollm2_onnx, smollm2_gguf, n_ctx=2048, n_seq_max=16, n_batch=256, n_threads=2)
     yield b
@@ -39,7 +39,7 @@ def onnx_backend(smollm2_onnx, smollm2_gguf):  # noqa: F811
 
 @pytest.fixture(scope="module")
 def llama(smollm2_gguf):
-    from localserve.backends.llamacpp import LlamaCppBackend
+    from localserve.backends.llamacpp.backend import LlamaCppBackend
 
     b = LlamaCppBackend.load(smollm2_gguf, n_ctx=1024, n_seq_max=2, n_batch=256, n_threads=1,
                              exact_attention=True)
@@ -142,7 +142,7 @@ def test_kv_copy_shares_the_prefix(onnx_backend):
 
 
 def test_kv_full_keeps_nothing(smollm2_onnx, smollm2_gguf):  # noqa: F811
-    from localserve.backends.onnx import OnnxBackend
+    from localserve.backends.onnx.backend import OnnxBackend
 
     small = OnnxBackend.load(smollm2_onnx, smollm2_gguf, n_ctx=16, n_seq_max=2, n_batch=32, n_threads=1)
     try:
@@ -239,9 +239,9 @@ def test_registry_loads_the_onnx_variant(tmp_path, smollm2_gguf, smollm2_onnx, o
     it on ONNX Runtime's CPU EP and answers as the backend does directly."""
     from pathlib import Path
 
-    from localserve import models
+    from localserve.runtime import manager as models
     from localserve.config import load_settings
-    from localserve.store import ModelStore
+    from localserve.store.cache import ModelStore
 
     settings = load_settings(flags={"home": str(tmp_path), "backend": "onnx"}, environ={},
                              config_path=Path(tmp_path) / "none.toml")

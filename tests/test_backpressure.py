@@ -13,8 +13,8 @@ import pytest
 
 from fake_backend import FakeBackend
 from localserve.batching.limits import EngineLimits
-from localserve.requests import GenerationRequest, SamplingParams
-from localserve.engine import Engine
+from localserve.protocol.requests import GenerationRequest, SamplingParams
+from localserve.engine.local import Engine
 from server_harness import MODEL, LiveServer, install_model, server_settings
 
 BAN_EOS = {"0": -100, "1": -100, "2": -100}  # SmolLM2's end tokens: the answer runs to max_tokens

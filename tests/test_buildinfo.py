@@ -13,10 +13,10 @@ from pathlib import Path
 import pytest
 
 from fixtures.hw.loader import fixture_env
-from localserve.buildinfo import NO_AMX_FLAGS, Toolkits, build_env, installed_build, pinned_version, recommend
+from localserve.runtime.buildinfo import NO_AMX_FLAGS, Toolkits, build_env, installed_build, pinned_version, recommend
 from localserve.commands.setup import pip_commands
 from localserve.hardware import CPUInfo, HardwareReport, detect_hardware
-from localserve.placement import Runtimes, choose_backend
+from localserve.runtime.placement import Runtimes, choose_backend
 
 ALL = Toolkits(nvcc=True, hipcc=True, vulkan_loader=True, glslc=True, xcode=True)
 VULKAN_ONLY = Toolkits(vulkan_loader=True, glslc=True)

@@ -136,7 +136,7 @@ def test_interrupted_conversion_leaves_nothing(tmp_path):
 def test_cli_convert_adds_the_onnx_variant_and_refuses_cleanly(tmp_path, capsys):
     from localserve.cli import main
     from localserve.config import load_settings
-    from localserve.store import ModelStore
+    from localserve.store.cache import ModelStore
 
     home = tmp_path / "home"
     good = write_tiny_gguf(tmp_path / "good.gguf")
@@ -158,7 +158,7 @@ def test_onnx_embedder_pools_the_reference_rows(tmp_path):
     """The ONNX backend's embedder on the tiny graph: each input's mean of its final-norm rows,
     L2-normalised, whether inputs share a decode or one is cut across several (n_batch 3), and
     however the inputs are grouped (n_ctx 8 cells, 2 sequence ids per group)."""
-    from localserve.backends.onnx_embed import OnnxEmbedder
+    from localserve.backends.onnx.embed import OnnxEmbedder
 
     weights = tiny_weights("llama", seed=4)
     convert_gguf(write_tiny_gguf(tmp_path / "t.gguf", "llama", weights), tmp_path / "out", weights="fp32")

@@ -12,12 +12,12 @@ from pathlib import Path
 import pytest
 
 from fixtures.hw.loader import fixture_env
-from localserve import models
-from localserve.backends import registry
+from localserve.runtime import manager as models
+from localserve.runtime import registry
 from localserve.config import load_settings
 from localserve.convert.first_use import convert_for_load
 from localserve.hardware import detect_hardware
-from localserve.store import ModelStore
+from localserve.store.cache import ModelStore
 from onnx_helpers import answer
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("onnxruntime") is None, reason="needs onnxruntime")

@@ -204,7 +204,7 @@ def test_the_test_models_matmuls_are_q4_1_so_its_default_is_fp32(smollm2_gguf):
 def test_cli_convert_weights_option(tmp_path, capsys):
     from localserve.cli import main
     from localserve.config import load_settings
-    from localserve.store import ModelStore
+    from localserve.store.cache import ModelStore
 
     home = tmp_path / "home"
     assert main(["--home", str(home), "add", str(write_tiny_gguf(tmp_path / "t.gguf")), "--name", "tiny:a"]) == 0
@@ -223,7 +223,7 @@ def test_cli_convert_weights_option(tmp_path, capsys):
 @pytest.fixture(scope="module")
 def llamacpp_answers(smollm2_gguf) -> dict[str, tuple[list[int], list[int]]]:
     """Each prompt's chat tokens and llama.cpp's first 8 greedy tokens."""
-    from localserve.backends.llamacpp import LlamaCppBackend
+    from localserve.backends.llamacpp.backend import LlamaCppBackend
 
     llama = LlamaCppBackend.load(smollm2_gguf, n_ctx=1024, n_seq_max=2, n_batch=256, n_threads=1,
                                  exact_attention=True)
@@ -239,7 +239,7 @@ def llamacpp_answers(smollm2_gguf) -> dict[str, tuple[list[int], list[int]]]:
 
 
 def _agreement(folder, gguf, answers) -> int:
-    from localserve.backends.onnx import OnnxBackend
+    from localserve.backends.onnx.backend import OnnxBackend
 
     backend = OnnxBackend.load(folder, gguf, n_ctx=1024, n_seq_max=4, n_batch=256, n_threads=2)
     try:
@@ -303,7 +303,7 @@ def test_int8_blocks_with_float_activations_keep_llamacpps_answers(smollm2_gguf,
 def test_static_int8_gives_the_dynamic_int8_tokens(int8_folder, smollm2_gguf, tmp_path):
     """The static flavour converted with int8 weights (its buckets sharing one memory-mapped copy
     of the uint8 blocks) answers each prompt with the dynamic int8 folder's greedy tokens."""
-    from localserve.backends.onnx import OnnxBackend
+    from localserve.backends.onnx.backend import OnnxBackend
 
     convert_gguf(smollm2_gguf, tmp_path / "static", flavour="static", static_tokens=(1, 16), static_slots=256,
                  weights="int8")

@@ -28,7 +28,7 @@ from daemon_util import (
     wait_published,
 )
 from localserve.config import load_settings
-from localserve.daemon import DaemonLock, find_daemon
+from localserve.desktop.daemon import DaemonLock, find_daemon
 from localserve.errors import DaemonError
 
 pytestmark = pytest.mark.model
@@ -174,7 +174,7 @@ def test_a_run_that_lost_the_start_race_waits_for_the_winner_still_starting(tmp_
     import subprocess
     import sys
 
-    from localserve.daemon import DaemonInfo, wait_healthy
+    from localserve.desktop.daemon import DaemonInfo, wait_healthy
 
     class Health(http.server.BaseHTTPRequestHandler):
         def do_GET(self) -> None:

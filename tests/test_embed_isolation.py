@@ -14,8 +14,8 @@ import pytest
 
 from fake_backend import FakeBackend
 from localserve.batching.limits import EngineLimits
-from localserve.requests import GenerationRequest, SamplingParams
-from localserve.engine import Engine
+from localserve.protocol.requests import GenerationRequest, SamplingParams
+from localserve.engine.local import Engine
 from server_harness import MODEL, LiveServer, install_model, server_settings
 
 # The configured cap (the default is 300k): small enough that a maximal request embeds in well

@@ -11,8 +11,8 @@ import pytest
 
 from fake_backend import FakeBackend
 from localserve.batching.limits import EngineLimits
-from localserve.requests import GenerationRequest, SamplingParams
-from localserve.engine import Engine, RequestStream
+from localserve.protocol.requests import GenerationRequest, SamplingParams
+from localserve.engine.local import Engine, RequestStream
 from localserve.errors import ContextLengthExceededError, InvalidRequestError, OverloadedError, QueueFullError
 from scheduler_harness import alone
 

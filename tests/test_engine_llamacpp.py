@@ -10,10 +10,10 @@ from contextlib import contextmanager
 
 import pytest
 
-from localserve.backends.llamacpp import LlamaCppBackend
+from localserve.backends.llamacpp.backend import LlamaCppBackend
 from localserve.batching.limits import EngineLimits
-from localserve.requests import GenerationRequest, SamplingParams
-from localserve.engine import Engine
+from localserve.protocol.requests import GenerationRequest, SamplingParams
+from localserve.engine.local import Engine
 
 pytestmark = pytest.mark.model
 

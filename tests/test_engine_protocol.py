@@ -19,10 +19,10 @@ import pytest
 
 from fake_backend import FakeBackend
 from localserve.batching.limits import EngineLimits
-from localserve.engine import Engine
-from localserve.engine_api import EngineStats, EventStream, ModelEngine, ModelInfo
+from localserve.engine.local import Engine
+from localserve.protocol.engine import EngineStats, EventStream, ModelEngine, ModelInfo
 from localserve.errors import ContextLengthExceededError, InvalidRequestError
-from localserve.requests import LANES, GenerationEvent, GenerationRequest, Usage
+from localserve.protocol.requests import LANES, GenerationEvent, GenerationRequest, Usage
 from server_harness import MODEL, LiveServer, install_model, server_settings
 
 # The last message's content is the whole prompt, so the echo is predictable.

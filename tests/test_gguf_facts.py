@@ -16,7 +16,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from localserve.errors import GGUFError
-from localserve.gguf_facts import ArrayInfo, GGUFFacts, read_gguf_facts, read_gguf_metadata
+from localserve.store.gguf_facts import ArrayInfo, GGUFFacts, read_gguf_facts, read_gguf_metadata
 
 N_VOCAB = 5000  # > KEEP_ARRAY_LEN, so the token list takes the skip path
 
@@ -190,7 +190,7 @@ def test_forged_lengths_do_not_allocate(tmp_path: Path) -> None:
 def test_value_budget(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     # Millions of empty strings are cheap to forge but slow to walk: the header's value budget stops
     # them (at 16M values; lowered here so the test file stays small).
-    monkeypatch.setattr("localserve.gguf_facts.MAX_ITEMS", 1000)
+    monkeypatch.setattr("localserve.store.gguf_facts.MAX_ITEMS", 1000)
     many = _s("a") + struct.pack("<IIQ", 9, 8, 1001) + b"\0" * 8 * 1001
     expect_error(tmp_path, raw_gguf(many, 1), "more than 1000 values")
 

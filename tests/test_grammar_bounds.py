@@ -8,11 +8,11 @@ import json
 
 import pytest
 
-from localserve import schema_bounds
-from localserve.backends.grammar import ANY_JSON_OBJECT_GBNF, grammar_text
-from localserve.requests import SamplingParams
+from localserve.backends.common import schema_bounds
+from localserve.backends.common.grammar import ANY_JSON_OBJECT_GBNF, grammar_text
+from localserve.protocol.requests import SamplingParams
 from localserve.errors import InvalidRequestError
-from localserve.schema_bounds import (
+from localserve.backends.common.schema_bounds import (
     BOUND_KEYWORDS,
     MAX_GRAMMAR_DEPTH,
     MAX_REPEAT,

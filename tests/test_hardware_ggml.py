@@ -12,9 +12,9 @@ import pytest
 from fixtures.hw.loader import fixture_env
 from localserve.hardware import detect_hardware
 from localserve.hardware.ggml import GgmlDevice, probe_ggml_devices
-from localserve.gguf_facts import read_gguf_facts
-from localserve.memory import estimate_memory
-from localserve.placement import BackendChoice, choose_backend
+from localserve.store.gguf_facts import read_gguf_facts
+from localserve.runtime.memory import estimate_memory
+from localserve.runtime.placement import BackendChoice, choose_backend
 
 # The Vulkan build on this machine with GGML_VK_VISIBLE_DEVICES=0 (Mesa 22.3 lavapipe: one 2 GiB
 # device-local heap, no PCI function) beside ggml's CPU device.

@@ -25,7 +25,7 @@ from pathlib import Path
 import pytest
 
 from daemon_util import cli_env, free_port, register_model, serving, stop_quietly, wait_published
-from localserve.service import ServiceSpec, launch_agent, systemd_unit
+from localserve.desktop.service import ServiceSpec, launch_agent, systemd_unit
 
 REPO = Path(__file__).resolve().parent.parent
 INSTALL = REPO / "installer" / "install.sh"

@@ -7,8 +7,8 @@ import pytest
 from localserve.batching.limits import EngineLimits
 from localserve.config import Settings
 from localserve.errors import ConfigError
-from localserve.gguf_facts import GGUFFacts
-from localserve.memory import KV_BYTES, kv_cache_bytes
+from localserve.store.gguf_facts import GGUFFacts
+from localserve.runtime.memory import KV_BYTES, kv_cache_bytes
 
 GIB = 1024**3
 

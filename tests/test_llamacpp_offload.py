@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import threading
 
-from localserve.backends.llamacpp import LlamaCppBackend
-from localserve.backends.llamacpp_offload import parse_load_log
-from localserve.backends.llamacpp_runtime import captured_log
+from localserve.backends.llamacpp.backend import LlamaCppBackend
+from localserve.backends.llamacpp.offload import parse_load_log
+from localserve.backends.llamacpp.runtime import captured_log
 
 # The CPU build loading SmolLM2-135M Q4_1 (this machine, llama-cpp-python 0.3.36).
 CPU_LOAD = """\

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 from localserve.errors import InvalidRequestError
-from localserve.gguf_facts import read_gguf_facts
-from localserve.memory import KV_BYTES, estimate_memory, format_bytes
+from localserve.store.gguf_facts import read_gguf_facts
+from localserve.runtime.memory import KV_BYTES, estimate_memory, format_bytes
 
 MiB = 1 << 20
 

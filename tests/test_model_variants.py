@@ -11,12 +11,13 @@ from pathlib import Path
 import pytest
 
 from fixtures.hw.loader import fixture_env
-from localserve import model_dirs, models
-from localserve.backends import registry
+from localserve.store import model_dirs
+from localserve.runtime import manager as models
+from localserve.runtime import registry
 from localserve.config import load_settings
 from localserve.errors import BackendError, ConfigError, ModelDirError
 from localserve.hardware import detect_hardware
-from localserve.store import ModelStore
+from localserve.store.cache import ModelStore
 from test_pull import run_cli
 
 # A serialized ONNX ModelProto holding only ir_version = 9 (field 1, varint): the smallest real one.

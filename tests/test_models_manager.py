@@ -9,11 +9,11 @@ from pathlib import Path
 
 import pytest
 
-from localserve.requests import GenerationRequest, SamplingParams
+from localserve.protocol.requests import GenerationRequest, SamplingParams
 from localserve.config import Settings, load_settings
 from localserve.errors import BackendError, GGUFError, ModelNotFoundError, OverloadedError
-from localserve.models import ModelManager, load_engine, plan_model
-from localserve.store import ModelStore
+from localserve.runtime.manager import ModelManager, load_engine, plan_model
+from localserve.store.cache import ModelStore
 
 pytestmark = pytest.mark.model
 

@@ -26,14 +26,14 @@ pytestmark = pytest.mark.model
 
 @pytest.fixture
 def claims_amx(monkeypatch: pytest.MonkeyPatch) -> None:
-    from localserve.backends import llamacpp_probe
+    from localserve.backends.llamacpp import probe as llamacpp_probe
 
     monkeypatch.setattr(llamacpp_probe, "cpu_claims_amx", lambda: True)
     monkeypatch.setattr(llamacpp_probe, "build_uses_amx", lambda: True)
 
 
 def test_the_probe_loads_and_decodes_the_real_model_here(smollm2_gguf: Path, tmp_path: Path, claims_amx: None) -> None:
-    from localserve.backends import llamacpp_probe
+    from localserve.backends.llamacpp import probe as llamacpp_probe
 
     assert llamacpp_probe.extra_buffers_allowed(tmp_path, smollm2_gguf) is True
     verdict = llamacpp_probe.read_verdict(tmp_path)
@@ -70,8 +70,8 @@ def _kill_probe_child_while_loading(model: Path, sig: int, done: threading.Event
 def test_a_probe_child_killed_by_a_signal_makes_the_load_take_the_fallback(
     smollm2_gguf: Path, tmp_path: Path, claims_amx: None, monkeypatch: pytest.MonkeyPatch, sig: int,
 ) -> None:
-    from localserve.backends import llamacpp_probe
-    from localserve.backends.llamacpp import LlamaCppBackend
+    from localserve.backends.llamacpp import probe as llamacpp_probe
+    from localserve.backends.llamacpp.backend import LlamaCppBackend
 
     result: list[bool] = []
     done = threading.Event()
@@ -92,9 +92,9 @@ def test_a_probe_child_killed_by_a_signal_makes_the_load_take_the_fallback(
     # Remembered: the next load asks no child, and goes through the registry without extra buffers.
     monkeypatch.setattr(llamacpp_probe, "probe", lambda *a, **k: pytest.fail("probed twice"))
     from localserve.config import load_settings
-    from localserve.models import plan_model
-    from localserve.store import ModelStore
-    from localserve.backends import registry
+    from localserve.runtime.manager import plan_model
+    from localserve.store.cache import ModelStore
+    from localserve.runtime import registry
 
     settings = load_settings(flags={"home": str(tmp_path), "context_length": 512, "max_sequences": 2},
                              environ={}, config_path=tmp_path / "no-config.toml")
@@ -117,7 +117,7 @@ def test_a_probe_child_killed_by_a_signal_makes_the_load_take_the_fallback(
 def test_the_fallback_load_gives_the_full_builds_greedy_tokens(smollm2_gguf: Path) -> None:
     """What the fallback changes is where weights live, not what the model says."""
     from localserve.backends.base import BatchToken
-    from localserve.backends.llamacpp import LlamaCppBackend
+    from localserve.backends.llamacpp.backend import LlamaCppBackend
 
     def greedy(extra_buffers: bool) -> list[int]:
         import numpy as np
@@ -143,9 +143,9 @@ def test_faults_record_names_the_signal_and_what_the_crashing_thread_did(smollm2
     script = textwrap.dedent(f"""
         import os, signal, threading, time
         from pathlib import Path
-        from localserve.daemon_crash import enable_fault_record
+        from localserve.desktop.daemon_crash import enable_fault_record
         from localserve.backends.base import BatchToken
-        from localserve.backends.llamacpp import LlamaCppBackend
+        from localserve.backends.llamacpp.backend import LlamaCppBackend
         enable_fault_record(Path({str(tmp_path)!r}))
         b = LlamaCppBackend.load({str(smollm2_gguf)!r}, n_ctx=512, n_seq_max=1, n_batch=64, n_threads=1)
         started = threading.Event()
@@ -162,7 +162,7 @@ def test_faults_record_names_the_signal_and_what_the_crashing_thread_did(smollm2
                             env={**os.environ, "PYTHONPATH": str(REPO)})
     _, err = proc.communicate(timeout=120)
     assert proc.returncode == -signal.SIGSEGV, err
-    from localserve.daemon_crash import CRASH_NAME, explain, read_death
+    from localserve.desktop.daemon_crash import CRASH_NAME, explain, read_death
 
     assert "Fatal Python error: Segmentation fault" in (tmp_path / CRASH_NAME).read_text()
     death = read_death(tmp_path, proc.pid)
@@ -209,7 +209,7 @@ def test_hw_and_show_name_the_condition_and_the_command(smollm2_gguf: Path, tmp_
                                                         capsys: pytest.CaptureFixture[str]) -> None:
     from dataclasses import asdict
 
-    from localserve.backends.llamacpp_probe import VERDICT_NAME, Verdict, build_key
+    from localserve.backends.llamacpp.probe import VERDICT_NAME, Verdict, build_key
     from localserve.cli import main
 
     env = cli_env(tmp_path, free_port())

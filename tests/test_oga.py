@@ -27,9 +27,9 @@ from localserve.convert.spec import UnsupportedModelError, open_reader, read_spe
 from localserve.convert.staging import write_graphs  # noqa: E402
 from localserve.convert.weights import WeightSource  # noqa: E402
 from localserve.errors import InvalidRequestError, ModelDirError, OverloadedError  # noqa: E402
-from localserve.oga.loader import build_oga_engine  # noqa: E402
-from localserve.requests import GenerationRequest, SamplingParams  # noqa: E402
-from localserve.store import ModelStore  # noqa: E402
+from localserve.engine.oga.loader import build_oga_engine  # noqa: E402
+from localserve.protocol.requests import GenerationRequest, SamplingParams  # noqa: E402
+from localserve.store.cache import ModelStore  # noqa: E402
 from onnx_helpers import TINY, cached_folder, chat, greedy, reference_logits, tiny_weights, write_tiny_gguf  # noqa: E402
 from server_harness import LiveServer, server_settings  # noqa: E402
 
@@ -52,7 +52,7 @@ def oga_dir(smollm2_gguf) -> Path:
 
 @pytest.fixture(scope="module")
 def vocab(smollm2_gguf):
-    from localserve.backends.llamacpp_vocab import LlamaVocab
+    from localserve.backends.llamacpp.vocab import LlamaVocab
 
     v = LlamaVocab(smollm2_gguf, n_ctx_train=8192, n_embd=576, n_params=0)
     yield v
@@ -182,7 +182,7 @@ def oga_direct(oga_dir: Path, ids: list[int], n: int) -> list[int]:
 
 
 def test_greedy_answers_equal_oga_direct_and_agree_with_llama_cpp(engine, oga_dir, vocab, smollm2_gguf):
-    from localserve.backends.llamacpp import LlamaCppBackend
+    from localserve.backends.llamacpp.backend import LlamaCppBackend
 
     def until_eog(tokens: list[int]) -> list[int]:  # what a stream sends: the EOG token ends it unsent
         return next((tokens[:i] for i, t in enumerate(tokens) if vocab.is_eog(t)), tokens)
@@ -335,7 +335,7 @@ def test_cli_convert_oga_stores_the_variant_and_it_serves(smollm2_gguf, tmp_path
     variant beside its GGUF; with the onnx backend asked for, the registry loads it into OgaEngine."""
     import asyncio as aio
 
-    from localserve.models import ModelManager
+    from localserve.runtime.manager import ModelManager
     from server_harness import MODEL, MODEL_TAG, install_model
     from test_pull import run_cli
 

@@ -39,7 +39,7 @@ def static_dir(smollm2_gguf, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def static(static_dir, smollm2_gguf):
-    from localserve.backends.onnx import OnnxBackend
+    from localserve.backends.onnx.backend import OnnxBackend
 
     # n_ctx is the graphs' to fix: the load ignores the caller's 4096 for the static flavour.
     b = OnnxBackend.load(static_dir, smollm2_gguf, n_ctx=4096, n_seq_max=8, n_batch=64, n_threads=2)
@@ -49,7 +49,7 @@ def static(static_dir, smollm2_gguf):
 
 @pytest.fixture(scope="module")
 def dynamic(smollm2_onnx, smollm2_gguf):  # noqa: F811
-    from localserve.backends.onnx import OnnxBackend
+    from localserve.backends.onnx.backend import OnnxBackend
 
     b = OnnxBackend.load(smollm2_onnx, smollm2_gguf, n_ctx=1024, n_seq_max=8, n_batch=512, n_threads=2)
     yield b
@@ -190,7 +190,7 @@ def test_sequences_decoding_together_match_the_dynamic_alone(static, dynamic, re
 
 
 def _broken(static_dir, tmp_path, edit) -> BackendError:
-    from localserve.backends.onnx import OnnxBackend
+    from localserve.backends.onnx.backend import OnnxBackend
 
     folder = tmp_path / "broken"
     folder.mkdir()
@@ -233,10 +233,10 @@ def test_registry_serves_a_static_variant(tmp_path, smollm2_gguf, static_dir, dy
     backend with the engine's KV pool set to the graphs' slot count, and answers as the dynamic one."""
     from pathlib import Path
 
-    from localserve import models
-    from localserve.backends.onnx_static import StaticOnnxBackend
+    from localserve.runtime import manager as models
+    from localserve.backends.onnx.static import StaticOnnxBackend
     from localserve.config import load_settings
-    from localserve.store import ModelStore
+    from localserve.store.cache import ModelStore
 
     settings = load_settings(flags={"home": str(tmp_path), "backend": "onnx"}, environ={},
                              config_path=Path(tmp_path) / "none.toml")
@@ -257,7 +257,7 @@ def test_registry_serves_a_static_variant(tmp_path, smollm2_gguf, static_dir, dy
 def test_cli_converts_the_static_flavour(tmp_path, capsys):
     from localserve.cli import main
     from localserve.config import load_settings
-    from localserve.store import ModelStore
+    from localserve.store.cache import ModelStore
     from onnx_helpers import write_tiny_gguf
 
     home = tmp_path / "home"

@@ -11,7 +11,7 @@ import pytest
 
 PROBE = """
 import json, os, sys
-import localserve.backends.llamacpp  # loads llama_cpp, hence libgomp
+import localserve.backends.llamacpp.backend  # loads llama_cpp, hence libgomp
 print(json.dumps({"spin": os.environ.get("GOMP_SPINCOUNT"), "policy": os.environ.get("OMP_WAIT_POLICY"),
                   "llama_cpp_loaded": "llama_cpp" in sys.modules}))
 """
@@ -25,7 +25,7 @@ def probe(**env: str) -> dict:
 
 
 def test_default_is_a_short_spin_set_before_llama_cpp_loads():
-    from localserve.backends.openmp import SPIN_COUNT
+    from localserve.backends.llamacpp.openmp import SPIN_COUNT
 
     assert probe() == {"spin": SPIN_COUNT, "policy": None, "llama_cpp_loaded": True}
 

@@ -7,10 +7,10 @@ import pytest
 
 from fixtures.hw.loader import fixture_env
 from localserve.errors import BackendError
-from localserve.gguf_facts import GGUFFacts
+from localserve.store.gguf_facts import GGUFFacts
 from localserve.hardware import CPUInfo, GPUInfo, HardwareReport, detect_hardware
-from localserve.memory import estimate_memory
-from localserve.placement import BackendChoice, Runtimes, choose_backend
+from localserve.runtime.memory import estimate_memory
+from localserve.runtime.placement import BackendChoice, Runtimes, choose_backend
 
 GiB = 1 << 30
 

@@ -37,7 +37,7 @@ from localserve.pull.download import UrllibTransport
 from localserve.pull.partials import sweep_stale_partials
 from localserve.pull.policy import UrlPolicy
 from localserve.pull.puller import claim_partial, link_tag
-from localserve.store import ModelStore
+from localserve.store.cache import ModelStore
 
 REPO = Path(__file__).resolve().parent.parent
 FAST_RETRY = RetryPolicy(attempts=4, backoff=0.01, max_backoff=0.05)

@@ -21,7 +21,7 @@ from localserve.pull import pull_model  # noqa: E402
 from localserve.pull.folder import STAGING_DIR  # noqa: E402
 from localserve.pull.hf_folders import choose_folder  # noqa: E402
 from localserve.pull.partials import sweep_stale_partials  # noqa: E402
-from localserve.store import ModelStore  # noqa: E402
+from localserve.store.cache import ModelStore  # noqa: E402
 from server_harness import LiveServer  # noqa: E402
 from test_oga import converted_smollm2_oga  # noqa: E402
 from test_pull import FAST_RETRY, LocalServer, Served, hub_listing, make_settings, run_cli  # noqa: E402

@@ -18,7 +18,7 @@ from test_gguf_facts import write_tiny_llama
 from test_pull import PAYLOAD, LocalServer, Served
 
 from localserve.pull.policy import HTTP_REFUSED, LOCAL_REFUSED
-from localserve.store import ModelStore
+from localserve.store.cache import ModelStore
 
 ALLOW_LOCAL = ("127.0.0.1",)
 

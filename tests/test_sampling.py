@@ -9,8 +9,8 @@ import math
 import pytest
 
 from localserve.backends.base import BatchToken
-from localserve.backends.grammar import grammar_text
-from localserve.requests import SamplingParams
+from localserve.backends.common.grammar import grammar_text
+from localserve.protocol.requests import SamplingParams
 from localserve.errors import InvalidRequestError
 from llamacpp_helpers import generate, load, prompt_batch, text_of
 
@@ -279,7 +279,7 @@ def test_greedy_logit_bias_fast_path_picks_what_llama_cpp_picks(backend):
     """Greedy + logit_bias skips the native chain (numpy, llamacpp_sampling._biased_argmax); on the
     model's own logits, with biases that move the pick, tie it with the runner-up or ban it, it
     picks what llama.cpp's logit_bias + greedy chain picks."""
-    from localserve.backends.llamacpp_sampling import _build_chain, _Candidates, _biased_argmax
+    from localserve.backends.llamacpp.sampling import _build_chain, _Candidates, _biased_argmax
     import llama_cpp
     import numpy as np
 

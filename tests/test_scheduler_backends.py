@@ -41,13 +41,13 @@ def backend(request: pytest.FixtureRequest) -> Iterator[Backend]:
         return
     gguf = request.getfixturevalue("smollm2_gguf")
     if request.param == "llamacpp":
-        from localserve.backends.llamacpp import LlamaCppBackend
+        from localserve.backends.llamacpp.backend import LlamaCppBackend
 
         # Streams of 2048 / 8 = 256 cells each: room for every prompt here and its answer.
         b: Backend = LlamaCppBackend.load(gguf, n_ctx=2048, n_seq_max=N_SEQ, n_batch=N_BATCH, n_threads=2,
                                           kv_unified=False, flash_attention=False)
     else:
-        from localserve.backends.onnx import OnnxBackend
+        from localserve.backends.onnx.backend import OnnxBackend
 
         b = OnnxBackend.load(request.getfixturevalue("smollm2_onnx"), gguf, n_ctx=N_CTX, n_seq_max=N_SEQ,
                              n_batch=N_BATCH, n_threads=2)

@@ -7,7 +7,7 @@ import pytest
 
 from localserve.config import DEFAULT_CORS_ORIGINS, replace
 from localserve.errors import ConfigError
-from localserve.models import ModelManager
+from localserve.runtime.manager import ModelManager
 from localserve.server import create_app
 from localserve.server.security import (
     MAX_HEADER_NAME_LEN,

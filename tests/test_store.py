@@ -10,7 +10,7 @@ import pytest
 
 from localserve.config import load_settings
 from localserve.errors import GGUFError, InvalidNameError, ModelNotFoundError
-from localserve.store import FileLock, ModelStore, name_to_dir, safe_component
+from localserve.store.cache import FileLock, ModelStore, name_to_dir, safe_component
 from test_pull import run_cli  # one CLI runner for the model-command tests
 
 TRAVERSAL_AND_BAD_NAMES = [
@@ -120,7 +120,7 @@ def test_file_lock_is_exclusive_between_holders(tmp_path):
 
 @pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="counts open descriptors through /proc")
 def test_file_lock_closes_its_descriptor_when_locking_fails(tmp_path, monkeypatch):
-    import localserve.store as store_module
+    import localserve.store.cache as store_module
 
     def broken(fd: int) -> bool:
         raise OSError("no locks on this filesystem")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from localserve.backends.llamacpp_batch import stream_groups
+from localserve.backends.llamacpp.batch import stream_groups
 
 
 def groups(seq: list[int]):

@@ -9,7 +9,7 @@ import time
 import pytest
 
 from localserve.errors import InvalidRequestError
-from localserve.gguf_facts import read_gguf_facts
+from localserve.store.gguf_facts import read_gguf_facts
 from localserve.server.templates import CHATML_TEMPLATE, RENDER_TIME_LIMIT_S, ChatTemplate
 from localserve.server.validation import parse_messages
 

@@ -20,7 +20,7 @@ import pytest
 from daemon_util import cli_env, free_port, register_model, serving, stop_quietly, wait_published
 from xembed_tray import ICON_SIZE, PANEL, XVFB, TrayHost, Xvfb
 
-from localserve.client import DaemonClient
+from localserve.desktop.client import DaemonClient
 from localserve.config import load_settings
 from localserve.tray.icon import COLOURS
 

@@ -16,8 +16,8 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Generator, Literal, Sequence
 
-from ..engine_api import ModelInfo
-from ..requests import SamplingParams, TokenLogprob
+from ..protocol.engine import ModelInfo
+from ..protocol.requests import SamplingParams, TokenLogprob
 from ..errors import BackendError
 
 

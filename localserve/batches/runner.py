@@ -49,7 +49,7 @@ from .queues import queues_of, overlap
 from .store import TERMINAL, BatchStore
 
 if TYPE_CHECKING:
-    from ..models import LoadedModel, ModelManager
+    from ..runtime.manager import LoadedModel, ModelManager
     from ..server.metrics import Metrics
 
 log = logging.getLogger(__name__)

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections import deque
 from typing import TYPE_CHECKING, Iterator
 
-from ..requests import LANES
+from ..protocol.requests import LANES
 
 if TYPE_CHECKING:
     from .sequence import Sequence

@@ -15,7 +15,7 @@ import time
 from typing import Callable
 
 from ..backends.base import SampledToken, Sampler
-from ..requests import LANE_RANK, FinishReason, GenerationEvent, GenerationRequest, TokenLogprob, Usage
+from ..protocol.requests import LANE_RANK, FinishReason, GenerationEvent, GenerationRequest, TokenLogprob, Usage
 from .text import Detokenizer
 
 _order = itertools.count()

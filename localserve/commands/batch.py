@@ -15,9 +15,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ..client import DaemonClient
+from ..desktop.client import DaemonClient
 from ..config import Settings
-from ..daemon import ensure_daemon
+from ..desktop.daemon import ensure_daemon
 from ..errors import InvalidRequestError
 
 FINAL = ("completed", "failed", "expired", "cancelled")

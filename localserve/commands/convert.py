@@ -12,7 +12,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from ..config import Settings
 from ..errors import ConfigError, LocalserveError
-from ..store import ModelStore
+from ..store.cache import ModelStore
 
 
 def register(subparsers: argparse._SubParsersAction, common: argparse.ArgumentParser) -> None:
@@ -69,7 +69,7 @@ def conversion_bar(ref: str, console: Console | None = None) -> Iterator[Callabl
 def _execution_provider() -> str | None:
     """The EP placement gives an ONNX model on this machine: the default weights are its (convert_gguf)."""
     from ..hardware import detect_hardware
-    from ..placement import choose_backend
+    from ..runtime.placement import choose_backend
 
     try:
         return choose_backend(detect_hardware(), ["onnx"], prefer="onnx").execution_provider

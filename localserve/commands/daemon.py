@@ -13,10 +13,10 @@ import time
 from contextlib import closing
 from typing import Any
 
-from ..requests import LANES
-from ..client import DaemonClient
+from ..protocol.requests import LANES
+from ..desktop.client import DaemonClient
 from ..config import Settings
-from ..daemon import death_message, ensure_daemon, find_daemon, run_daemon, stop_daemon
+from ..desktop.daemon import death_message, ensure_daemon, find_daemon, run_daemon, stop_daemon
 from ..errors import DaemonError
 
 HELP_TEXT = """Commands:
@@ -92,7 +92,7 @@ def _print_ps(models: list[dict[str, Any]]) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    from ..memory import format_bytes
+    from ..runtime.memory import format_bytes
 
     if not models:
         print("No models loaded.")
@@ -190,7 +190,7 @@ def cmd_run(args: argparse.Namespace, settings: Settings) -> int:
 def _ensure_model(ref: str, settings: Settings) -> str:
     """The installed model's `name:tag`, pulled first when it is not installed yet."""
     from ..errors import ModelNotFoundError
-    from ..store import ModelStore
+    from ..store.cache import ModelStore
 
     store = ModelStore(settings)
     try:
@@ -211,13 +211,13 @@ def _convert_if_planned(ref: str, settings: Settings) -> None:
     """Convert the model's GGUF to ONNX here, with a progress bar, when its load would (placement
     picked the onnx backend and the tag has no ONNX variant yet): the daemon would do it silently
     while the chat waited, minutes for a large model."""
-    from ..backends import registry
-    from ..store import ModelStore
+    from ..runtime import registry
+    from ..store.cache import ModelStore
 
     installed = ModelStore(settings).find(ref)
     if not registry.convertible(installed):  # no hardware probe (0.2 s) unless the onnx backend could take it
         return
-    from ..models import plan_model
+    from ..runtime.manager import plan_model
 
     choice = plan_model(installed, settings).choice  # what the daemon's load will decide, memory included
     if not choice.convert:

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import argparse
 
-from .. import autostart
+from ..desktop import autostart
 from ..config import Settings
-from ..daemon import find_daemon
+from ..desktop.daemon import find_daemon
 
 
 def register(subparsers: argparse._SubParsersAction, common: argparse.ArgumentParser) -> None:

@@ -9,10 +9,10 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from ..buildinfo import Toolkits, installed_build, installed_version, recommend, setup_command
+from ..runtime.buildinfo import Toolkits, installed_build, installed_version, recommend, setup_command
 from ..config import Settings
 from ..hardware import HardwareReport, detect_hardware
-from ..memory import format_bytes
+from ..runtime.memory import format_bytes
 from .models import native_condition
 
 
@@ -43,9 +43,9 @@ def run_hw(args: argparse.Namespace, settings: Settings) -> int:
 def model_placements(report: HardwareReport, settings: Settings) -> list[dict[str, Any]]:
     """Backend, device and EP each installed model gets here, and why: the registry's choice, as a
     load makes it, at the default context (`show MODEL --ctx N` sizes one model for another)."""
-    from ..backends.registry import choose
+    from ..runtime.registry import choose
     from ..errors import LocalserveError
-    from ..store import ModelStore
+    from ..store.cache import ModelStore
 
     rows = []
     for model in ModelStore(settings).list():
@@ -59,8 +59,8 @@ def model_placements(report: HardwareReport, settings: Settings) -> list[dict[st
 
 
 def _estimate(model: Any, settings: Settings) -> Any:
-    from ..gguf_facts import GGUFFacts
-    from ..memory import estimate_memory
+    from ..store.gguf_facts import GGUFFacts
+    from ..runtime.memory import estimate_memory
 
     if not model.facts:
         return None

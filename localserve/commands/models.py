@@ -21,11 +21,11 @@ from rich.progress import (
 )
 from rich.table import Table
 
-from ..catalog import parse_ref
+from ..store.catalog import parse_ref
 from ..config import Settings
 from ..errors import InvalidRequestError
 from ..pull import PullEvent, pull_model
-from ..store import InstalledModel, ModelStore
+from ..store.cache import InstalledModel, ModelStore
 
 
 def register(subparsers: argparse._SubParsersAction, common: argparse.ArgumentParser) -> None:
@@ -156,9 +156,9 @@ def _summary(m: InstalledModel) -> dict[str, Any]:
 
 def describe_model(model: InstalledModel, settings: Settings, n_ctx: int | None = None) -> dict[str, Any]:
     """Everything `show` prints, as data: GGUF facts, memory at a context, where it would run."""
-    from ..gguf_facts import read_gguf_facts
-    from ..memory import estimate_memory
-    from ..models import gguf_limits, planned_vram
+    from ..store.gguf_facts import read_gguf_facts
+    from ..runtime.memory import estimate_memory
+    from ..runtime.manager import gguf_limits, planned_vram
 
     if n_ctx is not None and n_ctx <= 0:
         raise InvalidRequestError("--ctx must be a positive number of tokens")
@@ -204,7 +204,7 @@ def describe_model(model: InstalledModel, settings: Settings, n_ctx: int | None 
 def native_condition(settings: Settings) -> str | None:
     """A condition of this machine's llama.cpp build that decides how models load (llamacpp_probe)."""
     try:
-        from ..backends.llamacpp_probe import condition
+        from ..backends.llamacpp.probe import condition
     except ImportError:  # no llama_cpp: nothing to say about its build
         return None
     return condition(settings.run_dir)
@@ -212,7 +212,7 @@ def native_condition(settings: Settings) -> str | None:
 
 def _placement(estimate: Any, model: InstalledModel, settings: Settings) -> dict[str, Any]:
     """What a load would pick, asked the way a load asks (the registry, over every variant)."""
-    from ..backends.registry import choose
+    from ..runtime.registry import choose
     from ..errors import LocalserveError
     from ..hardware import detect_hardware
 
@@ -244,7 +244,7 @@ def run_show(args: argparse.Namespace, settings: Settings) -> int:
     if args.json:
         print(json.dumps(info, indent=2))
         return 0
-    from ..memory import format_bytes
+    from ..runtime.memory import format_bytes
 
     mem = info["memory"]
     place = info["placement"]
@@ -309,7 +309,7 @@ def run_add(args: argparse.Namespace, settings: Settings) -> int:
         raise InvalidRequestError("--name must be a plain NAME[:TAG] (no slashes)")
     store = ModelStore(settings)
     if Path(args.path).expanduser().is_dir():
-        from ..model_dirs import detect_kind
+        from ..store.model_dirs import detect_kind
 
         kind = detect_kind(Path(args.path).expanduser())
         model = store.add_directory(args.path, ref.name, ref.tag or "latest")

@@ -8,9 +8,9 @@ import sys
 from pathlib import Path
 
 from ..config import Settings
-from ..daemon import find_daemon, stop_daemon
+from ..desktop.daemon import find_daemon, stop_daemon
 from ..errors import LocalserveError
-from ..service import ServiceSpec, manager_available, manager_commands, port_holder, render, service_path
+from ..desktop.service import ServiceSpec, manager_available, manager_commands, port_holder, render, service_path
 
 
 class ServiceError(LocalserveError):

@@ -19,7 +19,7 @@ from pathlib import Path
 
 from rich.console import Console
 
-from ..buildinfo import (BUILDS, PACKAGE, Toolkits, build_env, installed_build, installed_version, pinned_version,
+from ..runtime.buildinfo import (BUILDS, PACKAGE, Toolkits, build_env, installed_build, installed_version, pinned_version,
                          recommend)
 from ..config import Settings
 from ..errors import LocalserveError

@@ -18,7 +18,7 @@ from pathlib import Path
 
 from ..config import Settings, config_file_path, load_settings
 from ..errors import ConfigError
-from ..upstream.config import DEFAULT_MAX_CONCURRENCY, UpstreamConfig, parse_upstream
+from ..engine.upstream.config import DEFAULT_MAX_CONCURRENCY, UpstreamConfig, parse_upstream
 
 _HEADER = re.compile(r"^\s*\[")
 _UPSTREAM_HEADER = re.compile(r"^\s*\[\[\s*upstreams\s*\]\]\s*(#.*)?$")

@@ -14,7 +14,7 @@ import logging
 from typing import Callable
 
 from ..config import Settings
-from ..store import InstalledModel, ModelStore
+from ..store.cache import InstalledModel, ModelStore
 
 log = logging.getLogger(__name__)
 

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from ..errors import ModelNotFoundError
-from ..store import InstalledModel, ModelStore
+from ..store.cache import InstalledModel, ModelStore
 from . import check_convertible, convert_gguf
 
 
@@ -27,7 +27,7 @@ def convert_installed(store: ModelStore, model: InstalledModel,
     gguf = model.gguf
     if gguf is None or not gguf.available:
         raise ModelNotFoundError(model.ref, message=f"model {model.ref} has no GGUF file to convert; pull it first")
-    from ..model_dirs import remove_tree
+    from ..store.model_dirs import remove_tree
     from .oga import check_oga_convertible, convert_gguf_oga
 
     (check_oga_convertible if oga else check_convertible)(gguf.path)

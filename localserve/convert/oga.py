@@ -13,7 +13,7 @@ import json
 from pathlib import Path
 from typing import Any, Callable
 
-from ..model_dirs import OGA_CONFIG_FILE, OGA_TOKENIZER_FILE
+from ..store.model_dirs import OGA_CONFIG_FILE, OGA_TOKENIZER_FILE
 from .graph_oga import INPUT_NAMES, OUTPUT_NAMES, build_oga_graph, check_oga_spec
 from .spec import ModelSpec, open_reader, read_spec
 from .tokenizer_files import check_tokenizer, special_ids, tokenizer_config, tokenizer_json

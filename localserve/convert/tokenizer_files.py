@@ -58,7 +58,7 @@ def tokenizer_json(reader) -> dict[str, Any]:
 
 def special_ids(reader, gguf_path: Path) -> dict[str, Any]:
     """bos/pad ids and every id llama.cpp ends a generation on (its EOG set, asked of llama.cpp)."""
-    from ..backends.llamacpp_vocab import LlamaVocab
+    from ..backends.llamacpp.vocab import LlamaVocab
 
     vocab = LlamaVocab(gguf_path, n_ctx_train=0, n_embd=0, n_params=0)
     try:

@@ -53,13 +53,13 @@ def _text(raw: bytes | None) -> str:
 def _ggml() -> ctypes.CDLL | None:
     """libggml as llama_cpp loaded it (dlopen hands back the same handle, with the backends it
     registered), after backend init; None without llama_cpp."""
-    from ..backends import openmp  # noqa: F401 - its wait policy must precede loading llama.cpp
+    from ..backends.llamacpp import openmp  # noqa: F401 - its wait policy must precede loading llama.cpp
 
     try:
         import llama_cpp
     except ImportError:
         return None
-    from ..backends.llamacpp_runtime import ensure_runtime
+    from ..backends.llamacpp.runtime import ensure_runtime
 
     ensure_runtime()  # backend init with llama.cpp's log routed (Vulkan's init prints its devices)
     return ctypes.CDLL(str(Path(llama_cpp.__file__).parent / "lib" / "libggml.so"))

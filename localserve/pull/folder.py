@@ -16,11 +16,11 @@ import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from .. import oga_config
+from ..store import oga_config
 from ..errors import ModelDirError
-from ..folder_checks import check_no_native_code
-from ..model_dirs import OGA, OGA_CONFIG_FILE, remove_tree
-from ..store import InstalledModel
+from ..store.folder_checks import check_no_native_code
+from ..store.model_dirs import OGA, OGA_CONFIG_FILE, remove_tree
+from ..store.cache import InstalledModel
 from .download import ensure_free_space
 from .events import emit
 from .hf_folders import RepoFolder

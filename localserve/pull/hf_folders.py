@@ -23,8 +23,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..errors import InvalidNameError, ModelNotFoundError
-from ..model_dirs import OGA_CONFIG_FILE
-from ..store import safe_component
+from ..store.model_dirs import OGA_CONFIG_FILE
+from ..store.cache import safe_component
 from .sources import RemoteFile, gguf_files, remote_file
 
 log = logging.getLogger(__name__)

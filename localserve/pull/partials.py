@@ -16,7 +16,7 @@ import shutil
 import time
 from pathlib import Path
 
-from ..store import LOCKS_DIR, FileLock
+from ..store.cache import LOCKS_DIR, FileLock
 
 log = logging.getLogger(__name__)
 PARTIAL_SUFFIX = ".partial"

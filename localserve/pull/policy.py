@@ -31,7 +31,7 @@ LOCAL_REFUSED = ("pulls from loopback, private or link-local addresses are not a
 
 def is_direct_link(ref: str) -> bool:
     """A `/api/pull` reference that names a download link (not a catalog name or `hf.co/...`)."""
-    from ..catalog import is_hf_ref
+    from ..store.catalog import is_hf_ref
 
     text = ref.strip()
     return text.lower().startswith(("https://", "http://")) and not is_hf_ref(text)

@@ -27,7 +27,7 @@ import logging
 from pathlib import Path
 from typing import Any, Callable, TypeVar
 
-from ..catalog import Catalog, CatalogEntry, Source, Variant, is_hf_ref, load_catalog, parse_ref
+from ..store.catalog import Catalog, CatalogEntry, Source, Variant, is_hf_ref, load_catalog, parse_ref
 from ..config import Settings
 from ..errors import (
     ChecksumMismatchError,
@@ -40,8 +40,8 @@ from ..errors import (
     NetworkError,
     PullLockedError,
 )
-from ..model_dirs import OGA
-from ..store import FileLock, InstalledModel, ModelStore, atomic_write_json, safe_component
+from ..store.model_dirs import OGA
+from ..store.cache import FileLock, InstalledModel, ModelStore, atomic_write_json, safe_component
 from .cancel import CancelToken
 from .download import (
     BearerTransport,

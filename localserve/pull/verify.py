@@ -48,6 +48,6 @@ def facts_to_manifest(facts: Any) -> dict[str, Any]:
 
 def read_facts(path: Path) -> Any:
     """GGUF facts of `path`; raises GGUFError when the file is not a sane GGUF."""
-    from ..gguf_facts import read_gguf_facts
+    from ..store.gguf_facts import read_gguf_facts
 
     return read_gguf_facts(path)

@@ -21,7 +21,7 @@ from aiohttp import web
 from .. import __version__
 from ..config import Settings
 from ..errors import ConfigError
-from ..store import ModelStore
+from ..store.cache import ModelStore
 from . import batch_routes, dashboard_routes, ollama_routes, openai_routes, pull_routes
 from .body import body_limits_middleware
 from .errors import error_middleware
@@ -30,7 +30,7 @@ from .security import WILDCARD_HOSTS, add_cors_headers, security_middleware
 from .state import MANAGER_KEY, METRICS_KEY, SETTINGS_KEY, STARTED_KEY, STORE_KEY
 
 if TYPE_CHECKING:
-    from ..models import ModelManager
+    from ..runtime.manager import ModelManager
 
 
 def is_loopback_bind(host: str) -> bool:

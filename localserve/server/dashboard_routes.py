@@ -26,7 +26,7 @@ from typing import Any
 
 from aiohttp import web
 
-from ..requests import LANES
+from ..protocol.requests import LANES
 from .generation import guard_disconnect
 from .errors import ClientGone
 from .pull_routes import PULLS_KEY
@@ -182,7 +182,7 @@ async def hardware(request: web.Request) -> web.Response:
     def gather() -> dict[str, Any]:
         from ..commands.models import describe_model
         from ..errors import LocalserveError
-        from ..models import hardware_report
+        from ..runtime.manager import hardware_report
 
         placements = []
         for model in store.list():

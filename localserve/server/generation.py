@@ -28,15 +28,15 @@ from typing import TYPE_CHECKING, Any, AsyncIterator, Awaitable, Callable, Seque
 
 from aiohttp import web
 
-from ..engine_api import EventStream, ModelEngine
+from ..protocol.engine import EventStream, ModelEngine
 from ..errors import BackendError, ContextLengthExceededError, InvalidRequestError
-from ..requests import GenerationEvent, GenerationRequest, Lane, TokenLogprob, Usage
+from ..protocol.requests import GenerationEvent, GenerationRequest, Lane, TokenLogprob, Usage
 from .errors import ClientGone
 from .state import SETTINGS_KEY
 from .templates import ChatTemplate
 
 if TYPE_CHECKING:
-    from ..models import ModelManager
+    from ..runtime.manager import ModelManager
 
 DISCONNECT_POLL_S = 0.1
 # Bytes a guarded connection may hold unsent, in the kernel and in the transport each. Linux

@@ -17,7 +17,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, G
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from ..requests import LANES, Usage
+from ..protocol.requests import LANES, Usage
 from .errors import Handler
 from .state import METRICS_KEY
 

@@ -19,9 +19,9 @@ from typing import Any, Callable
 from aiohttp import web
 
 from .. import __version__
-from ..engine_api import EventStream, ModelEngine
+from ..protocol.engine import EventStream, ModelEngine
 from ..errors import LocalserveError
-from ..requests import GenerationEvent, GenerationRequest, Usage
+from ..protocol.requests import GenerationEvent, GenerationRequest, Usage
 from .errors import ClientGone, json_dumps
 from .generation import (
     Clock,

@@ -24,9 +24,9 @@ from typing import TYPE_CHECKING, Any, AsyncContextManager, Callable, Sequence, 
 
 from .. import __version__
 from ..config import Settings
-from ..engine_api import ModelEngine, TextEngine
-from ..requests import MAX_LOGPROBS, GenerationRequest, Lane, TextPrompt, TokenLogprob, Usage
-from ..schema_bounds import check_schema
+from ..protocol.engine import ModelEngine, TextEngine
+from ..protocol.requests import MAX_LOGPROBS, GenerationRequest, Lane, TextPrompt, TokenLogprob, Usage
+from ..backends.common.schema_bounds import check_schema
 from .generation import (
     Choice,
     Run,
@@ -62,7 +62,7 @@ from .validation import (
 )
 
 if TYPE_CHECKING:
-    from ..models import ModelManager
+    from ..runtime.manager import ModelManager
 
 SYSTEM_FINGERPRINT = f"localserve-{__version__}"
 MAX_TOKENS_LIMIT = (1 << 63) - 1  # bigger asks are clamped to the context left, not refused

@@ -20,9 +20,9 @@ from typing import Any, Awaitable, Callable
 
 from aiohttp import web
 
-from ..engine_api import EventStream
+from ..protocol.engine import EventStream
 from ..errors import InvalidNameError, LocalserveError, ModelNotFoundError
-from ..requests import GenerationEvent, Usage
+from ..protocol.requests import GenerationEvent, Usage
 from .errors import ClientGone, json_dumps, openai_error_body
 from .generation import UsageTotals, guard_disconnect, merge
 from .openai_api import (

@@ -9,8 +9,8 @@ from aiohttp import web
 from ..config import Settings
 
 if TYPE_CHECKING:
-    from ..models import ModelManager
-    from ..store import ModelStore
+    from ..runtime.manager import ModelManager
+    from ..store.cache import ModelStore
     from .metrics import Metrics
 
 SETTINGS_KEY = web.AppKey("settings", Settings)

@@ -19,10 +19,10 @@ from typing import Any, Iterable
 
 from aiohttp import web
 
-from ..requests import LANES, Lane, SamplingParams
+from ..protocol.requests import LANES, Lane, SamplingParams
 from ..errors import ContextLengthExceededError, InvalidRequestError
 from .body import parse_json, read_body
-from ..schema_bounds import check_schema
+from ..backends.common.schema_bounds import check_schema
 
 MAX_N = 8
 MAX_STOP = 4

@@ -10,10 +10,10 @@ import sys
 import webbrowser
 from typing import Callable
 
-from .. import autostart
-from ..client import DaemonClient
+from ..desktop import autostart
+from ..desktop.client import DaemonClient
 from ..config import Settings
-from ..daemon import LOG_NAME, ensure_daemon, find_daemon, stop_daemon
+from ..desktop.daemon import LOG_NAME, ensure_daemon, find_daemon, stop_daemon
 from ..errors import DaemonError
 from .state import DaemonState
 

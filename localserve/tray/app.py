@@ -10,9 +10,9 @@ import subprocess
 import threading
 from typing import Any, Callable
 
-from .. import autostart
+from ..desktop import autostart
 from ..config import Settings
-from ..daemon import ensure_daemon
+from ..desktop.daemon import ensure_daemon
 from ..errors import ConfigError, LocalserveError
 from .actions import TrayActions
 from .icon import icon_image

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..requests import LANES
+from ..protocol.requests import LANES
 from .state import DaemonState
 
 

@@ -6,11 +6,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..client import DaemonClient
-from ..daemon import LOG_NAME
-from ..daemon_crash import explain, last_death
+from ..desktop.client import DaemonClient
+from ..desktop.daemon import LOG_NAME
+from ..desktop.daemon_crash import explain, last_death
 from ..errors import LocalserveError
-from ..requests import LANES
+from ..protocol.requests import LANES
 
 STATUSES = ("stopped", "idle", "generating", "pulling", "error")
 

@@ -1,0 +1,486 @@
+"""The llama.cpp backend: one model, one context whose KV cache holds many sequences (one stream
+per sequence, as the product runs it, or one unified pool: see LlamaCppBackend.load).
+
+Built on llama-cpp-python's low-level ctypes API (pinned: its signatures move between releases).
+Everything that could make llama.cpp abort the process (more than n_batch tokens in one decode,
+sequence ids out of range in KV calls, sampling rows that produced no logits) is checked here first
+and raised as a Python error, so one bad request never takes the daemon down.
+
+Threading: `decode`, `Sampler.sample` and the KV calls belong to one thread (the engine's step
+loop); the logits of a decode are valid only until the next one. `tokenize`, `token_to_bytes`,
+`is_eog` read the immutable vocabulary and are safe from any thread. `embed` runs on its own
+context behind its own lock.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+import logging
+import os
+import re
+import threading
+import weakref
+from pathlib import Path
+from typing import Any, Generator, Sequence
+
+import llama_cpp
+import numpy as np
+
+from ...protocol.requests import SamplingParams
+from ...errors import BackendError, GGUFError, InvalidRequestError, ModelNotFoundError
+from ..base import Backend, BatchToken, Capabilities, DecodeInterrupted, KVFullError
+from .batch import PackedBatch, stream_groups
+from ..common.grammar import GRAMMAR_CONSTRAINTS
+from .embed import EmbeddingContext
+from .info import read_model_info
+from .interrupt import InterruptFlag, available as interrupt_available
+from .offload import OffloadFacts, parse_load_log
+from .runtime import captured_log, ensure_runtime, error_count, last_error_since
+from .sampling import LlamaCppSampler
+
+log = logging.getLogger(__name__)
+
+_INT32_MIN = -(2**31)
+_KV_TYPES = {"f16": llama_cpp.GGML_TYPE_F16, "q8_0": llama_cpp.GGML_TYPE_Q8_0}
+
+
+def default_threads() -> int:
+    """Physical cores: llama.cpp's matmuls gain nothing from SMT siblings and lose to contention."""
+    try:
+        import psutil
+
+        n = psutil.cpu_count(logical=False)
+    except Exception:  # noqa: BLE001 - psutil can fail on odd platforms/containers; fall back
+        n = None
+    return max(1, n or os.cpu_count() or 1)
+
+
+def _free_native(model, ctx, embedder_box: list) -> None:
+    # Order matters: contexts reference the model.
+    if embedder_box and embedder_box[0] is not None:
+        embedder_box[0].close()
+    if ctx:
+        llama_cpp.llama_free(ctx)
+    if model:
+        llama_cpp.llama_model_free(model)
+
+
+class LlamaCppBackend(Backend):
+    exact_attention = False  # see load()
+
+    def __init__(self, model, ctx, path: Path, *, n_threads: int, kv_unified: bool) -> None:
+        self.model = model
+        self.ctx = ctx
+        self.kv_unified = kv_unified  # what the context was created with (load)
+        self.vocab = llama_cpp.llama_model_get_vocab(model)
+        self.memory = llama_cpp.llama_get_memory(ctx)
+        self.n_ctx = llama_cpp.llama_n_ctx(ctx)
+        self.n_ctx_seq = llama_cpp.llama_n_ctx_seq(ctx)  # cells one sequence may hold
+        self.n_batch = llama_cpp.llama_n_batch(ctx)
+        self.n_ubatch = llama_cpp.llama_n_ubatch(ctx)
+        self.n_seq_max = llama_cpp.llama_n_seq_max(ctx)
+        self.n_threads = n_threads
+        self.n_vocab = llama_cpp.llama_vocab_n_tokens(self.vocab)
+        self.n_embd = llama_cpp.llama_model_n_embd(model)
+        self.token_ids = np.arange(self.n_vocab, dtype=np.int32)  # read-only helper for samplers
+        self.token_ids.flags.writeable = False
+        self._row_type = ctypes.c_float * self.n_vocab
+        self._packed = PackedBatch(self.n_batch)
+        self._part = PackedBatch(self.n_batch)  # one llama_decode call's share of a batch (stream_groups)
+        self._outputs = np.zeros(self.n_batch, dtype=np.int8)  # which rows of the last decode have logits
+        self._n_out = 0  # rows of the last successful decode (0: no logits valid)
+        # Where a batch row's logits are after a decode that took several llama_decode calls: rows of
+        # the last call are read in place (_row_in_call), earlier calls' rows were copied (_held).
+        self._row_in_call = np.arange(self.n_batch)
+        self._held: dict[int, np.ndarray] = {}
+        self._interrupt = InterruptFlag(ctx)
+        self._pieces: dict[tuple[int, bool], bytes] = {}
+        self._embedder_box: list[EmbeddingContext | None] = [None]
+        self._embedder_lock = threading.Lock()
+        self._closed = False
+        self._finalizer = weakref.finalize(self, _free_native, model, ctx, self._embedder_box)
+        self.info = read_model_info(model, self.vocab, path, n_vocab=self.n_vocab, n_embd=self.n_embd)
+        self.offload = OffloadFacts()  # load() fills it in from the load's log lines
+        self._capabilities = self._read_capabilities()
+
+    @property
+    def capabilities(self) -> Capabilities:
+        return self._capabilities
+
+    def _read_capabilities(self) -> Capabilities:
+        """The scheduler's rules for this context, from its parameters."""
+        return Capabilities(
+            max_batch_tokens=self.n_batch,
+            kv_cells=self.n_ctx,
+            kv_cells_per_seq=self.n_ctx_seq,
+            max_seqs=self.n_seq_max,
+            # A unified pool shares a copied prefix's cells; with streams seq_cp copies the stream.
+            prefix_sharing="share" if self.kv_unified else "copy",
+            # With streams llama.cpp's splitter (split_equal) batches only consecutive ids together:
+            # other ids cost a pass over the weights each (batching/kvpool.py has the numbers).
+            consecutive_ids=not self.kv_unified,
+            micro_batch=self.n_ubatch,
+            # A lone prompt row of a sequence in a micro-batch takes the GEMV kernels, which round
+            # differently from a GEMM over several rows (stream_groups): two keep answers exact.
+            min_chunk=min(2, self.n_ubatch),
+            min_recompute=2,
+            constraints=GRAMMAR_CONSTRAINTS,  # grammar.py compiles schemas to GBNF
+            embeddings=True,  # a second, pooling context on first use (llamacpp_embed.py)
+            interruptible=interrupt_available(),  # set_offload turns it off for GPU layers
+        )
+
+    # --- lifecycle ------------------------------------------------------------------------
+    @classmethod
+    def load(
+        cls,
+        path: str | os.PathLike[str],
+        *,
+        n_ctx: int,
+        n_seq_max: int,
+        n_batch: int,
+        n_threads: int | None = None,
+        n_gpu_layers: int = 0,
+        embeddings: bool = False,
+        exact_attention: bool = False,
+        kv_unified: bool = True,
+        flash_attention: bool = True,
+        kv_type: str = "f16",
+        extra_buffers: bool = True,
+    ) -> LlamaCppBackend:
+        """Load a GGUF model and create its batching context.
+
+        n_ctx: KV cells of all sequences together: one pool (kv_unified, so kv_copy can share
+            prefixes) or n_seq_max streams of n_ctx / n_seq_max cells each.
+        n_seq_max: sequence ids 0..n_seq_max-1 (llama.cpp allows at most 256).
+        n_batch: the most tokens one decode may carry (the scheduler's step budget must not exceed it).
+        embeddings: create the embeddings context now instead of at the first embed() call.
+        exact_attention: F32 KV cache and no flash attention. With the default F16 cache (and the
+            CPU flash-attention kernel, which rounds through F16 anyway) attention sums depend on
+            where a sequence's cells sit in the cache: measured on SmolLM2, a prompt continued in
+            cells freed by another sequence differs by up to ~0.6 in its logits (enough to flip a
+            greedy token) from the same prompt in fresh cells. With F32 and no flash attention the
+            logits are bit-identical whatever the cell order, so a request gives the same output
+            alone, batched, or from the prefix cache. Costs 2x KV memory and ~10% decode speed.
+        kv_unified: one pool of n_ctx cells for all sequences (True, this function's default) or
+            one stream of n_ctx / n_seq_max cells per sequence (False, what the product loads:
+            settings.kv_unified, EngineLimits). Measured on SmolLM2 (tests/
+            test_backend_llamacpp.py): in a unified pool a sequence's attention sums run over cells
+            interleaved with other sequences' (masked) cells, so its greedy tokens can change with
+            the batch it runs in, even with exact_attention. Per-sequence streams keep each
+            sequence's cells where they would be alone: outputs are bit-identical batched or
+            alone, with the default F16 cache too. The price: no sequence grows past its stream,
+            and kv_copy copies the stream instead of sharing cells.
+        flash_attention: False disables it (True, this function's default, lets llama.cpp decide;
+            the product passes settings.flash_attention, False). On CPU its kernel switches
+            to a tiled variant for micro-batches of 64+ tokens, which rounds differently, so a
+            prompt prefilled in other chunk sizes (alone vs. beside other requests) can end in other
+            greedy tokens. With per-sequence streams and flash attention off, outputs are identical
+            whatever the batch (tests/test_engine_llamacpp.py), with the F16 cache.
+        kv_type: "f16" or "q8_0" for K and V (q8_0 halves KV memory; llama.cpp needs flash
+            attention for a quantized V cache, so it turns flash attention on). Ignored with
+            exact_attention, which keeps F32.
+        extra_buffers: llama.cpp's extra CPU buffer types (AMX, repacked Q4_0/Q4_K layouts). False
+            where the build's AMX path kills the process here (llamacpp_probe.py).
+        """
+        path = Path(path)
+        max_seq = llama_cpp.llama_max_parallel_sequences()
+        if not 1 <= n_seq_max <= max_seq:
+            raise ValueError(f"n_seq_max must be in 1..{max_seq}")
+        if n_ctx < 1 or n_batch < 1:
+            raise ValueError("n_ctx and n_batch must be positive")
+        if not path.is_file():
+            raise ModelNotFoundError(path.name, message=f"model file {path.name!r} does not exist")
+        ensure_runtime()
+        n_threads = n_threads or default_threads()
+
+        errors_before = error_count()
+        mparams = llama_cpp.llama_model_default_params()
+        mparams.n_gpu_layers = n_gpu_layers
+        mparams.use_extra_bufts = extra_buffers
+        with captured_log() as load_lines:
+            model = llama_cpp.llama_model_load_from_file(os.fsencode(path), mparams)
+        if not model:
+            reason = _without_paths(last_error_since(errors_before), path)
+            raise GGUFError(f"could not load model file {path.name!r}" + (f": {reason}" if reason else ""))
+
+        cparams = llama_cpp.llama_context_default_params()
+        cparams.n_ctx = n_ctx
+        cparams.n_batch = n_batch
+        cparams.n_ubatch = min(n_batch, 512)  # llama.cpp's default micro-batch: bigger only costs memory
+        cparams.n_seq_max = n_seq_max
+        cparams.kv_unified = kv_unified
+        cparams.n_threads = n_threads
+        cparams.n_threads_batch = n_threads
+        cparams.embeddings = False
+        if kv_type not in _KV_TYPES:
+            raise ValueError(f"kv_type must be one of {sorted(_KV_TYPES)}")
+        cparams.type_k = cparams.type_v = _KV_TYPES[kv_type]
+        if kv_type != "f16":
+            flash_attention = True  # llama.cpp refuses a quantized V cache without it
+        if exact_attention:
+            cparams.type_k = cparams.type_v = llama_cpp.GGML_TYPE_F32
+        if exact_attention or not flash_attention:
+            cparams.flash_attn_type = llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED
+        with captured_log() as context_lines:
+            ctx = llama_cpp.llama_init_from_model(model, cparams)
+        if not ctx:
+            llama_cpp.llama_model_free(model)
+            raise BackendError(f"could not create a context for {path.name!r} (n_ctx={n_ctx}; out of memory?)")
+        backend = cls(model, ctx, path, n_threads=n_threads, kv_unified=kv_unified)
+        backend.set_offload(parse_load_log(load_lines + context_lines))
+        backend.exact_attention = exact_attention
+        if embeddings:
+            backend._embedder()
+        return backend
+
+    def set_offload(self, facts: OffloadFacts) -> None:
+        """Record where the load put the model (its log lines' facts) in `info`."""
+        self.offload = facts
+        self.info.gpu_layers = facts.gpu_layers
+        self.info.offloadable_layers = facts.offloadable_layers
+        self.info.gpu_memory_bytes = facts.gpu_memory_bytes
+        if facts.gpu_layers:  # GPU backends never call the abort callback (llamacpp_interrupt.py)
+            self._capabilities = dataclasses.replace(self._capabilities, interruptible=False)
+
+    def close(self) -> None:
+        self._closed = True
+        self._n_out = 0
+        self._finalizer()  # idempotent
+
+    def __enter__(self) -> LlamaCppBackend:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise BackendError("the model has been unloaded")
+
+    # --- compute --------------------------------------------------------------------------
+    def decode(self, batch: Sequence[BatchToken], interruptible: bool = False) -> None:
+        self._check_open()
+        self._packed.fill_tokens(batch)
+        self._run(self._packed, interruptible and self._capabilities.interruptible)
+
+    def interrupt(self) -> None:
+        self._interrupt.set()
+
+    def clear_interrupt(self) -> None:
+        self._interrupt.clear()
+
+    def decode_arrays(self, tokens, seq_ids, positions, logits) -> None:
+        """decode() for callers that already hold columns (numpy arrays or lists): no BatchToken objects."""
+        self._check_open()
+        self._packed.fill(tokens, seq_ids, positions, logits)
+        self._run(self._packed)
+
+    def _run(self, packed: PackedBatch, interruptible: bool = False) -> None:
+        packed.check_ids(self.n_vocab, self.n_seq_max)
+        n = packed.n_tokens
+        self._n_out = 0  # the previous step's rows are gone whatever happens next
+        self._held.clear()
+        self._interrupt.arm(interruptible)
+        if interruptible and self._interrupt.is_set():
+            raise DecodeInterrupted("decode interrupted before it started")
+        groups = None if self.kv_unified else stream_groups(packed.seq[:n])
+        errors_before = error_count()
+        if groups is None:
+            self._row_in_call[:n] = np.arange(n)
+            self._decode_call(packed, packed, 0, errors_before)
+        else:
+            last = len(groups) - 1
+            for k, rows in enumerate(groups):
+                part = self._part
+                part.fill(packed.token[rows], packed.seq[rows], packed.pos[rows], packed.logits[rows])
+                self._decode_call(packed, part, k, errors_before)
+                if k < last:  # the next call overwrites llama.cpp's logits: keep this call's
+                    for j in np.flatnonzero(part.logits[: part.n_tokens]):
+                        held = self._ctx_row(int(j)).copy()
+                        held.flags.writeable = False
+                        self._held[int(rows[j])] = held
+                else:
+                    self._row_in_call[rows] = np.arange(len(rows))
+        self._outputs[:n] = packed.logits[:n]
+        self._n_out = n
+
+    def _decode_call(self, packed: PackedBatch, part: PackedBatch, k: int, errors_before: int) -> None:
+        """One llama_decode of `part` (call k of `packed`); on failure nothing of `packed` is kept."""
+        rc = llama_cpp.llama_decode(self.ctx, part.struct)
+        if rc == 0:
+            return
+        if k > 0 or rc not in (1, -1):
+            # Earlier calls of this batch were kept, and 2 (aborted) and < -1 (compute error) keep
+            # the micro-batches already processed: drop them so every sequence is back where it
+            # was (1 and -1 on the first call mean nothing was processed).
+            self._rollback(packed)
+        if rc == 1:
+            raise KVFullError(f"no room in the KV cache for a batch of {packed.n_tokens} tokens")
+        if rc == 2 and self._interrupt.is_set():
+            raise DecodeInterrupted(f"decode of {packed.n_tokens} tokens interrupted")
+        reason = last_error_since(errors_before)
+        raise BackendError(f"decode failed (llama.cpp code {rc})" + (f": {reason}" if reason else ""))
+
+    def _rollback(self, packed: PackedBatch) -> None:
+        n = packed.n_tokens
+        seqs, pos = packed.seq[:n], packed.pos[:n]
+        for s in np.unique(seqs):
+            llama_cpp.llama_memory_seq_rm(self.memory, int(s), int(pos[seqs == s].min()), -1)
+
+    def logits_row(self, batch_index: int) -> np.ndarray:
+        """A read-only view of the logits of `batch_index` in the last decode; valid until the next one."""
+        if not 0 <= batch_index < self._n_out or not self._outputs[batch_index]:
+            # llama.cpp returns NULL here in release builds but GGML_ASSERTs inside llama_sampler_sample.
+            raise ValueError(f"batch row {batch_index} produced no logits in the last decode")
+        held = self._held.get(batch_index)
+        if held is not None:
+            return held
+        return self._ctx_row(int(self._row_in_call[batch_index]))
+
+    def _ctx_row(self, row_in_call: int) -> np.ndarray:
+        ptr = llama_cpp.llama_get_logits_ith(self.ctx, row_in_call)
+        if not ptr:
+            raise BackendError(f"no logits for batch row {row_in_call}")
+        # frombuffer over a cached ctypes array type: a third of np.ctypeslib.as_array's cost, and
+        # this runs once per sequence per step.
+        row = np.frombuffer(self._row_type.from_address(ctypes.addressof(ptr.contents)), dtype=np.float32)
+        row.flags.writeable = False
+        return row
+
+    def logits(self, batch_index: int) -> np.ndarray:
+        """A copy of the logits of `batch_index` in the last decode."""
+        return self.logits_row(batch_index).copy()
+
+    def new_sampler(self, params: SamplingParams, prompt_tokens: Sequence[int]) -> LlamaCppSampler:
+        self._check_open()
+        return LlamaCppSampler(self, params, prompt_tokens)
+
+    def embed(self, inputs: Sequence[Sequence[int]]) -> list[list[float]]:
+        self._check_open()
+        if not inputs:
+            return []
+        return self._embedder().embed(inputs)
+
+    def embed_steps(self, inputs: Sequence[Sequence[int]]) -> Generator[bool, None, list[list[float]]]:
+        self._check_open()
+        if not inputs:
+            return []
+        return (yield from self._embedder().embed_steps(inputs))
+
+    def _embedder(self) -> EmbeddingContext:
+        with self._embedder_lock:
+            if self._embedder_box[0] is None:
+                self._embedder_box[0] = EmbeddingContext(
+                    self.model,
+                    # One request's worth of cells: with per-sequence streams n_ctx is streams x
+                    # n_ctx_seq, and a pool that size would double the model's KV memory on the
+                    # first embed call. No input may be longer than n_ctx_seq anyway.
+                    n_ctx=self.n_ctx_seq,
+                    n_batch=self.n_batch,
+                    n_seq_max=min(self.n_seq_max, 64),
+                    n_threads=self.n_threads,
+                    n_embd=self.n_embd,
+                    n_vocab=self.n_vocab,
+                )
+            return self._embedder_box[0]
+
+    # --- KV cache -------------------------------------------------------------------------
+    def _check_seq(self, seq_id: int) -> None:
+        # Out-of-range ids are GGML_ASSERTs (process abort) inside llama_memory_seq_*.
+        if not 0 <= seq_id < self.n_seq_max:
+            raise ValueError(f"sequence id {seq_id} out of range 0..{self.n_seq_max - 1}")
+
+    def kv_remove(self, seq_id: int, p0: int = 0, p1: int = -1) -> None:
+        self._check_open()
+        self._check_seq(seq_id)
+        if not llama_cpp.llama_memory_seq_rm(self.memory, seq_id, p0, p1):
+            raise BackendError("this model's cache cannot drop part of a sequence")
+
+    def kv_copy(self, src: int, dst: int, p0: int, p1: int) -> None:
+        self._check_open()
+        self._check_seq(src)
+        self._check_seq(dst)
+        if self.kv_unified:
+            llama_cpp.llama_memory_seq_cp(self.memory, src, dst, p0, p1)
+            return
+        # Separate streams: llama.cpp copies only whole streams (a range GGML_ASSERTs and aborts the
+        # process), so copy all of src and drop what lies past the wanted prefix.
+        if p0 > 0:
+            raise ValueError("with per-sequence KV streams only a prefix from position 0 can be copied")
+        llama_cpp.llama_memory_seq_cp(self.memory, src, dst, -1, -1)
+        if p1 >= 0:
+            self.kv_remove(dst, p1, -1)
+
+    def kv_pos_max(self, seq_id: int) -> int:
+        self._check_open()
+        self._check_seq(seq_id)
+        return llama_cpp.llama_memory_seq_pos_max(self.memory, seq_id)
+
+    def kv_pos_min(self, seq_id: int) -> int:
+        self._check_open()
+        self._check_seq(seq_id)
+        return llama_cpp.llama_memory_seq_pos_min(self.memory, seq_id)
+
+    def kv_clear(self) -> None:
+        self._check_open()
+        llama_cpp.llama_memory_clear(self.memory, True)
+        self._n_out = 0
+
+    # --- tokenizer ------------------------------------------------------------------------
+    def tokenize(self, text: str, add_special: bool = True, parse_special: bool = True) -> list[int]:
+        # errors="replace": a lone surrogate from a JSON "\ud800" must not raise UnicodeEncodeError.
+        data = text.encode("utf-8", errors="replace")
+        # Most text runs 3-4 bytes per token; CJK and emoji need more tokens than this guess and
+        # take the retry with the exact size llama.cpp reports back.
+        cap = len(data) // 2 + 8
+        for _ in range(2):
+            buf = (llama_cpp.llama_token * cap)()
+            n = llama_cpp.llama_tokenize(self.vocab, data, len(data), buf, cap, add_special, parse_special)
+            if n >= 0:
+                return buf[:n]
+            if n == _INT32_MIN:
+                raise InvalidRequestError("text is too long to tokenize")
+            cap = -n  # the negative result is the size needed
+        raise BackendError("tokenizer did not converge on a buffer size")
+
+    def token_to_bytes(self, token: int, special: bool = False) -> bytes:
+        key = (token, special)
+        piece = self._pieces.get(key)
+        if piece is None:
+            if not 0 <= token < self.n_vocab:
+                raise ValueError(f"token id {token} out of range 0..{self.n_vocab - 1}")
+            piece = self._piece(token, special)
+            self._pieces[key] = piece
+        return piece
+
+    def _piece(self, token: int, special: bool) -> bytes:
+        size = 32
+        for _ in range(2):
+            buf = ctypes.create_string_buffer(size)
+            n = llama_cpp.llama_token_to_piece(self.vocab, token, buf, size, 0, special)
+            if n >= 0:
+                return buf.raw[:n]
+            size = -n
+        raise BackendError(f"could not render token {token}")
+
+    def token_text(self, token: int) -> str:
+        """Display text of a token, special tokens included (for logprobs listings)."""
+        return self.token_to_bytes(token, special=True).decode("utf-8", errors="replace")
+
+    def is_eog(self, token: int) -> bool:
+        return bool(llama_cpp.llama_vocab_is_eog(self.vocab, token))
+
+
+_ABS_PATH = re.compile(r"(?<![\w.])(?:[A-Za-z]:\\|/)[^\s:'\"]+")
+
+
+def _without_paths(message: str, path: Path) -> str:
+    """llama.cpp's errors name files by their full path; clients may only see the file name."""
+    message = message.replace(str(path.resolve()), path.name).replace(str(path), path.name)
+    return _ABS_PATH.sub("<path>", message)
+
+
+def load_llamacpp(path: str | os.PathLike[str], **kwargs: Any) -> LlamaCppBackend:
+    """Function form of LlamaCppBackend.load (what a model manager registers as a loader)."""
+    return LlamaCppBackend.load(path, **kwargs)

@@ -1,0 +1,69 @@
+"""Embeddings on a llama.cpp context of their own (pooling and grouping: embed_pooling.py).
+
+A separate context keeps embedding requests from touching the generation KV cache or its logits
+(an embeddings context outputs every token, which a generation step must not pay for).
+"""
+
+from __future__ import annotations
+
+import llama_cpp
+import numpy as np
+
+from ...errors import BackendError
+from ..common.embed_pooling import Piece, PooledEmbedder
+from .batch import PackedBatch
+
+
+class EmbeddingContext(PooledEmbedder):
+    def __init__(self, model, *, n_ctx: int, n_batch: int, n_seq_max: int, n_threads: int,
+                 n_embd: int, n_vocab: int) -> None:
+        params = llama_cpp.llama_context_default_params()
+        params.n_ctx = n_ctx
+        params.n_batch = n_batch
+        params.n_ubatch = min(n_batch, 512)
+        params.n_seq_max = n_seq_max
+        params.n_threads = n_threads
+        params.n_threads_batch = n_threads
+        params.embeddings = True
+        params.kv_unified = True  # inputs of any length share one pool of n_ctx cells
+        # Pooling left to the model's default (NONE for decoder LLMs; forcing NONE explicitly makes
+        # llama.cpp log a warning on every load).
+        self.ctx = llama_cpp.llama_init_from_model(model, params)
+        if not self.ctx:
+            raise BackendError("could not create the embeddings context (see log)")
+        if llama_cpp.llama_pooling_type(self.ctx) != llama_cpp.LLAMA_POOLING_TYPE_NONE:
+            # Encoder embedding models (BERT-style: CLS/MEAN pooling, non-causal attention) need whole
+            # inputs per micro-batch and their own pooling; averaging chunks here would be wrong.
+            llama_cpp.llama_free(self.ctx)
+            self.ctx = None
+            raise BackendError("embedding models with their own pooling are not supported by this backend yet")
+        super().__init__(n_ctx=llama_cpp.llama_n_ctx(self.ctx), n_batch=llama_cpp.llama_n_batch(self.ctx),
+                         n_seq_max=n_seq_max, n_embd=n_embd, n_vocab=n_vocab)
+        self._mem = llama_cpp.llama_get_memory(self.ctx)
+        self._batch = PackedBatch(self.n_batch)
+
+    def close(self) -> None:
+        if self.ctx:
+            llama_cpp.llama_free(self.ctx)
+            self.ctx = None
+
+    def _is_open(self) -> bool:
+        return bool(self.ctx)
+
+    def _begin_group(self, cells: int) -> None:
+        llama_cpp.llama_memory_clear(self._mem, True)
+
+    def _end_group(self) -> None:
+        llama_cpp.llama_memory_clear(self._mem, True)
+
+    def _decode(self, pieces: list[Piece], n_tokens: int) -> np.ndarray:
+        n = 0
+        for tokens, seq, pos in pieces:
+            n = self._batch.fill_sequence(tokens, seq, pos, offset=n, all_logits=True)
+        rc = llama_cpp.llama_decode(self.ctx, self._batch.struct)
+        if rc != 0:
+            raise BackendError(f"embedding decode failed (code {rc})")
+        ptr = llama_cpp.llama_get_embeddings(self.ctx)
+        if not ptr:
+            raise BackendError("the embeddings context produced no embeddings")
+        return np.ctypeslib.as_array(ptr, shape=(n_tokens, self.n_embd))

@@ -1,0 +1,52 @@
+"""A loaded GGUF's facts (ModelInfo) as llama.cpp reads them: name, sizes, chat template, special
+tokens and the short metadata values. Shared by the llama.cpp backend and the vocab-only load that
+other backends tokenize with (llamacpp_vocab.py), so both describe a model the same way."""
+
+from __future__ import annotations
+
+import ctypes
+from pathlib import Path
+from typing import Any
+
+import llama_cpp
+
+from ..base import ModelInfo
+
+_META_VALUE_MAX = 4096  # longer metadata values (token lists, merges) are not worth carrying around
+
+
+def read_model_info(model, vocab, path: Path, *, n_vocab: int, n_embd: int) -> ModelInfo:
+    meta = _metadata(model)
+    template = llama_cpp.llama_model_chat_template(model, None)
+    return ModelInfo(
+        name=meta.get("general.name") or path.stem,
+        architecture=meta.get("general.architecture", ""),
+        n_ctx_train=llama_cpp.llama_model_n_ctx_train(model),
+        n_vocab=n_vocab,
+        n_embd=n_embd,
+        n_params=llama_cpp.llama_model_n_params(model),
+        chat_template=template.decode("utf-8", errors="replace") if template else None,
+        bos_token=_special_text(vocab, llama_cpp.llama_vocab_bos(vocab)),
+        eos_token=_special_text(vocab, llama_cpp.llama_vocab_eos(vocab)),
+        metadata=meta,
+    )
+
+
+def _special_text(vocab, token: int) -> str | None:
+    if token < 0:
+        return None
+    text = llama_cpp.llama_vocab_get_text(vocab, token)
+    return text.decode("utf-8", errors="replace") if text else None
+
+
+def _metadata(model) -> dict[str, Any]:
+    meta: dict[str, Any] = {}
+    buf = ctypes.create_string_buffer(_META_VALUE_MAX)
+    for i in range(llama_cpp.llama_model_meta_count(model)):
+        if llama_cpp.llama_model_meta_key_by_index(model, i, buf, _META_VALUE_MAX) < 0:
+            continue
+        key = buf.value.decode("utf-8", errors="replace")
+        n = llama_cpp.llama_model_meta_val_str_by_index(model, i, buf, _META_VALUE_MAX)
+        if 0 <= n < _META_VALUE_MAX:
+            meta[key] = buf.value.decode("utf-8", errors="replace")
+    return meta

@@ -1,0 +1,199 @@
+"""Does this llama.cpp build's CPU path survive a real decode on this machine? Asked once, in a child.
+
+Why: pip compiles llama.cpp with -march=native. Some x86-64 VMs say AMX is there (cpuid, XCR0, and
+the kernel grants ARCH_REQ_XCOMP_PERM for XTILEDATA) and then fault on the tile instructions. ggml
+then builds its AMX matmul, puts the weights into AMX buffers at load ("AMX model buffer size = ..."
+in the log), and the first prompt kills the process: SIGILL, or a general protection fault in
+libggml-cpu.so (seen on this project's CI machines, where README's first command died with "the
+daemon closed the stream before it finished"). Nothing short of running those kernels tells, and a
+daemon that runs them dies with every other model and stream it holds.
+
+So before the first load with a given build on a CPU that claims AMX, a child process loads the
+model and decodes a prompt of a few dozen tokens. If the child dies from a signal, later loads turn
+llama.cpp's extra buffer types off (`use_extra_bufts = false`): the weights stay in plain CPU
+buffers and the AMX kernels never run. The same switch also turns off the CPU repack layouts
+(Q4_0 / IQ4_NL / Q4_K weights interleaved for AVX2/AVX-512 gemm), which is the fallback's cost.
+The verdict is kept per build (the libggml-cpu files' hash) and CPU in the data directory, so the
+probe's price is paid once. A CPU that does not claim AMX, or a build without it, is never probed.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+VERDICT_NAME = "native-probe.json"  # in settings.run_dir
+PROBE_TOKENS = 48  # the crash came in "the first prompt of a few dozen tokens"
+PROBE_TIMEOUT_S = 600.0  # a 30 GB model's first load from a cold disk is minutes, not hours
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """What the probe saw for one build on one CPU."""
+
+    key: str
+    ok: bool  # False: the child died from a signal; load without extra buffer types
+    signal: str | None = None  # "SIGILL", "SIGSEGV", ...
+    seconds: float = 0.0  # what the probe cost
+    checked_at: float = 0.0
+
+    def describe(self) -> str:
+        if self.ok:
+            return f"llama.cpp's AMX path was probed on this CPU and runs ({self.seconds:.1f} s, once)"
+        return (f"llama.cpp's AMX path died with {self.signal} on this CPU (this machine claims AMX but does not run "
+                "it): models load without llama.cpp's extra buffer types (no AMX, no repacked weights); "
+                "`localserve setup` builds llama.cpp without AMX")
+
+
+def cpu_claims_amx() -> bool:
+    """Whether the CPU advertises AMX tiles (Linux's /proc/cpuinfo; other systems: never probed)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text(encoding="utf-8", errors="replace")
+    except OSError:
+        return False
+    for line in text.splitlines():
+        if line.startswith("flags"):
+            return "amx_tile" in line.split()
+    return False
+
+
+@functools.lru_cache(maxsize=1)
+def build_uses_amx() -> bool:
+    """Whether the installed llama.cpp build compiled ggml's AMX kernels ("AMX_INT8 = 1")."""
+    import llama_cpp
+
+    info = llama_cpp.llama_print_system_info().decode("utf-8", "replace")
+    return any(part.strip().startswith("AMX") and part.strip().endswith("= 1") for part in info.split("|"))
+
+
+def _cpu_libraries() -> list[Path]:
+    import llama_cpp
+
+    lib = Path(llama_cpp.__file__).parent / "lib"
+    found = sorted(lib.glob("libggml-cpu*")) or sorted(lib.glob("libggml*"))
+    return sorted({path.resolve() for path in found})  # the .so, .so.0 links name one file
+
+
+def build_key() -> str:
+    """The build (its CPU libraries' bytes) and the CPU (model and flags): a new build, or the same
+    data directory on another machine, is probed again."""
+    digest = hashlib.sha256()
+    for path in _cpu_libraries():
+        digest.update(path.name.encode())
+        digest.update(path.read_bytes())
+    try:
+        cpuinfo = Path("/proc/cpuinfo").read_text(encoding="utf-8", errors="replace")
+    except OSError:
+        cpuinfo = ""
+    first = cpuinfo.split("\n\n", 1)[0]
+    digest.update("\n".join(line for line in first.splitlines()
+                            if line.startswith(("model name", "flags"))).encode())
+    return digest.hexdigest()[:24]
+
+
+def needs_probe() -> bool:
+    return cpu_claims_amx() and build_uses_amx()
+
+
+def read_verdict(run_dir: Path, key: str | None = None) -> Verdict | None:
+    """The recorded verdict for this build and CPU, or None (never probed, or another build)."""
+    try:
+        data = json.loads((run_dir / VERDICT_NAME).read_text(encoding="utf-8"))
+        verdict = Verdict(**data)
+    except (OSError, ValueError, TypeError):
+        return None
+    return verdict if verdict.key == (key or build_key()) else None
+
+
+def probe(model_path: Path, key: str, command: list[str] | None = None, timeout: float = PROBE_TIMEOUT_S) -> Verdict | None:
+    """Load `model_path` and decode a short prompt in a child process (`command` replaces the child's
+    argv: tests run the real probe under a harness that kills it).
+
+    A verdict when the child ran to its end or died from a signal; None when it could not tell (the
+    model failed to load with an error of its own, which the real load will report)."""
+    argv = command or [sys.executable, "-m", __name__, os.fspath(model_path)]
+    started = time.monotonic()
+    try:
+        done = subprocess.run(argv, stdin=subprocess.DEVNULL, capture_output=True, timeout=timeout)
+        code = done.returncode
+    except subprocess.TimeoutExpired:
+        # A hung kernel would hang the daemon's engine thread too: treated as a failed build.
+        log.warning("the llama.cpp probe did not finish within %.0f s", timeout)
+        code = -signal.SIGKILL
+    seconds = time.monotonic() - started
+    if code == 0:
+        return Verdict(key, True, seconds=round(seconds, 2), checked_at=time.time())
+    if code < 0:
+        name = _signal_name(-code)
+        log.error("llama.cpp died with %s in a probe load of %s: loading without extra buffer types (AMX, "
+                  "repacked weights) from now on for this build", name, model_path.name)
+        return Verdict(key, False, signal=name, seconds=round(seconds, 2), checked_at=time.time())
+    log.info("the llama.cpp probe could not load %s (exit %d): no verdict", model_path.name, code)
+    return None
+
+
+def _signal_name(number: int) -> str:
+    try:
+        return signal.Signals(number).name
+    except ValueError:
+        return f"signal {number}"
+
+
+def extra_buffers_allowed(run_dir: Path, model_path: Path) -> bool:
+    """Whether a load here may use llama.cpp's extra buffer types: probed first where it could kill us."""
+    if not needs_probe():
+        return True
+    key = build_key()
+    verdict = read_verdict(run_dir, key)
+    if verdict is None:
+        log.info("this CPU claims AMX and llama.cpp was built with it: probing it in a child process first")
+        verdict = probe(model_path, key)
+        if verdict is None:
+            return True
+        from ...store.cache import atomic_write_json
+
+        run_dir.mkdir(parents=True, exist_ok=True)
+        atomic_write_json(run_dir / VERDICT_NAME, asdict(verdict))
+    return verdict.ok
+
+
+def condition(run_dir: Path) -> str | None:
+    """One line for `hw` and `show` where this machine has the condition, else None."""
+    if not cpu_claims_amx():
+        return None
+    if not build_uses_amx():
+        return "this CPU claims AMX; the installed llama.cpp build was compiled without it (nothing to probe)"
+    verdict = read_verdict(run_dir)
+    if verdict is None:
+        return ("this CPU claims AMX and the llama.cpp build uses it: the first load probes it in a child process, "
+                "since some VMs advertise AMX and trap it")
+    return verdict.describe()
+
+
+def _child(model_path: str) -> int:
+    """The probe itself: a real load and decode, as an engine does it, then a clean exit."""
+    from ..base import BatchToken
+    from .backend import LlamaCppBackend
+
+    with LlamaCppBackend.load(model_path, n_ctx=256, n_seq_max=1, n_batch=64, kv_unified=True) as backend:
+        tokens = backend.tokenize("The quick brown fox jumps over the lazy dog. " * 8)[:PROBE_TOKENS]
+        backend.decode([BatchToken(t, 0, i, i == len(tokens) - 1) for i, t in enumerate(tokens)])
+        for step in range(4):  # single rows take the GEMV kernels, which the prompt did not
+            backend.decode([BatchToken(tokens[step], 0, len(tokens) + step, True)])
+    return 0
+
+
+if __name__ == "__main__":
+    logging.disable(logging.CRITICAL)
+    sys.exit(_child(sys.argv[1]))

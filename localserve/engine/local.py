@@ -1,0 +1,467 @@
+"""One loaded model: a backend and a scheduler driven by one engine thread.
+
+    while running: plan = scheduler.schedule(); backend.decode(plan.batch); scheduler.postprocess(samples)
+
+Requests enter through a thread-safe inbox; each step's output goes back to the asyncio loop that
+submitted it with one `call_soon_threadsafe` per loop per step (one per token per request would
+wake the loop up to 16x more often for nothing). The event loop never waits for model work:
+ctypes releases the GIL while llama.cpp computes. The thread sleeps on a condition when idle.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import concurrent.futures
+import logging
+import threading
+import time
+from dataclasses import dataclass
+from typing import Callable, Generator
+
+from ..backends.common import sampler_thread
+from ..backends.base import Backend, Sampler
+from ..batching.limits import EngineLimits
+from ..protocol.requests import LANES, GenerationEvent, GenerationRequest, Lane, check_request
+from ..batching.scheduler import Scheduler
+from ..batching.sequence import Sequence
+from ..protocol.engine import EngineStats, ModelInfo
+from ..errors import ContextLengthExceededError, InvalidRequestError, OverloadedError, QueueFullError
+
+log = logging.getLogger(__name__)
+
+_RATE_WINDOW_S = 10.0  # tokens/s and completions/s are measured over this much recent time
+# Events a stream may hold unread before the engine stops its sequence. A reading client takes
+# each step's event within milliseconds; one that stops reading (while the server's socket buffers
+# fill up) would otherwise keep its sequence decoding into an unbounded queue. 1024 steps are tens
+# of seconds of a fast model's output: far beyond any reader that is merely slow.
+STREAM_BUFFER_EVENTS = 1024
+
+
+class RequestStream:
+    """Async iterator of one request's GenerationEvents; the last one carries finish_reason."""
+
+    def __init__(self, engine: "Engine", seq: Sequence, loop: asyncio.AbstractEventLoop):
+        self._engine = engine
+        self._seq = seq
+        self.loop = loop
+        self._queue: asyncio.Queue[GenerationEvent] = asyncio.Queue()
+        self._done = False
+        self.overflowed = False  # cancelled because its reader fell STREAM_BUFFER_EVENTS behind
+
+    @property
+    def request_id(self) -> str:
+        return self._seq.request_id
+
+    def cancel(self) -> None:
+        """Safe from any thread or coroutine; the stream ends with finish_reason "cancelled"
+        (unless it already finished) after the engine's next step."""
+        self._seq.cancelled = True
+        self._engine._wake()
+
+    def _put(self, event: GenerationEvent) -> None:
+        # Events are never dropped (the stream's text must stay whole); a reader this far behind
+        # has its sequence cancelled instead, and the "cancelled" finish still arrives.
+        self._queue.put_nowait(event)
+        if event.finish_reason is None and self._queue.qsize() > self._engine.stream_buffer_events:
+            if not self.overflowed:
+                log.info("request %s: %d events unread, cancelling it", self.request_id, self._queue.qsize())
+            self.overflowed = True
+            self.cancel()
+
+    def __aiter__(self) -> "RequestStream":
+        return self
+
+    async def __anext__(self) -> GenerationEvent:
+        if self._done:
+            raise StopAsyncIteration
+        event = await self._queue.get()
+        if event.finish_reason is not None:
+            self._done = True
+        return event
+
+
+class _Rates:
+    """Recent per-step figures -> rates, over a sliding time window (engine thread writes,
+    any thread reads a consistent-enough snapshot)."""
+
+    def __init__(self) -> None:
+        self._steps: collections.deque[tuple[float, float, int, int]] = collections.deque()
+        self._finishes: collections.deque[float] = collections.deque()
+
+    def step(self, end: float, busy_s: float, decode_tokens: int, prompt_tokens: int) -> None:
+        self._steps.append((end, busy_s, decode_tokens, prompt_tokens))
+        while self._steps and self._steps[0][0] < end - _RATE_WINDOW_S:
+            self._steps.popleft()
+
+    def finished(self, n: int) -> None:
+        now = time.monotonic()
+        self._finishes.extend([now] * n)
+        while self._finishes and self._finishes[0] < now - _RATE_WINDOW_S:
+            self._finishes.popleft()
+
+    def tokens_per_s(self) -> tuple[float, float]:
+        steps = list(self._steps)
+        busy = sum(s[1] for s in steps)
+        if busy <= 0:
+            return 0.0, 0.0
+        return sum(s[2] for s in steps) / busy, sum(s[3] for s in steps) / busy
+
+    def finishes_per_s(self) -> float:
+        return len(self._finishes) / _RATE_WINDOW_S
+
+
+@dataclass
+class _EmbedJob:
+    steps: Generator[bool, None, list[list[float]]]
+    future: concurrent.futures.Future
+    started: bool = False
+    cancelled: bool = False  # set from the event loop when the caller goes away
+
+
+class Engine:
+    """The ModelEngine (engine_api.py) of a step-level Backend run by our Scheduler."""
+
+    stream_buffer_events = STREAM_BUFFER_EVENTS
+
+    def __init__(self, backend: Backend, limits: EngineLimits, name: str = ""):
+        self._backend = backend
+        self.limits = limits
+        self.name = name or backend.info.name
+        self.scheduler = Scheduler(backend, limits, on_dequeue=self._dequeued)
+        self._cond = threading.Condition()
+        self._inbox: collections.deque[Sequence] = collections.deque()
+        self._jobs: collections.deque[tuple[Callable[[], object], concurrent.futures.Future]] = collections.deque()
+        self._embeds: collections.deque[_EmbedJob] = collections.deque()
+        self._queued = dict.fromkeys(LANES, 0)  # submitted, not yet started (bounded per lane)
+        self._queued_lock = threading.Lock()
+        self._active: dict[str, Sequence] = {}
+        self._token_bytes_cache: dict[int, bytes] = {}
+        self._rates = _Rates()
+        self._thread: threading.Thread | None = None
+        self._stopping = False
+        self._stopped = threading.Event()
+        self._busy = False
+        self._n_cancelled = 0
+
+    # --- public API ------------------------------------------------------------------------
+    @property
+    def backend(self) -> Backend:
+        """For tests and benchmarks only; callers above the engine use the ModelEngine members."""
+        return self._backend
+
+    @property
+    def info(self) -> ModelInfo:
+        return self._backend.info
+
+    @property
+    def n_ctx_per_seq(self) -> int:
+        return self.scheduler.n_ctx_seq
+
+    def start(self) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name=f"engine-{self.name}", daemon=True)
+            self._thread.start()
+
+    def submit(self, request: GenerationRequest, sampler: Sampler | None = None) -> RequestStream:
+        """Queue a request; call from the asyncio loop that will consume the stream. `sampler`:
+        one already built for it (generate)."""
+        if self._stopping:
+            raise OverloadedError("the model is unloading; retry shortly", retry_after=1.0)
+        self._validate(request)
+        lane = request.lane
+        with self._queued_lock:
+            if self._queued[lane] >= self.limits.queue_size:
+                raise QueueFullError(
+                    f"the {lane} queue is full ({self.limits.queue_size} requests waiting)",
+                    retry_after=self._retry_after(self._queued[lane]),
+                )
+            self._queued[lane] += 1
+        try:
+            # Built here, not on the engine thread, so a bad grammar or schema is the caller's
+            # 400 at once rather than an "error" finish later.
+            sampler = sampler or self._backend.new_sampler(request.sampling, request.prompt_tokens)
+        except BaseException:
+            self._dequeued_lane(lane)
+            raise
+        seq = Sequence(request, sampler, self._token_bytes, self._backend.is_eog, self.n_ctx_per_seq)
+        stream = RequestStream(self, seq, asyncio.get_running_loop())
+        seq.stream = stream
+        self._active[request.request_id] = seq
+        self._inbox.append(seq)
+        if lane != "batch":  # a step of batch work alone stops for it (Scheduler.execute)
+            self._backend.interrupt()
+        self._wake()
+        return stream
+
+    async def generate(self, request: GenerationRequest) -> RequestStream:
+        """ModelEngine.generate: submit, with a constrained request's sampler built on a sampler
+        thread: compiling a schema and parsing its grammar must not stall the event loop every
+        client shares."""
+        sampling = request.sampling
+        if sampling.grammar is None and sampling.json_schema is None:
+            return self.submit(request)
+        self._validate(request)  # cheap refusals first, before any grammar work
+        sampler = await asyncio.wrap_future(
+            sampler_thread.submit(self._backend.new_sampler, sampling, request.prompt_tokens))
+        try:
+            return self.submit(request, sampler)
+        except BaseException:
+            sampler.close()  # refused (queue full, unloading): free its native grammar now
+            raise
+
+    def cancel(self, request_id: str) -> None:
+        seq = self._active.get(request_id)
+        if seq is not None:
+            seq.cancelled = True
+            self._wake()
+
+    async def embed(self, inputs: list[list[int]], lane: Lane = "default") -> list[list[float]]:
+        """The inputs' vectors, computed on the engine thread one decode at a time between
+        generation steps (see _advance_embed), so a huge request neither races a decode nor holds
+        up the running streams. Cancelling the awaiting task stops the work at the next decode."""
+        if not self._backend.capabilities.embeddings:
+            # A backend without embeddings (an ONNX graph converted before it had the embeddings
+            # output, the static flavour) would fail on the engine thread: a 500.
+            raise InvalidRequestError("this model's backend does not compute embeddings", param="model")
+        if not inputs or any(not tokens for tokens in inputs):
+            raise InvalidRequestError("every embedding input needs at least one token", param="input")
+        for tokens in inputs:
+            if len(tokens) > self.n_ctx_per_seq:
+                raise ContextLengthExceededError(
+                    f"an input has {len(tokens)} tokens; this model embeds at most {self.n_ctx_per_seq}",
+                    param="input",
+                )
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        if self._stopping or self._thread is None:
+            raise OverloadedError("the model is not running; retry shortly")
+        job = _EmbedJob(self._backend.embed_steps(inputs), future)
+        self._embeds.append(job)
+        if lane != "batch":  # the batch runner's embeddings lines must not keep stopping a chat batch
+            self._backend.interrupt()
+        self._wake()
+        try:
+            return await asyncio.wrap_future(future)
+        finally:
+            job.cancelled = True  # no-op once finished; otherwise the engine drops the rest
+            self._wake()
+
+    def tokenize(self, text: str, add_special: bool = True) -> list[int]:
+        return self._backend.tokenize(text, add_special=add_special)
+
+    def detokenize(self, tokens: list[int]) -> str:
+        return b"".join(self._token_bytes(t) for t in tokens).decode("utf-8", errors="replace")
+
+    def stats(self) -> EngineStats:
+        s = self.scheduler
+        decode_rate, prompt_rate = self._rates.tokens_per_s()
+        waiting = s.lanes.counts()
+        for seq in list(self._inbox):
+            waiting[seq.request.lane] += 1
+        return EngineStats(
+            running=len(s.running),
+            waiting=waiting,
+            kv_used=s.pool.used,
+            kv_total=s.pool.n_cells,
+            tokens_per_s=round(decode_rate, 2),
+            prompt_tokens_per_s=round(prompt_rate, 2),
+            prefix_cache_hits=s.cache.hits,
+            prefix_cache_queries=s.cache.queries,
+            prefix_cache_hit_rate=round(s.cache.hits / s.cache.queries, 4) if s.cache.queries else 0.0,
+            steps=s.step,
+            busy=self._busy,
+            preemptions=s.preemptions,
+            interrupted_steps=s.interrupted_steps,
+            parked=len(s.cache.parked),
+            max_sequences=s.max_running,
+            kv_moves=s.pool.moves,
+            cancelled=self._n_cancelled,
+        )
+
+    def active_requests(self) -> int:
+        return len(self._active)
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        """Cancel everything in flight (each stream ends "cancelled"), stop and join the thread."""
+        with self._cond:
+            self._stopping = True
+            self._cond.notify_all()
+        if self._thread is not None:
+            if self._thread is not threading.current_thread():
+                self._thread.join(timeout)
+        elif not self._stopped.is_set():
+            self._drain_on_stop()  # never started: finish what was submitted right here
+
+    # --- engine thread ---------------------------------------------------------------------
+    def _run(self) -> None:
+        try:
+            while True:
+                with self._cond:
+                    while not (self._stopping or self._inbox or self._jobs or self._embeds
+                               or self.scheduler.has_work()):
+                        self._busy = False
+                        self._cond.wait()
+                    if self._stopping:
+                        break
+                    self._busy = True
+                try:
+                    self._take_inbox()
+                    self._run_jobs()
+                    if self._embeds:
+                        self._advance_embed()
+                    if self.scheduler.has_work():
+                        self._step()
+                except Exception:  # a bug in delivery must not leave every stream hanging
+                    log.exception("engine loop error")
+                    self.scheduler.fail_running("internal error while serving this request")
+                    self._deliver()
+        finally:
+            self._drain_on_stop()
+
+    def _step(self) -> None:
+        t0 = time.monotonic()
+        plan = None
+        try:
+            plan = self.scheduler.run_step()
+        except Exception:  # a scheduler bug must not kill the engine: fail this step's requests
+            log.exception("engine step failed")
+            self.scheduler.fail_running("internal error while scheduling this request")
+        self._deliver()
+        if plan is not None and plan.batch:
+            t1 = time.monotonic()
+            self._rates.step(t1, t1 - t0, plan.decode_tokens, plan.prompt_tokens)
+
+    def _deliver(self) -> None:
+        """Hand this step's events to their loops: one wakeup per loop per step."""
+        updates = self.scheduler.updates
+        if not updates:
+            return
+        self.scheduler.updates = []
+        items = []
+        n_finished = 0
+        for seq in updates:
+            event = seq.take_event()
+            if event is None:
+                continue
+            if event.finish_reason is not None:
+                n_finished += 1
+                self._n_cancelled += event.finish_reason == "cancelled"
+                self._active.pop(seq.request_id, None)
+            items.append((seq.stream, event))
+        if n_finished:
+            self._rates.finished(n_finished)
+        post_events(items)
+
+    def _take_inbox(self) -> None:
+        # Cleared before taking: what arrived until now is in the next plan, and what arrives
+        # after this sets it again.
+        self._backend.clear_interrupt()
+        inbox = self._inbox
+        while inbox:
+            self.scheduler.add(inbox.popleft())
+
+    def _run_jobs(self) -> None:
+        while self._jobs:
+            fn, future = self._jobs.popleft()
+            if future.set_running_or_notify_cancel():
+                try:
+                    future.set_result(fn())
+                except BaseException as e:
+                    future.set_exception(e)
+
+    def _advance_embed(self) -> None:
+        """One decode of the oldest embeddings job. Jobs take turns where their generator says the
+        backend holds nothing of them, so a small request is not stuck behind a huge one."""
+        job = self._embeds[0]
+        if not job.started:
+            job.started = True
+            if not job.future.set_running_or_notify_cancel():  # its caller left before it began
+                job.cancelled = True
+        if job.cancelled:
+            self._embeds.popleft()
+            job.steps.close()  # clears the backend's embeddings state
+            if job.future.running():
+                job.future.set_exception(asyncio.CancelledError())
+            return
+        try:
+            may_switch = next(job.steps)
+        except StopIteration as done:
+            self._embeds.popleft()
+            job.future.set_result(done.value)
+            return
+        except Exception as e:  # noqa: BLE001 - the caller's error (bad input, backend failure)
+            self._embeds.popleft()
+            job.future.set_exception(e)
+            return
+        if may_switch and len(self._embeds) > 1:
+            self._embeds.rotate(-1)
+
+    def _run_job(self, fn: Callable[[], object]) -> concurrent.futures.Future:
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        if self._stopping or self._thread is None:
+            future.set_exception(OverloadedError("the model is not running; retry shortly"))
+            return future
+        self._jobs.append((fn, future))
+        self._wake()
+        return future
+
+    def _drain_on_stop(self) -> None:
+        self._take_inbox()
+        self.scheduler.finish_all("cancelled")
+        self._deliver()
+        while self._jobs:
+            _, future = self._jobs.popleft()
+            if future.set_running_or_notify_cancel():
+                future.set_exception(OverloadedError("the model was unloaded"))
+        while self._embeds:
+            job = self._embeds.popleft()
+            job.steps.close()
+            if job.started or job.future.set_running_or_notify_cancel():
+                job.future.set_exception(OverloadedError("the model was unloaded"))
+        self._busy = False
+        self._stopped.set()
+
+    def _wake(self) -> None:
+        with self._cond:
+            self._cond.notify()
+
+    # --- helpers ---------------------------------------------------------------------------
+    def _validate(self, request: GenerationRequest) -> None:
+        check_request(request, self.n_ctx_per_seq, self._backend.info.n_vocab)
+
+    def _retry_after(self, queued: int) -> float:
+        """Seconds until the queue has likely moved by this many requests, from recent completions."""
+        rate = self._rates.finishes_per_s()
+        if rate <= 0:
+            return 5.0
+        return float(min(300.0, max(1.0, round(queued / rate, 1))))
+
+    def _dequeued(self, seq: Sequence) -> None:
+        self._dequeued_lane(seq.request.lane)
+
+    def _dequeued_lane(self, lane: str) -> None:
+        with self._queued_lock:
+            self._queued[lane] -= 1
+
+    def _token_bytes(self, token: int) -> bytes:
+        data = self._token_bytes_cache.get(token)
+        if data is None:
+            data = self._token_bytes_cache[token] = self._backend.token_to_bytes(token)
+        return data
+
+
+def post_events(items: list[tuple[RequestStream, GenerationEvent]]) -> None:
+    """Hand events to the loops that own their streams, from any thread: one wakeup per loop."""
+    by_loop: dict[asyncio.AbstractEventLoop, list] = {}
+    for stream, event in items:
+        by_loop.setdefault(stream.loop, []).append((stream, event))
+    for loop, batch in by_loop.items():
+        try:
+            loop.call_soon_threadsafe(_put_all, batch)
+        except RuntimeError:  # that loop is closed: its client is gone
+            pass
+
+
+def _put_all(items: list[tuple[RequestStream, GenerationEvent]]) -> None:
+    for stream, event in items:
+        stream._put(event)
