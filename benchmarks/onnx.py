@@ -178,7 +178,7 @@ def main() -> int:
     llama.close()
     if not args.no_oga:
         from localserve.convert.oga import convert_gguf_oga
-        from localserve.engine.oga.loader import build_oga_engine
+        from localserve.runtime.oga_loader import build_oga_engine
 
         with tempfile.TemporaryDirectory() as tmp:
             convert_gguf_oga(gguf, Path(tmp) / "oga", weights="fp32")

@@ -27,9 +27,9 @@ from aiohttp import web
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from localserve.config import load_settings, replace  # noqa: E402
+from localserve.config.settings import load_settings, replace  # noqa: E402
 from localserve.pull import RetryPolicy, download_file, pull_model  # noqa: E402
-from localserve.pull.verify import sha256_file  # noqa: E402
+from localserve.store.verify import sha256_file  # noqa: E402
 
 
 def serve(payload: bytes, drop_every: int) -> tuple[str, dict[str, int]]:

@@ -106,7 +106,7 @@ def _platform(gguf: str, threads: int) -> dict:
     import tempfile
 
     from localserve.runtime.buildinfo import installed_build
-    from localserve.config import Settings, replace
+    from localserve.config.settings import Settings, replace
     from localserve.store.gguf_facts import read_gguf_facts
     from localserve.hardware import detect_hardware
     from localserve.runtime.memory import estimate_memory

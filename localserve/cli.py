@@ -15,7 +15,7 @@ import sys
 from typing import Sequence
 
 from . import __version__
-from .config import load_settings
+from .config.settings import load_settings
 from .errors import LocalserveError
 
 # Modules under localserve/commands/, each registering its own subcommands.

@@ -23,7 +23,7 @@ SMOLLM2_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db
 
 @pytest.fixture(scope="session")
 def smollm2_gguf() -> Path:
-    from localserve.config import load_settings
+    from localserve.config.settings import load_settings
     from localserve.pull import pull_model
 
     # Only the home is set: a developer's own config file or LOCALSERVE_* variables must not

@@ -27,7 +27,7 @@ from typing import Any, Coroutine, Iterator
 import pytest
 from aiohttp import web
 
-from localserve.config import Settings, replace
+from localserve.config.settings import Settings, replace
 from localserve.runtime.manager import ModelManager
 from localserve.server import create_app
 from localserve.store.cache import ModelStore

@@ -240,7 +240,7 @@ def test_registry_loads_the_onnx_variant(tmp_path, smollm2_gguf, smollm2_onnx, o
     from pathlib import Path
 
     from localserve.runtime import manager as models
-    from localserve.config import load_settings
+    from localserve.config.settings import load_settings
     from localserve.store.cache import ModelStore
 
     settings = load_settings(flags={"home": str(tmp_path), "backend": "onnx"}, environ={},

@@ -24,7 +24,7 @@ from daemon_util import free_port
 from gated_upstream import GatedUpstream, vector
 from localserve.server.batch_routes import BATCHES_KEY  # first: localserve.batches and .server import each other
 from localserve.batches.lines import run_line
-from localserve.engine.upstream.config import parse_upstreams
+from localserve.config.upstreams import parse_upstreams
 from server_harness import LiveServer, server_settings
 
 MODELS = ("g-cancel", "g-expire", "g-disk", "g-room", "g-sqlite", "g-open")

@@ -12,7 +12,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from localserve.server.body import MAX_INT_DIGITS, MAX_JSON_DEPTH, json_depth
+from localserve.api.json_body import MAX_INT_DIGITS, MAX_JSON_DEPTH, json_depth
 from server_harness import LiveServer, server_settings
 
 OPENAI = "/v1/chat/completions"

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from localserve.store.catalog import canonical_name, load_catalog, parse_ref
-from localserve.config import load_settings, replace
+from localserve.config.settings import load_settings, replace
 from localserve.errors import ConfigError, InvalidRequestError, ModelNotFoundError
 
 REQUIRED = [

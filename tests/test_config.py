@@ -2,7 +2,7 @@ from pathlib import Path
 
 import pytest
 
-from localserve.config import DEFAULT_PORT, describe, load_settings
+from localserve.config.settings import DEFAULT_PORT, describe, load_settings
 from localserve.errors import ConfigError
 
 

@@ -135,7 +135,7 @@ def test_interrupted_conversion_leaves_nothing(tmp_path):
 
 def test_cli_convert_adds_the_onnx_variant_and_refuses_cleanly(tmp_path, capsys):
     from localserve.cli import main
-    from localserve.config import load_settings
+    from localserve.config.settings import load_settings
     from localserve.store.cache import ModelStore
 
     home = tmp_path / "home"

@@ -14,7 +14,7 @@ import pytest
 from fixtures.hw.loader import fixture_env
 from localserve.runtime import manager as models
 from localserve.runtime import registry
-from localserve.config import load_settings
+from localserve.config.settings import load_settings
 from localserve.convert.first_use import convert_for_load
 from localserve.hardware import detect_hardware
 from localserve.store.cache import ModelStore

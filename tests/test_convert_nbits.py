@@ -203,7 +203,7 @@ def test_the_test_models_matmuls_are_q4_1_so_its_default_is_fp32(smollm2_gguf):
 
 def test_cli_convert_weights_option(tmp_path, capsys):
     from localserve.cli import main
-    from localserve.config import load_settings
+    from localserve.config.settings import load_settings
     from localserve.store.cache import ModelStore
 
     home = tmp_path / "home"

@@ -27,7 +27,7 @@ from daemon_util import (
     stop_quietly,
     wait_published,
 )
-from localserve.config import load_settings
+from localserve.config.settings import load_settings
 from localserve.desktop.daemon import DaemonLock, find_daemon
 from localserve.errors import DaemonError
 

@@ -144,7 +144,7 @@ def test_build_oga_engine_refuses_a_hostile_folder_before_oga_sees_it(tmp_path):
     """Again at load: a folder stored before these checks (or changed since) never reaches og.Config.
     In-process, so a failed check would run the constructor here and the marker would show it."""
     pytest.importorskip("onnxruntime_genai")
-    from localserve.engine.oga.loader import build_oga_engine
+    from localserve.runtime.oga_loader import build_oga_engine
 
     folder, marker = hostile_oga(tmp_path)
     with pytest.raises(ModelDirError, match="is a shared library or an executable"):
@@ -294,7 +294,7 @@ def test_a_graph_inside_a_linked_folder_is_refused(tmp_path, outside):
 
 
 def test_oga_load_errors_name_no_host_path(tmp_path):
-    from localserve.engine.oga.loader import _scrub
+    from localserve.runtime.oga_loader import _scrub
 
     folder = tmp_path / "models" / "npu" / "oga-0123"
     error = RuntimeError(f"External data path: ../x.bin escapes model directory: {folder}; "

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from localserve.batching.limits import EngineLimits
-from localserve.config import Settings
+from localserve.config.settings import Settings
 from localserve.errors import ConfigError
 from localserve.store.gguf_facts import GGUFFacts
 from localserve.runtime.memory import KV_BYTES, kv_cache_bytes

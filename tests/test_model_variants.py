@@ -14,7 +14,7 @@ from fixtures.hw.loader import fixture_env
 from localserve.store import model_dirs
 from localserve.runtime import manager as models
 from localserve.runtime import registry
-from localserve.config import load_settings
+from localserve.config.settings import load_settings
 from localserve.errors import BackendError, ConfigError, ModelDirError
 from localserve.hardware import detect_hardware
 from localserve.store.cache import ModelStore

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from localserve.protocol.requests import GenerationRequest, SamplingParams
-from localserve.config import Settings, load_settings
+from localserve.config.settings import Settings, load_settings
 from localserve.errors import BackendError, GGUFError, ModelNotFoundError, OverloadedError
 from localserve.runtime.manager import ModelManager, load_engine, plan_model
 from localserve.store.cache import ModelStore

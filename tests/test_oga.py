@@ -27,7 +27,7 @@ from localserve.convert.spec import UnsupportedModelError, open_reader, read_spe
 from localserve.convert.staging import write_graphs  # noqa: E402
 from localserve.convert.weights import WeightSource  # noqa: E402
 from localserve.errors import InvalidRequestError, ModelDirError, OverloadedError  # noqa: E402
-from localserve.engine.oga.loader import build_oga_engine  # noqa: E402
+from localserve.runtime.oga_loader import build_oga_engine  # noqa: E402
 from localserve.protocol.requests import GenerationRequest, SamplingParams  # noqa: E402
 from localserve.store.cache import ModelStore  # noqa: E402
 from onnx_helpers import TINY, cached_folder, chat, greedy, reference_logits, tiny_weights, write_tiny_gguf  # noqa: E402

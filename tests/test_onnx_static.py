@@ -235,7 +235,7 @@ def test_registry_serves_a_static_variant(tmp_path, smollm2_gguf, static_dir, dy
 
     from localserve.runtime import manager as models
     from localserve.backends.onnx.static import StaticOnnxBackend
-    from localserve.config import load_settings
+    from localserve.config.settings import load_settings
     from localserve.store.cache import ModelStore
 
     settings = load_settings(flags={"home": str(tmp_path), "backend": "onnx"}, environ={},
@@ -256,7 +256,7 @@ def test_registry_serves_a_static_variant(tmp_path, smollm2_gguf, static_dir, dy
 
 def test_cli_converts_the_static_flavour(tmp_path, capsys):
     from localserve.cli import main
-    from localserve.config import load_settings
+    from localserve.config.settings import load_settings
     from localserve.store.cache import ModelStore
     from onnx_helpers import write_tiny_gguf
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from localserve.errors import InvalidRequestError
-from localserve.server.openai_api import (
+from localserve.api.openai import (
     ApiEnv,
     chat_completion,
     completion,
@@ -16,7 +16,7 @@ from localserve.server.openai_api import (
     parse_completion,
     parse_embeddings,
 )
-from localserve.server.validation import Body
+from localserve.api.validation import Body
 from server_harness import MODEL, MODEL_TAG, model_server
 
 pytestmark = pytest.mark.model

@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 from aiohttp import web
 
-from localserve.config import load_settings, replace
+from localserve.config.settings import load_settings, replace
 from localserve.errors import (
     ChecksumMismatchError,
     DiskFullError,

@@ -16,7 +16,7 @@ import pytest
 pytest.importorskip("onnxruntime_genai")
 
 from localserve.errors import ChecksumMismatchError, ModelDirError, ModelNotFoundError, NetworkError  # noqa: E402
-from localserve.config import replace  # noqa: E402
+from localserve.config.settings import replace  # noqa: E402
 from localserve.pull import pull_model  # noqa: E402
 from localserve.pull.folder import STAGING_DIR  # noqa: E402
 from localserve.pull.hf_folders import choose_folder  # noqa: E402

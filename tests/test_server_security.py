@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from localserve.config import DEFAULT_CORS_ORIGINS, replace
+from localserve.config.settings import DEFAULT_CORS_ORIGINS, replace
 from localserve.errors import ConfigError
 from localserve.runtime.manager import ModelManager
 from localserve.server import create_app

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from localserve.config import load_settings
+from localserve.config.settings import load_settings
 from localserve.errors import GGUFError, InvalidNameError, ModelNotFoundError
 from localserve.store.cache import FileLock, ModelStore, name_to_dir, safe_component
 from test_pull import run_cli  # one CLI runner for the model-command tests

@@ -10,8 +10,8 @@ import pytest
 
 from localserve.errors import InvalidRequestError
 from localserve.store.gguf_facts import read_gguf_facts
-from localserve.server.templates import CHATML_TEMPLATE, RENDER_TIME_LIMIT_S, ChatTemplate
-from localserve.server.validation import parse_messages
+from localserve.api.templates import CHATML_TEMPLATE, RENDER_TIME_LIMIT_S, ChatTemplate
+from localserve.api.validation import parse_messages
 
 # Qwen2.5-Instruct's tokenizer_config.json chat_template (the tools part as published), recorded.
 QWEN25_TEMPLATE = """{%- if tools %}

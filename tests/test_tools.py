@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from localserve.server.tools import ToolCallStream, forced_call_schema, parse_tool_calls
-from localserve.server.validation import parse_tool_choice, parse_tools
+from localserve.api.tools import ToolCallStream, forced_call_schema, parse_tool_calls
+from localserve.api.validation import parse_tool_choice, parse_tools
 from localserve.errors import InvalidRequestError
 
 TOOLS = parse_tools([

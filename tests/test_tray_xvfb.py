@@ -21,7 +21,7 @@ from daemon_util import cli_env, free_port, register_model, serving, stop_quietl
 from xembed_tray import ICON_SIZE, PANEL, XVFB, TrayHost, Xvfb
 
 from localserve.desktop.client import DaemonClient
-from localserve.config import load_settings
+from localserve.config.settings import load_settings
 from localserve.tray.icon import COLOURS
 
 pytestmark = pytest.mark.model

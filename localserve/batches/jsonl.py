@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..config import Settings
+from ..config.settings import Settings
 from ..errors import InvalidRequestError
 from .room import worst_output
 

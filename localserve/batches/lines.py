@@ -21,9 +21,9 @@ from dataclasses import dataclass
 from typing import Any, Awaitable, Callable
 
 from ..errors import InvalidRequestError, LocalserveError, OverloadedError, QueueFullError
-from ..server.body import BodyTooLargeError, parse_json
-from ..server.errors import openai_error_body, openai_exception_body
-from ..server.openai_api import (
+from ..api.json_body import BodyTooLargeError, parse_json
+from ..api.errors import openai_error_body, openai_exception_body
+from ..api.openai import (
     ApiEnv,
     chat_completion,
     completion,
@@ -32,7 +32,7 @@ from ..server.openai_api import (
     parse_completion,
     parse_embeddings,
 )
-from ..server.validation import THREAD_PARSE_BYTES, Body
+from ..api.validation import THREAD_PARSE_BYTES, Body
 
 log = logging.getLogger(__name__)
 

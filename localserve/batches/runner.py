@@ -39,9 +39,9 @@ from collections import deque
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ..config import Settings
+from ..config.settings import Settings
 from ..errors import DiskFullError, InvalidRequestError, NotFoundError, OverloadedError, QueueFullError
-from ..server.openai_api import ApiEnv
+from ..api.openai import ApiEnv
 from .files import FileStorage, dumps, file_object, new_id
 from .jsonl import read_input
 from .lines import ENDPOINTS, Outcome, first_model, run_line, sort_pending
@@ -50,7 +50,7 @@ from .store import TERMINAL, BatchStore
 
 if TYPE_CHECKING:
     from ..runtime.manager import LoadedModel, ModelManager
-    from ..server.metrics import Metrics
+    from ..api.metrics import Metrics
 
 log = logging.getLogger(__name__)
 DEFAULT_WIDTH = 16  # lines in flight when the model's max_sequences is unknown (it failed to load)

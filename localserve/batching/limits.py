@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import psutil
 
-from ..config import Settings
+from ..config.settings import Settings
 from ..errors import ConfigError
 from .step_clock import DEFAULT_TARGET_S
 

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from ..desktop.client import DaemonClient
-from ..config import Settings
+from ..config.settings import Settings
 from ..desktop.daemon import ensure_daemon
 from ..errors import InvalidRequestError
 

@@ -10,7 +10,7 @@ from typing import Callable, Iterator
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from ..config import Settings
+from ..config.settings import Settings
 from ..errors import ConfigError, LocalserveError
 from ..store.cache import ModelStore
 

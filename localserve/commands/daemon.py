@@ -15,8 +15,9 @@ from typing import Any
 
 from ..protocol.requests import LANES
 from ..desktop.client import DaemonClient
-from ..config import Settings
-from ..desktop.daemon import death_message, ensure_daemon, find_daemon, run_daemon, stop_daemon
+from ..config.settings import Settings
+from ..desktop.daemon import death_message, ensure_daemon, find_daemon, stop_daemon
+from ..server.main import run_daemon
 from ..errors import DaemonError
 
 HELP_TEXT = """Commands:

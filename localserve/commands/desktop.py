@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 
 from ..desktop import autostart
-from ..config import Settings
+from ..config.settings import Settings
 from ..desktop.daemon import find_daemon
 
 

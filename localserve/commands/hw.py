@@ -10,7 +10,7 @@ from rich.console import Console
 from rich.table import Table
 
 from ..runtime.buildinfo import Toolkits, installed_build, installed_version, recommend, setup_command
-from ..config import Settings
+from ..config.settings import Settings
 from ..hardware import HardwareReport, detect_hardware
 from ..runtime.memory import format_bytes
 from .models import native_condition

@@ -22,7 +22,7 @@ from rich.progress import (
 from rich.table import Table
 
 from ..store.catalog import parse_ref
-from ..config import Settings
+from ..config.settings import Settings
 from ..errors import InvalidRequestError
 from ..pull import PullEvent, pull_model
 from ..store.cache import InstalledModel, ModelStore

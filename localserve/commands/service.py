@@ -7,7 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from ..config import Settings
+from ..config.settings import Settings
 from ..desktop.daemon import find_daemon, stop_daemon
 from ..errors import LocalserveError
 from ..desktop.service import ServiceSpec, manager_available, manager_commands, port_holder, render, service_path

@@ -8,7 +8,7 @@ import json
 from rich.console import Console
 from rich.table import Table
 
-from ..config import Settings, config_file_path, describe
+from ..config.settings import Settings, config_file_path, describe
 
 
 def register(subparsers: argparse._SubParsersAction, common: argparse.ArgumentParser) -> None:

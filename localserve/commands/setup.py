@@ -21,7 +21,7 @@ from rich.console import Console
 
 from ..runtime.buildinfo import (BUILDS, PACKAGE, Toolkits, build_env, installed_build, installed_version, pinned_version,
                          recommend)
-from ..config import Settings
+from ..config.settings import Settings
 from ..errors import LocalserveError
 from ..hardware import HardwareReport, detect_hardware
 

@@ -16,9 +16,9 @@ import re
 import tempfile
 from pathlib import Path
 
-from ..config import Settings, config_file_path, load_settings
+from ..config.settings import Settings, config_file_path, load_settings
 from ..errors import ConfigError
-from ..engine.upstream.config import DEFAULT_MAX_CONCURRENCY, UpstreamConfig, parse_upstream
+from ..config.upstreams import DEFAULT_MAX_CONCURRENCY, UpstreamConfig, parse_upstream
 
 _HEADER = re.compile(r"^\s*\[")
 _UPSTREAM_HEADER = re.compile(r"^\s*\[\[\s*upstreams\s*\]\]\s*(#.*)?$")

@@ -96,7 +96,7 @@ def convert_gguf(gguf_path: Path, out_dir: Path, *, gguf_sha256: str | None = No
 
         weights = default_weights(execution_provider, matmul_types(reader))
     if gguf_sha256 is None:
-        from ..pull.verify import sha256_file
+        from ..store.verify import sha256_file
 
         gguf_sha256 = sha256_file(gguf_path)
     with staged_folder(out_dir) as partial:

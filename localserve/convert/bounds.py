@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 import psutil
 
-from ..runtime.onnx_loader import MAX_SLOTS
+from ..backends.onnx.kv import MAX_SLOTS
 from ..errors import GGUFError
 
 if TYPE_CHECKING:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 from typing import Callable
 
-from ..config import Settings
+from ..config.settings import Settings
 from ..store.cache import InstalledModel, ModelStore
 
 log = logging.getLogger(__name__)

@@ -41,7 +41,7 @@ from urllib.parse import urlparse
 
 from ..errors import DiskFullError, DownloadError, HTTPStatusError, NetworkError
 from .cancel import CancelToken
-from .events import Progress, emit
+from ..protocol.progress import Progress, emit
 from .transport import BearerTransport, Response, Transport, UrllibTransport, origin_of  # noqa: F401 (re-exported)
 
 CHUNK = 1024 * 1024

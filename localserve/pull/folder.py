@@ -22,7 +22,7 @@ from ..store.folder_checks import check_no_native_code
 from ..store.model_dirs import OGA, OGA_CONFIG_FILE, remove_tree
 from ..store.cache import InstalledModel
 from .download import ensure_free_space
-from .events import emit
+from ..protocol.progress import emit
 from .hf_folders import RepoFolder
 from .sources import RemoteFile
 

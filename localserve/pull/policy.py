@@ -19,7 +19,7 @@ import ipaddress
 from dataclasses import dataclass, field
 from urllib.parse import urlparse
 
-from ..config import Settings
+from ..config.settings import Settings
 from ..errors import InvalidRequestError
 
 # Worded without "refused" or "connect": a client must not confuse a policy answer with a port probe.

@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any, Callable, TypeVar
 
 from ..store.catalog import Catalog, CatalogEntry, Source, Variant, is_hf_ref, load_catalog, parse_ref
-from ..config import Settings
+from ..config.settings import Settings
 from ..errors import (
     ChecksumMismatchError,
     DiskFullError,
@@ -53,13 +53,13 @@ from .download import (
     ensure_free_space,
     write_chunk,
 )
-from .events import Progress, emit
+from ..protocol.progress import Progress, emit
 from .folder import pull_folder
 from .hf_folders import RepoFolder, choose_folder
 from .partials import sweep_stale_partials
 from .policy import UrlPolicy, is_direct_link
 from .sources import RemoteFile, extract_member, fetch_wheel, list_repo, remove_tree, resolve_hf
-from .verify import facts_to_manifest, git_blob_oid, read_facts, sha256_file
+from ..store.verify import facts_to_manifest, git_blob_oid, read_facts, sha256_file
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")

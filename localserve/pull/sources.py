@@ -28,7 +28,7 @@ from urllib.parse import quote
 
 from ..errors import DiskFullError, DownloadError, HTTPStatusError, ModelNotFoundError, NetworkError, redact_paths
 from .download import RetryPolicy, Transport, fetch_json, write_chunk
-from .events import Progress, emit
+from ..protocol.progress import Progress, emit
 
 SPLIT_RE = re.compile(r"-\d{5}-of-\d{5}\.gguf$", re.IGNORECASE)
 PIP_TIMEOUT = 1800.0

@@ -33,7 +33,7 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, AsyncIterator, Callable
 
-from ..config import Settings
+from ..config.settings import Settings
 from ..errors import BackendError, InvalidNameError, LocalserveError, ModelNotFoundError, OverloadedError
 from ..protocol.engine import ModelEngine
 from ..store.cache import InstalledModel, ModelStore

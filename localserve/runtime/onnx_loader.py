@@ -12,7 +12,8 @@ import dataclasses
 import logging
 from typing import TYPE_CHECKING
 
-from ..config import Settings
+from ..backends.onnx.kv import MAX_SLOTS
+from ..config.settings import Settings
 from ..errors import BackendError
 
 if TYPE_CHECKING:
@@ -21,10 +22,6 @@ if TYPE_CHECKING:
     from ..store.cache import InstalledModel, StoredVariant
 
 log = logging.getLogger(__name__)
-
-# The packed graph attends over every slot of the pool each step (O(tokens x slots) per layer) and
-# keeps the cache in fp32, so the pool is capped: past this, long contexts cost every request.
-MAX_SLOTS = 8192
 
 
 def providers_for(ep: str | None, ref: str) -> list[str]:

@@ -15,7 +15,7 @@ import importlib.util
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable
 
-from ..config import Settings
+from ..config.settings import Settings
 from ..errors import BackendError, ConfigError
 from .placement import BACKENDS, FORMAT_BACKEND, PREFERENCES, BackendChoice, Runtimes, choose_backend
 
@@ -80,7 +80,7 @@ def _load_onnx(installed: "InstalledModel", variant: "StoredVariant", plan: "Mod
         if importlib.util.find_spec("onnxruntime_genai") is None:
             raise BackendError(f"{installed.ref}: onnxruntime-genai is not installed "
                                "(pip install 'localserve[onnx-genai]')")
-        from ..engine.oga.loader import load_oga_engine
+        from .oga_loader import load_oga_engine
 
         return load_oga_engine(installed, variant, plan, settings)
     from .onnx_loader import load_onnx_engine

@@ -19,13 +19,14 @@ from typing import TYPE_CHECKING, AsyncIterator
 from aiohttp import web
 
 from .. import __version__
-from ..config import Settings
+from ..config.settings import Settings
 from ..errors import ConfigError
 from ..store.cache import ModelStore
 from . import batch_routes, dashboard_routes, ollama_routes, openai_routes, pull_routes
 from .body import body_limits_middleware
 from .errors import error_middleware
-from .metrics import Metrics, UpstreamCollector, handle_metrics, metrics_middleware
+from .metrics import handle_metrics, metrics_middleware
+from ..api.metrics import Metrics, UpstreamCollector
 from .security import WILDCARD_HOSTS, add_cors_headers, security_middleware
 from .state import MANAGER_KEY, METRICS_KEY, SETTINGS_KEY, STARTED_KEY, STORE_KEY
 

@@ -18,10 +18,11 @@ from aiohttp.http_exceptions import HttpProcessingError, LineTooLong
 from ..batches.files import file_object, new_id
 from ..batches.runner import BatchRunner, check_endpoint, public
 from ..errors import DiskFullError, InvalidRequestError
-from .body import BodyTimeoutError
-from .errors import json_dumps
+from ..api.json_body import BodyTimeoutError
+from ..api.errors import json_dumps
 from .state import MANAGER_KEY, METRICS_KEY, SETTINGS_KEY
-from .validation import Body, read_json
+from ..api.validation import Body
+from .body import read_json
 
 routes = web.RouteTableDef()
 BATCHES_KEY = web.AppKey("batches", BatchRunner)

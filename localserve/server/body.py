@@ -20,33 +20,15 @@ be taken for the next request.
 from __future__ import annotations
 
 import asyncio
-import json
-from typing import Any
 
-import numpy as np
 from aiohttp import web
 
-from ..errors import InvalidRequestError
+from ..api.json_body import BodyTimeoutError, BodyTooLargeError, body_too_large, parse_json
+from ..api.validation import THREAD_PARSE_BYTES, Body, type_name, invalid
 from .errors import Handler, exception_response
 from .state import SETTINGS_KEY
 
-MAX_JSON_DEPTH = 128
-MAX_INT_DIGITS = 256
 UPLOAD_SLACK = 64 * 1024  # form fields and boundaries around a file in a multipart upload
-_BRACKETS = np.frombuffer(b"[]{}", dtype=np.uint8)
-
-class BodyTooLargeError(InvalidRequestError):
-    http_status = 413
-    code = "request_too_large"
-
-
-class BodyTimeoutError(InvalidRequestError):
-    http_status = 408
-    code = "request_timeout"
-
-
-def _too_large(limit: int) -> BodyTooLargeError:
-    return BodyTooLargeError(f"request body is larger than {limit} bytes (setting max_body_bytes)")
 
 
 @web.middleware
@@ -60,7 +42,7 @@ async def body_limits_middleware(request: web.Request, handler: Handler) -> web.
         limit = settings.batch_max_file_bytes + UPLOAD_SLACK
     try:
         if request.content_length is not None and request.content_length > limit:
-            raise _too_large(limit)
+            raise body_too_large(limit)
         return await handler(request)
     except (BodyTooLargeError, BodyTimeoutError) as exc:
         response = exception_response(request, exc)
@@ -68,7 +50,7 @@ async def body_limits_middleware(request: web.Request, handler: Handler) -> web.
         return response
     except web.HTTPRequestEntityTooLarge:
         # aiohttp's own refusal of a chunked body that outgrew client_max_size while being read.
-        response = exception_response(request, _too_large(limit))
+        response = exception_response(request, body_too_large(limit))
         response.force_close()
         return response
 
@@ -84,40 +66,15 @@ async def read_body(request: web.Request) -> bytes:
         ) from None
 
 
-def json_depth(raw: bytes) -> int:
-    """The deepest nesting of arrays and objects in `raw`, counted without recursion or regular
-    expressions (a regex over strings retries an unterminated one from every later quote: minutes
-    for a few hundred kB of `\\"`), in a few linear passes that take milliseconds for 8 MB."""
-    # Escaped backslashes first (pairs from the left, as a JSON reader takes them), then escaped
-    # quotes: every quote left opens or closes a string.
-    text = raw.replace(b"\\\\", b"__").replace(b'\\"', b"__")
-    codes = np.frombuffer(text, dtype=np.uint8)
-    inside = np.bitwise_xor.accumulate(codes == 0x22)  # True from an opening quote to its closing one
-    brackets = codes[~inside & np.isin(codes, _BRACKETS)]
-    if not brackets.size:
-        return 0
-    # '[' 0x5B and '{' 0x7B have bit 1 set, ']' 0x5D and '}' 0x7D do not.
-    steps = ((brackets >> 1) & 1).astype(np.int8) * 2 - 1
-    return int(np.cumsum(steps, dtype=np.int32).max())
-
-
-def _bounded_int(text: str) -> int:
-    if len(text.lstrip("-")) > MAX_INT_DIGITS:
-        raise InvalidRequestError(f"request body has an integer with more than {MAX_INT_DIGITS} digits", param=None)
-    return int(text)
-
-
-def parse_json(raw: bytes) -> Any:
-    """`raw` parsed as JSON, every malformed or hostile input an InvalidRequestError (400)."""
-    if json_depth(raw) > MAX_JSON_DEPTH:
-        raise InvalidRequestError(f"request body nests arrays and objects deeper than {MAX_JSON_DEPTH} levels")
-    try:
-        return json.loads(raw, parse_int=_bounded_int)
-    except UnicodeDecodeError:
-        raise InvalidRequestError("request body is not UTF-8") from None
-    except json.JSONDecodeError as e:
-        raise InvalidRequestError(
-            f"request body is not valid JSON ({e.msg} at line {e.lineno} column {e.colno})"
-        ) from None
-    except (ValueError, RecursionError):  # belt and braces: the checks above should stop both
-        raise InvalidRequestError("request body is not valid JSON") from None
+async def read_json(request: web.Request) -> Body:
+    """The request body as a JSON object, read and parsed within the limits of server/body.py
+    (size, time, nesting depth, integer length): every failure is a 4xx, never a 500."""
+    raw = await read_body(request)
+    if not raw.strip():
+        raise invalid("request body is empty; expected a JSON object", None)
+    # An 8 MiB body takes the depth scan and json.loads ~0.1 s: in a worker thread, so /health
+    # and every other request keep answering while it parses (test_attacks measures this).
+    data = await asyncio.to_thread(parse_json, raw) if len(raw) > THREAD_PARSE_BYTES else parse_json(raw)
+    if not isinstance(data, dict):
+        raise invalid(f"request body must be a JSON object, not {type_name(data)}", None)
+    return Body(data)

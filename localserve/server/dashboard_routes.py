@@ -27,8 +27,8 @@ from typing import Any
 from aiohttp import web
 
 from ..protocol.requests import LANES
-from .generation import guard_disconnect
-from .errors import ClientGone
+from .disconnect import guard_disconnect
+from ..api.errors import ClientGone
 from .pull_routes import PULLS_KEY
 from .state import MANAGER_KEY, METRICS_KEY, SETTINGS_KEY, STORE_KEY
 

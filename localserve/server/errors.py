@@ -10,13 +10,13 @@ where the user's files are.
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 from typing import Any, Awaitable, Callable
 
 from aiohttp import web
 
+from ..api.errors import ClientGone, openai_error_body, safe_message
 from ..errors import LocalserveError, OverloadedError, QueueFullError
 
 log = logging.getLogger("localserve.server")
@@ -37,16 +37,8 @@ _HTTP_ERRORS: dict[int, tuple[str, str | None]] = {
 }
 
 
-class ClientGone(Exception):
-    """The HTTP client disconnected; nothing can be answered."""
-
-
 def is_ollama_path(path: str) -> bool:
     return path == "/api" or path.startswith("/api/")
-
-
-def openai_error_body(message: str, error_type: str, param: str | None = None, code: str | None = None) -> dict:
-    return {"error": {"message": message, "type": error_type, "param": param, "code": code}}
 
 
 def error_response(
@@ -70,20 +62,6 @@ def error_response(
         # Retry-After is whole seconds (RFC 9110); round up so a client never retries too early.
         all_headers["Retry-After"] = str(max(1, math.ceil(retry_after)))
     return web.json_response(body, status=status, headers=all_headers)
-
-
-def safe_message(exc: LocalserveError, what: str) -> str:
-    """The message a client may see; internal failures (their text may name files or native
-    errors) are logged with `what` and answered as "internal server error"."""
-    if exc.http_status >= 500 and not isinstance(exc, OverloadedError):
-        log.error("%s failed: %s", what, exc, exc_info=exc)
-        return "internal server error" if exc.http_status == 500 else exc.message
-    return exc.message
-
-
-def openai_exception_body(exc: LocalserveError, what: str) -> dict:
-    """The OpenAI error body a /v1 route answers `exc` with (a batch line's error body too)."""
-    return openai_error_body(safe_message(exc, what), exc.error_type, exc.param, exc.code)
 
 
 def exception_response(request: web.Request, exc: LocalserveError) -> web.Response:
@@ -129,6 +107,3 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
         return error_response(request, 500, "internal server error", "server_error", code="internal_error")
 
 
-def json_dumps(data: Any) -> str:
-    """Compact JSON; non-ASCII stays readable (clients decode UTF-8) and NaN never leaks out."""
-    return json.dumps(data, ensure_ascii=False, separators=(",", ":"), allow_nan=False)

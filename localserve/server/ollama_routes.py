@@ -22,38 +22,14 @@ from .. import __version__
 from ..protocol.engine import EventStream, ModelEngine
 from ..errors import LocalserveError
 from ..protocol.requests import GenerationEvent, GenerationRequest, Usage
-from .errors import ClientGone, json_dumps
-from .generation import (
-    Clock,
-    chat_template,
-    check_tokens,
-    collect,
-    embed_texts,
-    generation,
-    guard_disconnect,
-    is_token_list,
-    merge,
-    raise_if_failed,
-    tokenize_async,
-)
+from ..api.errors import ClientGone, json_dumps
+from ..api.generation import Clock, chat_template, check_tokens, collect, embed_texts, generation, is_token_list, merge, raise_if_failed, tokenize_async
+from .disconnect import guard_disconnect
 from .state import MANAGER_KEY, METRICS_KEY, SETTINGS_KEY, STORE_KEY
-from .templates import ChatTemplate
-from .tools import ToolCallStream, parse_tool_calls
-from .validation import (
-    MAX_EMBED_INPUTS,
-    Body,
-    clamp_max_tokens,
-    invalid,
-    parse_json_format,
-    parse_keep_alive,
-    parse_lane,
-    parse_messages,
-    parse_seed,
-    parse_stop,
-    parse_tools,
-    read_json,
-    sampling_from,
-)
+from ..api.templates import ChatTemplate
+from ..api.tools import ToolCallStream, parse_tool_calls
+from ..api.validation import MAX_EMBED_INPUTS, Body, clamp_max_tokens, invalid, parse_json_format, parse_keep_alive, parse_lane, parse_messages, parse_seed, parse_stop, parse_tools, sampling_from
+from .body import read_json
 
 routes = web.RouteTableDef()
 log = logging.getLogger("localserve.server")

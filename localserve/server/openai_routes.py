@@ -23,9 +23,10 @@ from aiohttp import web
 from ..protocol.engine import EventStream
 from ..errors import InvalidNameError, LocalserveError, ModelNotFoundError
 from ..protocol.requests import GenerationEvent, Usage
-from .errors import ClientGone, json_dumps, openai_error_body
-from .generation import UsageTotals, guard_disconnect, merge
-from .openai_api import (
+from ..api.errors import ClientGone, json_dumps, openai_error_body
+from ..api.generation import UsageTotals, merge
+from .disconnect import guard_disconnect
+from ..api.openai import (
     CHAT_PREFIX,
     COMPLETION_PREFIX,
     ApiEnv,
@@ -44,8 +45,8 @@ from .openai_api import (
     start,
 )
 from .state import MANAGER_KEY, METRICS_KEY, SETTINGS_KEY, STORE_KEY
-from .tools import ToolCallStream
-from .validation import read_json
+from ..api.tools import ToolCallStream
+from .body import read_json
 
 routes = web.RouteTableDef()
 log = logging.getLogger("localserve.server")

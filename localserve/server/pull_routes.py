@@ -25,17 +25,17 @@ from typing import Any, AsyncIterator, Callable
 
 from aiohttp import web
 
-from ..config import Settings
+from ..config.settings import Settings
 from ..errors import LocalserveError, QueueFullError
 from ..pull import pull_model
 from ..pull.cancel import CancelToken
-from ..pull.events import PullEvent
+from ..protocol.progress import PullEvent
 from ..pull.policy import UrlPolicy, is_direct_link
-from .errors import ClientGone
-from .generation import guard_disconnect
+from ..api.errors import ClientGone
+from .disconnect import guard_disconnect
 from .ollama_routes import model_name, open_ndjson, send_line
 from .state import SETTINGS_KEY
-from .validation import read_json
+from .body import read_json
 
 log = logging.getLogger("localserve.server")
 routes = web.RouteTableDef()

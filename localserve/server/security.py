@@ -26,7 +26,7 @@ from typing import Iterable
 
 from aiohttp import web
 
-from ..config import Settings
+from ..config.settings import Settings
 from .errors import Handler, error_response
 from .state import SETTINGS_KEY
 

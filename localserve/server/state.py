@@ -6,12 +6,12 @@ from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 
-from ..config import Settings
+from ..config.settings import Settings
 
 if TYPE_CHECKING:
     from ..runtime.manager import ModelManager
     from ..store.cache import ModelStore
-    from .metrics import Metrics
+    from ..api.metrics import Metrics
 
 SETTINGS_KEY = web.AppKey("settings", Settings)
 MANAGER_KEY: "web.AppKey[ModelManager]" = web.AppKey("manager", Any)  # type: ignore[arg-type]

@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator
 
-from ..config import Settings
+from ..config.settings import Settings
 from ..errors import InvalidNameError, LocalserveError, ModelNotFoundError, PullLockedError
 
 log = logging.getLogger(__name__)
@@ -368,7 +368,7 @@ class ModelStore:
 
     def register_local(self, path: Path | str, name: str, tag: str = "latest") -> InstalledModel:
         """Register a GGUF file the user already has, in place (no copy), after validating it."""
-        from ..pull.verify import facts_to_manifest, read_facts, sha256_file
+        from .verify import facts_to_manifest, read_facts, sha256_file
 
         name = safe_component(name, "name")
         tag = safe_component(tag, "tag")

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any, NamedTuple
 from urllib.parse import unquote, urlparse
 
-from ..config import Settings
+from ..config.settings import Settings
 from ..errors import ConfigError, InvalidRequestError, ModelNotFoundError
 from .cache import safe_component
 

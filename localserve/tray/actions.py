@@ -12,7 +12,7 @@ from typing import Callable
 
 from ..desktop import autostart
 from ..desktop.client import DaemonClient
-from ..config import Settings
+from ..config.settings import Settings
 from ..desktop.daemon import LOG_NAME, ensure_daemon, find_daemon, stop_daemon
 from ..errors import DaemonError
 from .state import DaemonState

@@ -11,7 +11,7 @@ import threading
 from typing import Any, Callable
 
 from ..desktop import autostart
-from ..config import Settings
+from ..config.settings import Settings
 from ..desktop.daemon import ensure_daemon
 from ..errors import ConfigError, LocalserveError
 from .actions import TrayActions

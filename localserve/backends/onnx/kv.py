@@ -96,3 +96,8 @@ class SlotTable:
         np.subtract.at(self.refs, dropped, 1)
         self._pos[dst], self._slot[dst] = self._merged(dst, pos, slots)
         np.add.at(self.refs, slots, 1)
+
+
+# The packed graph attends over every slot of the pool each step (O(tokens x slots) per layer) and
+# keeps the cache in fp32, so the pool is capped: past this, long contexts cost every request.
+MAX_SLOTS = 8192

@@ -27,11 +27,11 @@ import aiohttp
 
 from ...errors import OverloadedError, QueueFullError
 from ...protocol.requests import LANE_RANK, LANES
-from .config import UpstreamConfig
+from ...config.upstreams import UpstreamConfig
 from .http import UpstreamFailed, get_json
 
 if TYPE_CHECKING:
-    from ...config import Settings
+    from ...config.settings import Settings
     from .engine import RemoteEngine
 
 log = logging.getLogger(__name__)

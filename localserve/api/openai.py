@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, AsyncContextManager, Callable, Sequence, TypeVar
 
 from .. import __version__
-from ..config import Settings
+from ..config.settings import Settings
 from ..protocol.engine import ModelEngine, TextEngine
 from ..protocol.requests import MAX_LOGPROBS, GenerationRequest, Lane, TextPrompt, TokenLogprob, Usage
 from ..backends.common.schema_bounds import check_schema

@@ -7,7 +7,7 @@ import hashlib
 from pathlib import Path
 from typing import Any
 
-from .events import Progress, emit
+from ..protocol.progress import Progress, emit
 
 CHUNK = 4 * 1024 * 1024
 
@@ -48,6 +48,6 @@ def facts_to_manifest(facts: Any) -> dict[str, Any]:
 
 def read_facts(path: Path) -> Any:
     """GGUF facts of `path`; raises GGUFError when the file is not a sane GGUF."""
-    from ..store.gguf_facts import read_gguf_facts
+    from .gguf_facts import read_gguf_facts
 
     return read_gguf_facts(path)

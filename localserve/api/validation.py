@@ -10,18 +10,13 @@ one request must not be able to make the server do unbounded work.
 
 from __future__ import annotations
 
-import asyncio
-
 import json
 import math
 import re
 from typing import Any, Iterable
 
-from aiohttp import web
-
 from ..protocol.requests import LANES, Lane, SamplingParams
 from ..errors import ContextLengthExceededError, InvalidRequestError
-from .body import parse_json, read_body
 from ..backends.common.schema_bounds import check_schema
 
 MAX_N = 8
@@ -37,7 +32,7 @@ ROLES = ("system", "developer", "user", "assistant", "tool")
 _MISSING = object()
 
 
-def _type_name(value: Any) -> str:
+def type_name(value: Any) -> str:
     if value is None:
         return "null"
     if isinstance(value, bool):
@@ -82,7 +77,7 @@ class Body:
         """The field's value (None when absent or null), refused when it is not a `kind`."""
         value = self.data.get(name)
         if value is not None and not isinstance(value, kind):
-            raise self.error(name, f"must be {label}, not {_type_name(value)}")
+            raise self.error(name, f"must be {label}, not {type_name(value)}")
         return value
 
     def get_str(self, name: str, default: str | None = None, *,
@@ -109,7 +104,7 @@ class Body:
         if isinstance(value, float) and value.is_integer():
             value = int(value)  # 16.0 from a JavaScript client is a fine 16
         if isinstance(value, bool) or not isinstance(value, int):
-            raise self.error(name, f"must be an integer, not {_type_name(value)}")
+            raise self.error(name, f"must be an integer, not {type_name(value)}")
         if not lo <= value <= hi:
             raise self.error(name, f"must be between {lo} and {hi} (got {value})")
         return value
@@ -119,7 +114,7 @@ class Body:
         if value is None:
             return default
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-            raise self.error(name, f"must be a number, not {_type_name(value)}")
+            raise self.error(name, f"must be a number, not {type_name(value)}")
         if not lo <= value <= hi:
             raise self.error(name, f"must be between {lo:g} and {hi:g} (got {value:g})")
         return float(value)
@@ -136,20 +131,6 @@ class Body:
 
 
 THREAD_PARSE_BYTES = 64 * 1024
-
-
-async def read_json(request: web.Request) -> Body:
-    """The request body as a JSON object, read and parsed within the limits of server/body.py
-    (size, time, nesting depth, integer length): every failure is a 4xx, never a 500."""
-    raw = await read_body(request)
-    if not raw.strip():
-        raise invalid("request body is empty; expected a JSON object", None)
-    # An 8 MiB body takes the depth scan and json.loads ~0.1 s: in a worker thread, so /health
-    # and every other request keep answering while it parses (test_attacks measures this).
-    data = await asyncio.to_thread(parse_json, raw) if len(raw) > THREAD_PARSE_BYTES else parse_json(raw)
-    if not isinstance(data, dict):
-        raise invalid(f"request body must be a JSON object, not {_type_name(data)}", None)
-    return Body(data)
 
 
 def parse_stop(value: Any, param: str = "stop") -> list[str]:
@@ -299,7 +280,7 @@ def parse_content(value: Any, param: str) -> str:
                 texts.append(part)
                 continue
             if not isinstance(part, dict) or part.get("type") not in ("text", "input_text"):
-                kind = part.get("type") if isinstance(part, dict) else _type_name(part)
+                kind = part.get("type") if isinstance(part, dict) else type_name(part)
                 raise invalid(f"'{param}[{i}]': only text content is supported (got {str(kind)[:30]!r})", f"{param}[{i}]")
             text = part.get("text")
             if not isinstance(text, str):

@@ -15,8 +15,8 @@ from typing import Any, Mapping
 
 import platformdirs
 
-from .errors import ConfigError
-from .engine.upstream.config import UpstreamConfig, parse_upstreams, resolve_keys
+from ..errors import ConfigError
+from .upstreams import UpstreamConfig, parse_upstreams, resolve_keys
 
 try:  # Python 3.11+
     import tomllib

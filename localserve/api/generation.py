@@ -4,14 +4,10 @@ Every generation goes through `generation()`: pin the model (ModelManager.use), 
 requests, submit all of them or none, hand the streams to the caller, cancel them in a `finally`.
 Only ModelEngine members (engine_api.py) are used, so any engine serves both dialects.
 
-Disconnects: aiohttp (3.9+) does not cancel a handler when its client goes away unless the runner
-was built with handler_cancellation=True; a write to the gone client raises ConnectionResetError,
-but during a long prefill nothing is written. So every generation runs under `guard_disconnect`,
-which polls the transport and cancels the work within DISCONNECT_POLL_S, and every stream is
-cancelled in a `finally`: the engine drops the sequence at its next step and frees its KV cells.
-A client that stays connected but stops reading is dropped the same way once writing to it has
-been blocked for settings.stream_write_timeout (and the engine itself stops a sequence whose
-stream holds engine.STREAM_BUFFER_EVENTS unread events).
+No HTTP here: the routes (server/) run each generation under server/disconnect.guard_disconnect,
+and every stream is cancelled in a `finally`: the engine drops the sequence at its next step and
+frees its KV cells (and itself stops a sequence whose stream holds engine.STREAM_BUFFER_EVENTS
+unread events).
 """
 
 from __future__ import annotations
@@ -19,34 +15,23 @@ from __future__ import annotations
 import asyncio
 import copy
 import logging
-import socket
 import threading
 import time
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, AsyncIterator, Awaitable, Callable, Sequence, TypeVar
-
-from aiohttp import web
+from typing import TYPE_CHECKING, Any, AsyncIterator, Awaitable, Callable, Sequence
 
 from ..protocol.engine import EventStream, ModelEngine
 from ..errors import BackendError, ContextLengthExceededError, InvalidRequestError
 from ..protocol.requests import GenerationEvent, GenerationRequest, Lane, TokenLogprob, Usage
 from .errors import ClientGone
-from .state import SETTINGS_KEY
 from .templates import ChatTemplate
 
 if TYPE_CHECKING:
     from ..runtime.manager import ModelManager
 
-DISCONNECT_POLL_S = 0.1
-# Bytes a guarded connection may hold unsent, in the kernel and in the transport each. Linux
-# autotunes a socket's send buffer up to tcp_wmem's 4 MiB: a client that stops reading would
-# absorb ~8,000 stream events there before any write blocked, so the write timeout would never
-# fire and its sequence would decode to max_tokens. Token streams need a few KB/s; this is ample.
-SEND_BUFFER_BYTES = 16 * 1024
 log = logging.getLogger(__name__)
 LONG_PROMPT_CHARS = 20_000  # tokenize longer texts in a thread so the event loop keeps serving
-T = TypeVar("T")
 
 
 def chat_template(engine: ModelEngine) -> ChatTemplate:
@@ -218,67 +203,6 @@ async def merge(streams: Sequence[EventStream]) -> AsyncIterator[tuple[int, Gene
     finally:
         for task in tasks:
             task.cancel()
-
-
-def _client_gone(request: web.Request) -> bool:
-    transport = request.transport
-    return transport is None or transport.is_closing()
-
-
-def _writes_blocked(request: web.Request) -> bool:
-    """True while the transport's buffer is over its high-water mark: the client is not reading
-    what we already sent (aiohttp's write() is then waiting for a drain that never comes)."""
-    protocol = request.protocol
-    return bool(protocol is not None and getattr(protocol, "writing_paused", False))
-
-
-def _bound_send_buffers(request: web.Request) -> None:
-    """Make a client that stops reading block our writes after SEND_BUFFER_BYTES, not megabytes."""
-    transport = request.transport
-    if transport is None:
-        return
-    sock = transport.get_extra_info("socket")
-    if sock is not None:
-        try:
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SEND_BUFFER_BYTES)
-        except OSError:  # not a TCP socket (a test transport): the timeout still works, later
-            pass
-    transport.set_write_buffer_limits(high=SEND_BUFFER_BYTES)
-
-
-async def guard_disconnect(request: web.Request, work: Awaitable[T]) -> T:
-    """Run `work`; cancel it if the client disconnects first, or stops reading for
-    settings.stream_write_timeout seconds (then the connection is dropped), and raise ClientGone."""
-    _bound_send_buffers(request)
-    task = asyncio.ensure_future(work)
-    write_timeout = request.app[SETTINGS_KEY].stream_write_timeout
-    blocked_since: float | None = None
-    try:
-        while True:
-            done, _ = await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
-            if done:
-                return task.result()
-            gone = _client_gone(request)
-            if not gone and _writes_blocked(request):
-                now = time.monotonic()
-                blocked_since = blocked_since if blocked_since is not None else now
-                if write_timeout and now - blocked_since >= write_timeout:
-                    log.info("%s: the client read nothing for %.0f s; dropping it", request.path, write_timeout)
-                    # abort, not close: close() would wait to flush a buffer nobody reads, and
-                    # the pending write (and aiohttp's final write_eof) would wait with it.
-                    if request.transport is not None:
-                        request.transport.abort()
-                    gone = True
-            else:
-                blocked_since = None
-            if gone:
-                task.cancel()
-                await asyncio.gather(task, return_exceptions=True)
-                raise ClientGone()
-    finally:
-        if not task.done():
-            task.cancel()
-            await asyncio.gather(task, return_exceptions=True)
 
 
 @dataclass

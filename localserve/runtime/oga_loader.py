@@ -14,16 +14,16 @@ import json
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ...config import Settings
-from ...protocol.engine import ModelInfo
-from ...errors import BackendError, ModelDirError, redact_paths
-from ...store.model_dirs import OGA, check_layout
-from .engine import OgaEngine
-from .vocab import OgaVocab
+from ..config.settings import Settings
+from ..protocol.engine import ModelInfo
+from ..errors import BackendError, ModelDirError, redact_paths
+from ..store.model_dirs import OGA, check_layout
+from ..engine.oga.engine import OgaEngine
+from ..engine.oga.vocab import OgaVocab
 
 if TYPE_CHECKING:
-    from ...runtime.manager import ModelPlan
-    from ...store.cache import InstalledModel, StoredVariant
+    from .manager import ModelPlan
+    from ..store.cache import InstalledModel, StoredVariant
 
 # 4 requests x 4096 tokens of SmolLM2's fp32 KV cache are 750 MB already; longer contexts on a
 # desktop CPU would cost every batch that memory whether a request uses it or not.
