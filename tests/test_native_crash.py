@@ -12,14 +12,11 @@ import signal
 import subprocess
 import sys
 import textwrap
-import threading
-import time
 from pathlib import Path
 
-import psutil
 import pytest
 
-from daemon_util import REPO, cli, cli_env, free_port, register_model, serving, stop_quietly, wait_published
+from daemon_util import REPO, cli_env, free_port, register_model, serving, stop_quietly, wait_published
 
 pytestmark = pytest.mark.model
 
@@ -41,29 +38,21 @@ def test_the_probe_loads_and_decodes_the_real_model_here(smollm2_gguf: Path, tmp
     assert "probed on this CPU and runs" in llamacpp_probe.condition(tmp_path)
 
 
-def _kill_probe_child_while_loading(model: Path, sig: int, done: threading.Event) -> int | None:
-    """Find the probe child, hold it with SIGSTOP, let it run in 5 ms slices until it has mapped the
-    model (it is loading), then deliver `sig`. Returns the child's pid."""
-    me = psutil.Process()
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline and not done.is_set():
-        for child in me.children(recursive=True):
-            try:
-                if "localserve.backends.llamacpp_probe" not in " ".join(child.cmdline()):
-                    continue
-                child.send_signal(signal.SIGSTOP)
-                while True:
-                    if any(m.path == str(model.resolve()) for m in child.memory_maps(grouped=True)):
-                        child.send_signal(sig)
-                        child.send_signal(signal.SIGCONT)
-                        return child.pid
-                    child.send_signal(signal.SIGCONT)
-                    time.sleep(0.005)
-                    child.send_signal(signal.SIGSTOP)
-            except psutil.NoSuchProcess:
-                return None
-        time.sleep(0.001)
-    return None
+def dying_probe_child(sig: int) -> str:
+    """The real probe child, whose process kills itself with `sig` halfway through its load: after
+    llama.cpp has mapped the weights, as the context is created (the AMX path would fault in the
+    first decode right after). Deterministic, unlike racing a signal from outside."""
+    return textwrap.dedent(f"""
+        import os, sys
+        import llama_cpp
+        real = llama_cpp.llama_init_from_model
+        def dying(model, params):
+            os.kill(os.getpid(), {int(sig)})
+            return real(model, params)
+        llama_cpp.llama_init_from_model = dying
+        from localserve.backends.llamacpp.probe import _child
+        sys.exit(_child(sys.argv[1]))
+    """)
 
 
 @pytest.mark.parametrize("sig", [signal.SIGSEGV, signal.SIGILL])
@@ -73,14 +62,10 @@ def test_a_probe_child_killed_by_a_signal_makes_the_load_take_the_fallback(
     from localserve.backends.llamacpp import probe as llamacpp_probe
     from localserve.backends.llamacpp.backend import LlamaCppBackend
 
-    result: list[bool] = []
-    done = threading.Event()
-    worker = threading.Thread(target=lambda: (result.append(llamacpp_probe.extra_buffers_allowed(tmp_path, smollm2_gguf)),
-                                              done.set()))
-    worker.start()
-    killed = _kill_probe_child_while_loading(smollm2_gguf, sig, done)
-    worker.join(120)
-    assert killed is not None, "the probe child finished before it could be killed"
+    real_probe = llamacpp_probe.probe
+    monkeypatch.setattr(llamacpp_probe, "probe", lambda path, key: real_probe(
+        path, key, command=[sys.executable, "-c", dying_probe_child(sig), str(path)]))
+    result = [llamacpp_probe.extra_buffers_allowed(tmp_path, smollm2_gguf)]
     assert result == [False]
     verdict = llamacpp_probe.read_verdict(tmp_path)
     assert verdict is not None and not verdict.ok and verdict.signal == signal.Signals(sig).name
