@@ -22,6 +22,8 @@ status and an OpenAI error body (`server/errors.py`) through `http_status`, `err
     ├── QueueFullError               a lane's queue is full (429 + Retry-After)
     ├── OverloadedError              the whole server is full or a model is loading (503)
     ├── BackendError                 a model failed to load or decode (500, details only in the log)
+    ├── GenerationError              a request failed inside the engine (500, our message, shown)
+    ├── RequestCancelledError        the server ended a request: shutdown, unload (503 + Retry-After)
     ├── UpstreamError                a remote upstream failed or refused (502)
     └── DaemonError                  the daemon cannot be started, reached or stopped, or answered an error
 """
@@ -154,6 +156,23 @@ class OverloadedError(LocalserveError):
 
 class BackendError(LocalserveError):
     code = "backend_error"
+
+
+class GenerationError(LocalserveError):
+    """A request failed inside the engine (its decode failed, its KV ran out, its sampler broke).
+    The engine writes the message, so unlike BackendError's it is shown to the client."""
+
+    code = "generation_failed"
+
+
+class RequestCancelledError(OverloadedError):
+    """The server ended a request before it finished (shutdown, unload): a retry may succeed."""
+
+    code = "request_cancelled"
+
+    def __init__(self, message: str = "the request was cancelled by the server (shutting down or unloading "
+                 "the model)", retry_after: float = 1.0):
+        super().__init__(message, retry_after)
 
 
 class UpstreamError(LocalserveError):

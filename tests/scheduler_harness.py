@@ -11,6 +11,7 @@ from localserve.batching.limits import EngineLimits
 from localserve.protocol.requests import GenerationRequest, SamplingParams
 from localserve.batching.scheduler import Scheduler
 from localserve.batching.sequence import Sequence, Status
+from localserve.engine import step
 
 from fake_backend import FakeBackend
 
@@ -83,7 +84,7 @@ class Harness:
         if ids and s.caps.consecutive_ids:
             assert ids == list(range(ids[0], ids[0] + len(ids))), ids
         if plan.batch:
-            s.execute(plan)
+            s.postprocess(plan, step.run(s.backend, plan))
         for seq in self.sched.updates:
             event = seq.take_event()
             if event is None:

@@ -402,7 +402,8 @@ def test_queue_timeout_finishes_requests_that_never_started():
     waiting.seq.t_submit -= 1.0  # it has now waited a second
     h.sched._next_timeout_check = 0.0
     h.step()
-    assert waiting.finish_reason == "error" and "queue" in waiting.seq.error
+    assert waiting.finish_reason == "error" and "queue" in waiting.seq.error.message
+    assert waiting.seq.error.http_status == 503  # typed: the server is busy, a retry may succeed
     assert running.finish_reason is None  # a running request never times out of the queue
     running.seq.cancelled = True
     h.run()

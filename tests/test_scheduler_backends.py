@@ -181,7 +181,7 @@ def test_request_that_cannot_fit_fails_alone(backend):
         assert small.finish_reason == "length" and small.tokens == small_alone
         if backend.capabilities.prefix_sharing == "share":
             assert big.finish_reason == "error" and big.tokens == []
-            assert "context memory is exhausted" in big.seq.error
+            assert "context memory is exhausted" in big.seq.error.message
         else:
             # llama.cpp with streams: no foreign sequence can take this one's room, and a sequence
             # never outgrows its own stream (the scheduler caps it at n_ctx_seq): KV-full cannot
@@ -204,4 +204,4 @@ def test_request_that_cannot_fit_beside_a_running_one_fails_alone():
     big = h.submit(tokens(backend, (PREFIX * 3)[:400]), max_tokens=10, ignore_eos=True)
     h.run(max_steps=500)
     assert small.finish_reason == "length" and big.finish_reason == "error"
-    assert "context memory is exhausted" in big.seq.error
+    assert "context memory is exhausted" in big.seq.error.message

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, AsyncIterator, Awaitable, Callable, Sequence
 
 from ..protocol.engine import EventStream, ModelEngine
-from ..errors import BackendError, ContextLengthExceededError, InvalidRequestError
+from ..errors import ContextLengthExceededError, GenerationError, InvalidRequestError, RequestCancelledError
 from ..protocol.requests import GenerationEvent, GenerationRequest, Lane, TokenLogprob, Usage
 from .errors import ClientGone
 from .templates import ChatTemplate
@@ -217,9 +217,13 @@ class Choice:
 
 
 def raise_if_failed(event: GenerationEvent) -> None:
+    """The one place an engine's failure becomes an exception, for every answer shape: the typed
+    error the engine finished the request with (a grammar dead end is the caller's 400, a failed
+    decode a 500 with its message), or RequestCancelledError (503) when the server ended it."""
     if event.finish_reason == "error":
-        # The engine's message is written to be safe to show (requests.GenerationEvent.error).
-        raise BackendError(event.error or "generation failed")
+        raise event.error or GenerationError("generation failed")
+    if event.finish_reason == "cancelled":
+        raise RequestCancelledError()
 
 
 async def collect(streams: Sequence[EventStream]) -> list[Choice]:

@@ -169,8 +169,8 @@ def parse_seed(body: Body, name: str = "seed") -> int | None:
 
 
 def parse_logit_bias(value: Any, param: str = "logit_bias") -> dict[int, float]:
-    """OpenAI's {"token id": bias} -> {int: float}, biases in OpenAI's -100..100; whether the ids are
-    in the vocabulary is SamplingParams.validate's to say."""
+    """OpenAI's {"token id": bias} -> {int: float}, biases in OpenAI's -100..100 (-100: banned, -inf);
+    whether the ids are in the vocabulary is SamplingParams.validate's to say."""
     if value is None:
         return {}
     if not isinstance(value, dict):
@@ -185,7 +185,10 @@ def parse_logit_bias(value: Any, param: str = "logit_bias") -> dict[int, float]:
             raise invalid(f"'{param}' keys must be token ids (got {str(key)[:20]!r})", param) from None
         if isinstance(b, bool) or not isinstance(b, (int, float)) or not -100 <= b <= 100:
             raise invalid(f"'{param}' biases must be numbers between -100 and 100", param)
-        bias[token] = float(b)
+        # OpenAI documents -100 as a ban. Added as a finite number, it loses to nothing when a
+        # grammar leaves only banned tokens: the client would get exactly what it banned. As -inf,
+        # that request ends in the sampler's "no token is allowed" 400 instead.
+        bias[token] = -math.inf if b == -100 else float(b)
     return bias
 
 

@@ -15,10 +15,10 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Literal
 
-from ..backends.base import Backend, BatchToken, Capabilities, DecodeInterrupted, KVFullError, SampledToken
-from ..errors import BackendError, LocalserveError
+from ..backends.base import Backend, BatchToken, Capabilities, SampledToken
+from ..errors import GenerationError, LocalserveError, OverloadedError
 from .kvpool import KVPool
 from .lanes import LaneQueues, priority_key
 from .limits import EngineLimits
@@ -41,6 +41,16 @@ class StepPlan:
     prompt_tokens: int = 0
     # Only batch-lane work: the backend may stop it for a better lane's arrival (Backend.interrupt).
     interruptible: bool = False
+
+
+@dataclass(slots=True)
+class StepResult:
+    """What running a StepPlan came to (engine/step.py): `samples` pairs with plan.outputs (None:
+    not sampled, the request was cancelled; an error: that request's sampler failed)."""
+
+    outcome: Literal["done", "kv_full", "interrupted", "failed"]
+    samples: list[SampledToken | LocalserveError | None] = field(default_factory=list)
+    seconds: float = 0.0
 
 
 class Scheduler:
@@ -189,65 +199,34 @@ class Scheduler:
         plan.interruptible = self.caps.interruptible and all(s.request.lane == "batch" for s, _ in plan.scheduled)
         return plan
 
-    def run_step(self) -> StepPlan:
-        """One step: schedule, decode, sample, postprocess."""
-        plan = self.schedule()
-        if plan.batch:
-            self.execute(plan)
-        return plan
-
-    def execute(self, plan: StepPlan) -> None:
-        try:
-            started = time.perf_counter()
-            self.backend.decode(plan.batch, interruptible=plan.interruptible)
-            seconds = time.perf_counter() - started
-            self.clock.observe(plan.decode_tokens, plan.prompt_tokens, seconds)
-            log.debug("step %d: %d decode + %d prompt tokens in %.1f ms; %d running, %d waiting",
-                      self.step, plan.decode_tokens, plan.prompt_tokens, seconds * 1000, len(self.running),
-                      len(self.lanes))
-        except KVFullError:
+    def postprocess(self, plan: StepPlan, result: StepResult) -> None:
+        """Read a step's outcome (engine/step.py ran it): advance the fed sequences by their
+        samples, or undo the step and make room, or fail its requests."""
+        if result.outcome == "kv_full":
             log.debug("KV cache full at step %d; freeing cells", self.step)
             self.on_kv_full(plan)
             return
-        except DecodeInterrupted:
+        if result.outcome == "interrupted":
             # A better lane's request arrived: the next plan has it; this step's work is redone.
-            log.debug("step %d interrupted after %.1f ms", self.step, (time.perf_counter() - started) * 1000)
+            log.debug("step %d interrupted after %.1f ms", self.step, result.seconds * 1000)
             self._rollback(plan)
             self.interrupted_steps += 1
             return
-        except Exception as e:
-            if isinstance(e, BackendError):  # expected failure mode: the message says enough
-                log.error("decode failed for %d requests: %s", len(plan.scheduled), e)
-            else:
-                log.exception("decode failed for %d requests", len(plan.scheduled))
+        if result.outcome == "failed":
             self.on_error(plan, "the model failed to process this request")
             return
-        samples: list[SampledToken | BaseException | None] = []
-        for seq, row in plan.outputs:
-            if seq.cancelled:
-                samples.append(None)
-                continue
-            try:
-                samples.append(seq.sampler.sample(row))
-            except Exception as e:  # one request's sampler (grammar dead end, ...) fails only it
-                if not isinstance(e, LocalserveError):
-                    log.exception("sampling failed for %s", seq.request_id)
-                samples.append(e)
-        self.postprocess(plan, samples)
-
-    def postprocess(self, plan: StepPlan, samples: list[SampledToken | BaseException | None]) -> None:
-        """Advance the fed sequences; `samples` pairs with plan.outputs (None = not sampled
-        because the request was cancelled, an exception = its sampler failed)."""
+        self.clock.observe(plan.decode_tokens, plan.prompt_tokens, result.seconds)
+        log.debug("step %d: %d decode + %d prompt tokens in %.1f ms; %d running, %d waiting", self.step,
+                  plan.decode_tokens, plan.prompt_tokens, result.seconds * 1000, len(self.running), len(self.lanes))
         for seq, n in plan.scheduled:
             seq.num_computed += n
-        for (seq, _), sample in zip(plan.outputs, samples):
+        for (seq, _), sample in zip(plan.outputs, result.samples):
             if seq.status is not Status.RUNNING:
                 continue
-            if sample is None:
+            if sample is None:  # not sampled: the request was cancelled
                 self.finish(seq, "cancelled")
-            elif isinstance(sample, BaseException):
-                message = sample.message if isinstance(sample, LocalserveError) else "sampling failed"
-                self.finish(seq, "error", message)
+            elif isinstance(sample, LocalserveError):
+                self.finish(seq, "error", sample)
             else:
                 reason = seq.append(sample)
                 if reason:
@@ -265,7 +244,7 @@ class Scheduler:
             self._preempt(max(self.running, key=self.key), park=False)
             self._hold_admissions = True
         elif self.running:
-            self.finish(self.running[0], "error", "the model's context memory is exhausted")
+            self.finish(self.running[0], "error", GenerationError("the model's context memory is exhausted"))
 
     def on_error(self, plan: StepPlan, message: str) -> None:
         """The backend failed this batch: only its requests fail. Their KV may be half-written,
@@ -274,9 +253,9 @@ class Scheduler:
         for seq, _ in plan.scheduled:
             if seq.status is Status.RUNNING:
                 self.pool.release(seq)
-                self.finish(seq, "error", message)
+                self.finish(seq, "error", GenerationError(message))
 
-    def finish(self, seq: Sequence, reason, error: str | None = None) -> None:
+    def finish(self, seq: Sequence, reason, error: LocalserveError | None = None) -> None:
         if seq.status is Status.FINISHED:
             return
         if seq.status is Status.RUNNING:
@@ -297,7 +276,7 @@ class Scheduler:
         """After an unexpected error the running sequences' KV cannot be trusted: drop and fail them."""
         for seq in list(self.running):
             self.pool.release(seq)
-            self.finish(seq, "error", message)
+            self.finish(seq, "error", GenerationError(message))
 
     # --- internals -------------------------------------------------------------------------
     def _sit_out(self, feeds: list[tuple[Sequence, int]], decoders: set[int]) -> list[tuple[Sequence, int]]:
@@ -472,4 +451,4 @@ class Scheduler:
         if now >= self._next_timeout_check:
             self._next_timeout_check = now + 1.0
             for seq in [s for s in self.lanes if s.queued and now - s.t_submit > self.queue_timeout]:
-                self.finish(seq, "error", "timed out waiting in the queue; the server is busy")
+                self.finish(seq, "error", OverloadedError("timed out waiting in the queue; the server is busy"))

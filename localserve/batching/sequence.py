@@ -15,6 +15,7 @@ import time
 from typing import Callable
 
 from ..backends.base import SampledToken, Sampler
+from ..errors import LocalserveError
 from ..protocol.requests import LANE_RANK, FinishReason, GenerationEvent, GenerationRequest, TokenLogprob, Usage
 from .text import Detokenizer
 
@@ -61,7 +62,7 @@ class Sequence:
         self.cached_tokens = 0
         self.num_preemptions = 0
         self.finish_reason: FinishReason | None = None
-        self.error: str | None = None
+        self.error: LocalserveError | None = None
         self.n_ctx_seq = n_ctx_seq
         self.t_submit = time.monotonic()
         self.t_scheduled = 0.0
@@ -110,7 +111,7 @@ class Sequence:
             return "length"
         return None
 
-    def mark_finished(self, reason: FinishReason, error: str | None = None) -> None:
+    def mark_finished(self, reason: FinishReason, error: LocalserveError | None = None) -> None:
         self.status = Status.FINISHED
         self.finish_reason = reason
         self.error = error

@@ -1,6 +1,6 @@
 """One loaded model: a backend and a scheduler driven by one engine thread.
 
-    while running: plan = scheduler.schedule(); backend.decode(plan.batch); scheduler.postprocess(samples)
+    while running: plan = scheduler.schedule(); result = step.run(backend, plan); scheduler.postprocess(plan, result)
 
 Requests enter through a thread-safe inbox; each step's output goes back to the asyncio loop that
 submitted it with one `call_soon_threadsafe` per loop per step (one per token per request would
@@ -25,6 +25,7 @@ from ..batching.limits import EngineLimits
 from ..protocol.requests import LANES, GenerationEvent, GenerationRequest, Lane, check_request
 from ..batching.scheduler import Scheduler
 from ..batching.sequence import Sequence
+from . import step
 from ..protocol.engine import EngineStats, ModelInfo
 from ..errors import ContextLengthExceededError, InvalidRequestError, OverloadedError, QueueFullError
 
@@ -322,7 +323,10 @@ class Engine:
         t0 = time.monotonic()
         plan = None
         try:
-            plan = self.scheduler.run_step()
+            plan = self.scheduler.schedule()  # pure planning: which tokens of which sequences
+            if plan.batch:
+                result = step.run(self._backend, plan)  # decode + sample, failures as data
+                self.scheduler.postprocess(plan, result)  # advance, finish, or undo and make room
         except Exception:  # a scheduler bug must not kill the engine: fail this step's requests
             log.exception("engine step failed")
             self.scheduler.fail_running("internal error while scheduling this request")

@@ -12,7 +12,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Callable, Literal
 
-from ..errors import ContextLengthExceededError, InvalidRequestError
+from ..errors import ContextLengthExceededError, InvalidRequestError, LocalserveError
 
 Lane = Literal["interactive", "default", "batch"]
 LANES: tuple[Lane, ...] = ("interactive", "default", "batch")  # highest priority first
@@ -143,7 +143,10 @@ class GenerationEvent:
     logprobs: list[TokenLogprob] | None = None
     finish_reason: FinishReason | None = None
     usage: Usage | None = None
-    error: str | None = None  # set with finish_reason="error"; safe to show a client
+    # Set with finish_reason="error": the failure as one of our errors (status, type, code, param,
+    # a message safe to show), so every answer shape (SSE, NDJSON, JSON, a batch line) tells it
+    # alike, through api/errors.py.
+    error: LocalserveError | None = None
 
 
 def check_request(request: GenerationRequest, n_ctx_per_seq: int, n_vocab: int) -> None:

@@ -22,7 +22,7 @@ from .. import __version__
 from ..protocol.engine import EventStream, ModelEngine
 from ..errors import LocalserveError
 from ..protocol.requests import GenerationEvent, GenerationRequest, Usage
-from ..api.errors import ClientGone, json_dumps
+from ..api.errors import ClientGone, json_dumps, safe_message
 from ..api.generation import Clock, chat_template, check_tokens, collect, embed_texts, generation, is_token_list, merge, raise_if_failed, tokenize_async
 from .disconnect import guard_disconnect
 from .state import MANAGER_KEY, METRICS_KEY, SETTINGS_KEY, STORE_KEY
@@ -110,16 +110,14 @@ async def stream_lines(request: web.Request, streams: list[EventStream],
         try:
             async for _, event in merge(streams):
                 raise_if_failed(event)
-                if event.finish_reason == "cancelled":
-                    raise LocalserveError("the request was cancelled by the server")
                 line = make_line(event)
                 if line is not None:
                     await send_line(response, line)
                 if event.finish_reason is not None:
                     for final in make_final(event):
                         await send_line(response, final)
-        except LocalserveError as e:
-            await send_line(response, {"error": "internal server error" if e.http_status == 500 else e.message})
+        except LocalserveError as e:  # after the 200: Ollama's clients read an "error" line
+            await send_line(response, {"error": safe_message(e, f"stream {request.path}")})
 
     try:
         await guard_disconnect(request, body())

@@ -22,9 +22,9 @@ from aiohttp import web
 
 from ..protocol.engine import EventStream
 from ..errors import InvalidNameError, LocalserveError, ModelNotFoundError
-from ..protocol.requests import GenerationEvent, Usage
-from ..api.errors import ClientGone, json_dumps, openai_error_body
-from ..api.generation import UsageTotals, merge
+from ..protocol.requests import Usage
+from ..api.errors import ClientGone, json_dumps, openai_error_body, openai_exception_body
+from ..api.generation import UsageTotals, merge, raise_if_failed
 from .disconnect import guard_disconnect
 from ..api.openai import (
     CHAT_PREFIX,
@@ -68,21 +68,6 @@ async def open_sse(request: web.Request) -> web.StreamResponse:
 
 async def send_sse(response: web.StreamResponse, data: Any) -> None:
     await response.write(f"data: {json_dumps(data)}\n\n".encode("utf-8"))
-
-
-async def send_sse_error(response: web.StreamResponse, message: str) -> None:
-    # After the 200 and the first chunks no status can change: OpenAI's clients raise on a frame
-    # with an "error" member, so that is how a failure mid-stream is told.
-    await send_sse(response, openai_error_body(message, "server_error", None, "generation_failed"))
-
-
-class StreamFailed(Exception):
-    pass
-
-
-def check_event(event: GenerationEvent) -> None:
-    if event.finish_reason in ("error", "cancelled"):
-        raise StreamFailed(event.error or "the request was cancelled by the server")
 
 
 # --- chat and completions ------------------------------------------------------------------------
@@ -133,13 +118,16 @@ class _Reply:
             await guard_disconnect(self.request, body_writer(response, streams))
         except (ClientGone, ConnectionResetError):
             pass  # the client left; the caller's finally cancels the streams
-        except LocalserveError as e:  # an engine's refusal after the headers (a remote upstream's 400)
+        except LocalserveError as e:
+            # After the 200 and the first chunks no status can change: OpenAI's clients raise on a
+            # frame with an "error" member, so that is how a failure mid-stream is told, in the body
+            # a non-streamed request gets (an engine's typed failure, a remote upstream's 400).
             with contextlib.suppress(ConnectionResetError):
-                await send_sse(response, openai_error_body(e.message, e.error_type, e.param, e.code))
+                await send_sse(response, openai_exception_body(e, f"stream of {self.id}"))
         except Exception:  # noqa: BLE001 - headers are out: the error middleware can no longer answer
             log.exception("stream of %s failed", self.id)
             with contextlib.suppress(ConnectionResetError):
-                await send_sse_error(response, "internal server error")
+                await send_sse(response, openai_error_body("internal server error", "server_error", None, "internal_error"))
         return response
 
     async def finish_stream(self, response: web.StreamResponse, obj: str, usages: list[Usage | None]) -> None:
@@ -160,35 +148,31 @@ class _Reply:
         for i in range(len(streams)):
             await send_sse(response, self.chunk(obj, [
                 {"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}]))
-        try:
-            async for i, event in merge(streams):
-                check_event(event)
-                timer.tokens(len(event.token_ids))
-                text = filters[i].feed(event.text) if filters[i] else event.text
-                lps = chat_logprobs(event.logprobs, k) if k is not None and event.logprobs else None
-                if text or lps:
-                    await send_sse(response, self.chunk(obj, [
-                        {"index": i, "delta": {"content": text}, "logprobs": lps, "finish_reason": None}]))
-                if event.finish_reason is None:
-                    continue
-                reason = finish_reason(event.finish_reason)
-                if filters[i]:
-                    rest, calls = filters[i].finish()
-                    delta: dict[str, Any] = {}
-                    if rest:
-                        delta["content"] = rest
-                    if calls:
-                        delta["tool_calls"] = [c.openai(index=j) for j, c in enumerate(calls)]
-                        reason = "tool_calls"
-                    if delta:
-                        await send_sse(response, self.chunk(obj, [
-                            {"index": i, "delta": delta, "logprobs": None, "finish_reason": None}]))
+        async for i, event in merge(streams):
+            raise_if_failed(event)
+            timer.tokens(len(event.token_ids))
+            text = filters[i].feed(event.text) if filters[i] else event.text
+            lps = chat_logprobs(event.logprobs, k) if k is not None and event.logprobs else None
+            if text or lps:
                 await send_sse(response, self.chunk(obj, [
-                    {"index": i, "delta": {}, "logprobs": None, "finish_reason": reason}]))
-                usages[i] = event.usage
-        except StreamFailed as e:
-            await send_sse_error(response, str(e))
-            return
+                    {"index": i, "delta": {"content": text}, "logprobs": lps, "finish_reason": None}]))
+            if event.finish_reason is None:
+                continue
+            reason = finish_reason(event.finish_reason)
+            if filters[i]:
+                rest, calls = filters[i].finish()
+                delta: dict[str, Any] = {}
+                if rest:
+                    delta["content"] = rest
+                if calls:
+                    delta["tool_calls"] = [c.openai(index=j) for j, c in enumerate(calls)]
+                    reason = "tool_calls"
+                if delta:
+                    await send_sse(response, self.chunk(obj, [
+                        {"index": i, "delta": delta, "logprobs": None, "finish_reason": None}]))
+            await send_sse(response, self.chunk(obj, [
+                {"index": i, "delta": {}, "logprobs": None, "finish_reason": reason}]))
+            usages[i] = event.usage
         await self.finish_stream(response, obj, usages)
 
     async def stream_completion(self, streams: list[EventStream], echo: list[str]) -> web.StreamResponse:
@@ -201,26 +185,22 @@ class _Reply:
                 if echo[i // n]:
                     await send_sse(response, self.chunk(obj, [
                         {"index": i, "text": echo[i // n], "logprobs": None, "finish_reason": None}]))
-            try:
-                async for i, event in merge(streams):
-                    check_event(event)
-                    timer.tokens(len(event.token_ids))
-                    lps = None
-                    if k is not None and event.logprobs:
-                        lps = completion_logprobs(event.logprobs, k, offsets[i])
-                        offsets[i] += sum(len(lp.text) for lp in event.logprobs)
-                    if event.text or lps:
-                        await send_sse(response, self.chunk(obj, [
-                            {"index": i, "text": event.text, "logprobs": lps, "finish_reason": None}]))
-                    if event.finish_reason:
-                        # Its own chunk with empty text, as llama-server sends it: clients that read
-                        # text only while finish_reason is null lose no token.
-                        await send_sse(response, self.chunk(obj, [{"index": i, "text": "", "logprobs": None,
-                                                                    "finish_reason": finish_reason(event.finish_reason)}]))
-                        usages[i] = event.usage
-            except StreamFailed as e:
-                await send_sse_error(response, str(e))
-                return
+            async for i, event in merge(streams):
+                raise_if_failed(event)
+                timer.tokens(len(event.token_ids))
+                lps = None
+                if k is not None and event.logprobs:
+                    lps = completion_logprobs(event.logprobs, k, offsets[i])
+                    offsets[i] += sum(len(lp.text) for lp in event.logprobs)
+                if event.text or lps:
+                    await send_sse(response, self.chunk(obj, [
+                        {"index": i, "text": event.text, "logprobs": lps, "finish_reason": None}]))
+                if event.finish_reason:
+                    # Its own chunk with empty text, as llama-server sends it: clients that read
+                    # text only while finish_reason is null lose no token.
+                    await send_sse(response, self.chunk(obj, [{"index": i, "text": "", "logprobs": None,
+                                                                "finish_reason": finish_reason(event.finish_reason)}]))
+                    usages[i] = event.usage
             await self.finish_stream(response, obj, usages)
 
         return await self.run_stream(streams, body)

@@ -32,7 +32,7 @@ from ...backends.base import SampledToken
 from ...batching.sequence import Sequence
 from ..local import STREAM_BUFFER_EVENTS, RequestStream, _Rates, post_events
 from ...protocol.engine import EngineStats, ModelInfo
-from ...errors import InvalidRequestError, OverloadedError, QueueFullError
+from ...errors import GenerationError, InvalidRequestError, LocalserveError, OverloadedError, QueueFullError, redact_paths
 from ...protocol.requests import LANES, GenerationRequest, Lane, check_request
 from .params import check_supported, turn_options
 from .vocab import OgaVocab
@@ -160,7 +160,7 @@ class OgaEngine:
                 self._deliver()
         except Exception:  # noqa: BLE001 - a failed run must not leave every stream hanging
             log.exception("%s: onnxruntime-genai engine failed", self.name)
-            self._finish_all("error", "the onnxruntime-genai engine failed while serving this request")
+            self._finish_all("error", GenerationError("the onnxruntime-genai engine failed while serving this request"))
         finally:
             self._finish_all("cancelled")
             self._deliver()
@@ -202,7 +202,7 @@ class OgaEngine:
                                              turn_options(self._og, og_request, seq.request))
             except Exception as e:  # noqa: BLE001 - OGA refused this request only
                 og_request.close()
-                self._finish(seq, "error", f"onnxruntime-genai refused the request: {e}"[:300])
+                self._finish(seq, "error", GenerationError(redact_paths(f"onnxruntime-genai refused the request: {e}")[:300]))
                 continue
             seq.t_scheduled = time.monotonic()
             self._live[id(og_request)] = (seq, og_request, turn)
@@ -238,7 +238,7 @@ class OgaEngine:
         t1 = time.monotonic()
         self._rates.step(t1, t1 - t0, decoded, prompts)
 
-    def _finish_reason(self, ev: Any) -> tuple[str, str | None]:
+    def _finish_reason(self, ev: Any) -> tuple[str, LocalserveError | None]:
         r = self._og.FinishReason
         reason = ev.finish_reason
         if reason in (r.EOS, r.STOP_STRING):
@@ -247,9 +247,9 @@ class OgaEngine:
             return "length", None
         if reason == r.CANCELLED:
             return "cancelled", None
-        return "error", f"onnxruntime-genai failed this request (error code {int(ev.error_code)})"
+        return "error", GenerationError(f"onnxruntime-genai failed this request (error code {int(ev.error_code)})")
 
-    def _drop(self, key: int, reason: str, error: str | None = None) -> None:
+    def _drop(self, key: int, reason: str, error: LocalserveError | None = None) -> None:
         """Finish the request and let go of its OGA request (cancelling a turn still running)."""
         seq, og_request, turn = self._live.pop(key)
         try:
@@ -259,14 +259,14 @@ class OgaEngine:
             log.debug("%s: closing a finished request failed", self.name, exc_info=True)
         self._finish(seq, reason, error)
 
-    def _finish(self, seq: Sequence, reason: str, error: str | None = None) -> None:
+    def _finish(self, seq: Sequence, reason: str, error: LocalserveError | None = None) -> None:
         if not seq.finished:
             seq.mark_finished(reason, error)  # type: ignore[arg-type]
             self._n_cancelled += reason == "cancelled"
             self._rates.finished(1)
             self._updates.append(seq)
 
-    def _finish_all(self, reason: str, error: str | None = None) -> None:
+    def _finish_all(self, reason: str, error: LocalserveError | None = None) -> None:
         for key in list(self._live):
             self._drop(key, reason, error)
         while self._inbox:

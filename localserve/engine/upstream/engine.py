@@ -169,7 +169,7 @@ class RemoteStream:
 
     def _fail(self, error: LocalserveError) -> None:
         if self._delivered:
-            self._queue.put_nowait(GenerationEvent(finish_reason="error", error=error.message))
+            self._queue.put_nowait(GenerationEvent(finish_reason="error", error=error))
         else:
             self._queue.put_nowait(error)
 

@@ -1,0 +1,49 @@
+"""One step's model work, as data: decode the plan's batch, then sample each row it asked for.
+
+The scheduler plans a step and reads its outcome; it never calls the model (as nano-vllm's
+scheduler never does, and vLLM v1's reads a ModelRunnerOutput). What can go wrong here is an
+outcome, not an exception the scheduler has to catch: the KV cache was full, a better lane's request
+interrupted a batch-lane step, the decode failed, or one request's sampler did (a grammar dead end
+fails only that request, with its own error).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from ..backends.base import Backend, DecodeInterrupted, KVFullError, SampledToken
+from ..batching.scheduler import StepPlan, StepResult
+from ..errors import BackendError, GenerationError, LocalserveError
+
+log = logging.getLogger(__name__)
+
+
+def run(backend: Backend, plan: StepPlan) -> StepResult:
+    started = time.perf_counter()
+    try:
+        backend.decode(plan.batch, interruptible=plan.interruptible)
+    except KVFullError:
+        return StepResult("kv_full")
+    except DecodeInterrupted:
+        return StepResult("interrupted", seconds=time.perf_counter() - started)
+    except Exception as e:  # noqa: BLE001 - one batch's failure fails its requests, not the engine
+        if isinstance(e, BackendError):  # expected failure mode: the message says enough
+            log.error("decode failed for %d requests: %s", len(plan.scheduled), e)
+        else:
+            log.exception("decode failed for %d requests", len(plan.scheduled))
+        return StepResult("failed")
+    seconds = time.perf_counter() - started
+    samples: list[SampledToken | LocalserveError | None] = []
+    for seq, row in plan.outputs:
+        if seq.cancelled:
+            samples.append(None)
+            continue
+        try:
+            samples.append(seq.sampler.sample(row))
+        except LocalserveError as e:  # one request's constraints left no token: it alone fails
+            samples.append(e)
+        except Exception:  # noqa: BLE001
+            log.exception("sampling failed for %s", seq.request_id)
+            samples.append(GenerationError("sampling failed"))
+    return StepResult("done", samples, seconds)
