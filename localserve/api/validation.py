@@ -254,11 +254,12 @@ def sampling_from(body: Body, *, n_vocab: int | None, seed: int | None, names: d
     return sampling.validate(n_vocab, param=lambda ours: body.param(key(ours)))
 
 
-def clamp_max_tokens(requested: int | None, prompt_tokens: int, n_ctx: int, param: str = "messages") -> int:
+def clamp_max_tokens(requested: int | None, prompt_tokens: int, n_ctx: int, param: str = "messages",
+                     whose: str = "this model's context") -> int:
     """Tokens the request may generate: what it asked for, cut to the context left after its prompt."""
     if prompt_tokens >= n_ctx:
         raise ContextLengthExceededError(
-            f"this model's context is {n_ctx} tokens; the prompt has {prompt_tokens} tokens, which leaves no room "
+            f"{whose} is {n_ctx} tokens; the prompt has {prompt_tokens} tokens, which leaves no room "
             "to generate. Shorten the prompt or the message history.",
             param=param,
         )

@@ -26,7 +26,9 @@ from ..api.errors import ClientGone, json_dumps, safe_message
 from ..api.generation import Clock, chat_template, check_tokens, collect, embed_texts, generation, is_token_list, merge, raise_if_failed, tokenize_async
 from .disconnect import guard_disconnect
 from .state import MANAGER_KEY, METRICS_KEY, SETTINGS_KEY, STORE_KEY
-from ..api.templates import ChatTemplate
+from ..api.ollama import details, show_body, version_body
+from ..runtime.manager import plan_model
+from ..store.cache import InstalledModel
 from ..api.tools import ToolCallStream, parse_tool_calls
 from ..api.validation import MAX_EMBED_INPUTS, Body, clamp_max_tokens, invalid, parse_json_format, parse_keep_alive, parse_lane, parse_messages, parse_seed, parse_stop, parse_tools, sampling_from
 from .body import read_json
@@ -60,7 +62,14 @@ def build_request(body: Body, request: web.Request, engine: ModelEngine | None, 
     """The engine request; with engine=None only checks the body (before a model is loaded for it)."""
     n_vocab, n_ctx = (engine.info.n_vocab, engine.n_ctx_per_seq) if engine else (None, 1 << 24)
     options = body.get_object("options") or Body({}, "options.")
-    options.get_int("num_ctx", None, lo=1, hi=1 << 24)  # validated; the context is fixed when the model loads
+    # The context is fixed when the model loads: clients that each send their own num_ctx
+    # (Continue, Cline, Aider, Zed) share one load instead of reloading it per request, as Ollama
+    # does. A request asking for less is kept within it; one asking for more gets the loaded
+    # context, and its final line says so (context_note).
+    num_ctx = options.get_int("num_ctx", None, lo=1, hi=1 << 24)
+    ctx_param, whose = "prompt", "this model's context"
+    if num_ctx is not None and num_ctx < n_ctx:
+        n_ctx, ctx_param, whose = num_ctx, "options.num_ctx", "the request's num_ctx"
     sampling = sampling_from(options, n_vocab=n_vocab, seed=parse_seed(options), names=_OLLAMA_NAMES)
     sampling.json_schema = parse_json_format(body.raw("format"), "format")
     sampling.constraint_param = "format"
@@ -69,10 +78,23 @@ def build_request(body: Body, request: web.Request, engine: ModelEngine | None, 
     return GenerationRequest(
         prompt_tokens=tokens,
         sampling=sampling,
-        max_tokens=clamp_max_tokens(requested, len(tokens), n_ctx, "prompt"),
+        max_tokens=clamp_max_tokens(requested, len(tokens), n_ctx, ctx_param, whose),
         stop=parse_stop(options.raw("stop"), "options.stop"),
         lane=parse_lane(body, request.headers.get("X-Priority"), "interactive" if interactive else "default"),
     )
+
+
+def context_note(body: Body, engine: ModelEngine) -> dict[str, Any]:
+    """For a request whose num_ctx is more than this model is served with: the context it got, and a
+    warning, on its final line (no client misreads an extra field; a silent cut would mislead)."""
+    options = body.get_object("options") or Body({}, "options.")
+    asked = options.get_int("num_ctx", None, lo=1, hi=1 << 24)
+    served = engine.n_ctx_per_seq
+    if asked is None or asked <= served:
+        return {}
+    return {"context_length": served,
+            "warning": f"num_ctx {asked} is more than this model is served with: the request got {served} tokens "
+                       "of context (setting context_length)"}
 
 
 def final_fields(clock: Clock, usage: Usage | None, reason: str | None) -> dict[str, Any]:
@@ -195,7 +217,8 @@ async def generate(request: web.Request) -> web.StreamResponse:
             def final(event: GenerationEvent) -> list[dict]:
                 _observe(request, name, event.usage)
                 return [{"model": name, "created_at": now_iso(), "response": "",
-                         **final_fields(clock, event.usage, event.finish_reason), "context": tokens + generated}]
+                         **final_fields(clock, event.usage, event.finish_reason), "context": tokens + generated,
+                         **context_note(body, run.engine)}]
 
             return await stream_lines(request, run.streams, line, final)
         (choice,) = await guard_disconnect(request, collect(run.streams))
@@ -203,6 +226,7 @@ async def generate(request: web.Request) -> web.StreamResponse:
     return web.json_response({
         "model": name, "created_at": now_iso(), "response": choice.text,
         **final_fields(clock, choice.usage, choice.finish_reason), "context": tokens + choice.token_ids,
+        **context_note(body, run.engine),
     }, dumps=json_dumps)
 
 
@@ -249,7 +273,7 @@ async def chat(request: web.Request) -> web.StreamResponse:
                             message["tool_calls"] = [c.ollama() for c in calls]
                         lines.append({"model": name, "created_at": now_iso(), "message": message, "done": False})
                 lines.append({"model": name, "created_at": now_iso(), "message": {"role": "assistant", "content": ""},
-                              **final_fields(clock, event.usage, event.finish_reason)})
+                              **final_fields(clock, event.usage, event.finish_reason), **context_note(body, run.engine)})
                 return lines
 
             return await stream_lines(request, run.streams, line, final)
@@ -260,7 +284,8 @@ async def chat(request: web.Request) -> web.StreamResponse:
     if calls:
         message["tool_calls"] = [c.ollama() for c in calls]
     return web.json_response({"model": name, "created_at": now_iso(), "message": message,
-                              **final_fields(clock, choice.usage, choice.finish_reason)}, dumps=json_dumps)
+                              **final_fields(clock, choice.usage, choice.finish_reason),
+                              **context_note(body, run.engine)}, dumps=json_dumps)
 
 
 # --- embeddings ----------------------------------------------------------------------------------
@@ -306,26 +331,6 @@ async def embeddings_legacy(request: web.Request) -> web.Response:
     return web.json_response({"embedding": vector}, dumps=json_dumps)
 
 
-# --- models --------------------------------------------------------------------------------------
-def parameter_size(n_params: Any) -> str:
-    if not isinstance(n_params, (int, float)) or n_params <= 0:
-        return ""
-    return f"{n_params / 1e9:.1f}B" if n_params >= 1e9 else f"{n_params / 1e6:.0f}M"
-
-
-def details(model: Any) -> dict[str, Any]:
-    facts = model.facts
-    arch = facts.get("architecture") or ""
-    return {
-        "parent_model": "",
-        "format": model.format,
-        "family": arch,
-        "families": [arch] if arch else [],
-        "parameter_size": parameter_size(facts.get("n_params")),
-        "quantization_level": model.quant or facts.get("quant") or "",
-    }
-
-
 def tag_entry(model: Any) -> dict[str, Any]:
     return {"name": model.ref, "model": model.ref, "modified_at": now_iso(model.modified), "size": model.size,
             "digest": model.sha256 or "", "details": details(model)}
@@ -354,35 +359,17 @@ async def tags(request: web.Request) -> web.Response:
 async def show(request: web.Request) -> web.Response:
     body = await read_json(request)
     model = await asyncio.to_thread(request.app[STORE_KEY].find, model_name(body))
-    facts = model.facts
-    arch = facts.get("architecture") or "unknown"
-    template = facts.get("chat_template") or ""
-    capabilities = ["completion"]
-    if template and ChatTemplate(template).supports_tools:
-        capabilities.append("tools")
-    info = {
-        "general.architecture": arch,
-        "general.parameter_count": facts.get("n_params"),
-        "general.file_type": facts.get("file_type_id"),
-        f"{arch}.context_length": facts.get("context_length"),
-        f"{arch}.embedding_length": facts.get("n_embd"),
-        f"{arch}.block_count": facts.get("n_layers"),
-        f"{arch}.attention.head_count": facts.get("n_heads"),
-        f"{arch}.attention.head_count_kv": facts.get("n_kv_heads"),
-        "tokenizer.ggml.model": facts.get("tokenizer_model"),
-        "tokenizer.ggml.vocab_size": facts.get("vocab_size"),
-    }
-    return web.json_response({
-        # A Modelfile naming the model, never its path on this machine.
-        "modelfile": f"# Modelfile generated by localserve\nFROM {model.ref}\n",
-        "parameters": "",
-        "template": template,
-        "license": facts.get("license") or "",
-        "details": details(model),
-        "model_info": {k: v for k, v in info.items() if v is not None},
-        "capabilities": capabilities,
-        "modified_at": now_iso(model.modified),
-    }, dumps=json_dumps)
+    served = await served_context(request, model)
+    return web.json_response(show_body(model, served, now_iso(model.modified)), dumps=json_dumps)
+
+
+async def served_context(request: web.Request, model: InstalledModel) -> int:
+    """Tokens of prompt and answer one request gets: the loaded engine's, else what a load plans."""
+    for row in request.app[MANAGER_KEY].status():
+        if row.get("name") == model.ref and row.get("context_length"):
+            return int(row["context_length"])
+    plan = await asyncio.to_thread(plan_model, model, request.app[SETTINGS_KEY])
+    return plan.limits.n_ctx_seq
 
 
 @routes.get("/api/ps")
@@ -427,4 +414,4 @@ async def delete(request: web.Request) -> web.Response:
 
 @routes.get("/api/version")
 async def version(request: web.Request) -> web.Response:
-    return web.json_response({"version": __version__})
+    return web.json_response(version_body(__version__))
