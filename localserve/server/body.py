@@ -1,17 +1,11 @@
-"""Bounded reception of request bodies: size, time, and the shape of the JSON in them.
+"""Bounded reception of request bodies: size and time (the shape of the JSON is api/json_body.py's).
 
 One client must not be able to stall or crash the daemon with its body:
 - a declared `Content-Length` above `max_body_bytes` is refused with 413 by a middleware before a
   byte of the body is read (aiohttp itself only notices once it has read `client_max_size` bytes,
   so a client that declares 1 TB and sends nothing would wait forever for an answer);
 - the body must arrive within `body_timeout` seconds (408), so a half-sent body cannot hold a
-  handler, and the model it was about to pin, indefinitely;
-- JSON nested deeper than MAX_JSON_DEPTH is refused (400) before it is parsed: `json.loads` and
-  every later walk over the data (schema compilers, templates, `json.dumps`) recurse per level,
-  and a RecursionError deep inside one of them would be a 500;
-- an integer literal longer than MAX_INT_DIGITS is refused (400): Python refuses to convert one
-  over 4300 digits with a ValueError (sys.set_int_max_str_digits), and shorter ones still cost
-  quadratic time to convert while no field of either API needs more than 20 digits.
+  handler, and the model it was about to pin, indefinitely.
 
 Both refusals of a half-received body close the connection: the unread rest of it would otherwise
 be taken for the next request.
