@@ -1,5 +1,6 @@
-"""Ollama's dialect without HTTP: what /api/show, /api/tags and /api/version answer, as the editor
-plugins read them.
+"""Ollama's dialect without HTTP: a body's fields into an engine request, the final line's fields,
+and what /api/show, /api/tags and /api/version answer, as the editor plugins read them. The routes
+(server/ollama_routes.py) add reading the body, NDJSON and the connection watch.
 
 The plugins decide from these answers whether to use a model at all (clients-and-anchors notes,
 section 4): GitHub Copilot's Ollama provider refuses a server whose /api/version is not numeric and
@@ -11,14 +12,23 @@ that sized its prompts by the training context would have them refused or cut.
 
 from __future__ import annotations
 
+import datetime as dt
+import time
 from typing import Any
 
+from ..protocol.engine import ModelEngine
+from ..protocol.requests import GenerationRequest, Usage
 from ..store.cache import InstalledModel
+from .generation import Clock
 from .templates import ChatTemplate
+from .validation import (Body, clamp_max_tokens, invalid, parse_json_format, parse_lane, parse_seed, parse_stop,
+                         sampling_from)
 
 # The Ollama release whose /api/* behaviour this dialect matches (the routes, fields and NDJSON of
 # chat, generate, embed, tags, show, ps, pull, delete). Our own version is answered beside it.
 OLLAMA_API_VERSION = "0.9.0"
+FOREVER = "9999-12-31T23:59:59Z"  # expires_at of a model kept loaded for good (keep_alive < 0)
+_OLLAMA_NAMES = {"penalty_last_n": "repeat_last_n"}  # our sampling field -> Ollama's option name
 # Chat templates that let a model reason before it answers (Qwen3, DeepSeek-R1 and their kin).
 _THINKING_MARKS = ("<think>", "enable_thinking", "reasoning_content")
 
@@ -88,3 +98,87 @@ def details(model: Any) -> dict[str, Any]:
         "parameter_size": parameter_size(facts.get("n_params")),
         "quantization_level": model.quant or facts.get("quant") or "",
     }
+
+
+def now_iso(epoch: float | None = None) -> str:
+    try:
+        t = dt.datetime.fromtimestamp(time.time() if epoch is None else epoch, dt.timezone.utc)
+    except (OverflowError, ValueError, OSError):
+        return FOREVER  # past year 9999: a keep_alive of 1e12 seconds expires never, not with a 500
+    return t.isoformat(timespec="microseconds").replace("+00:00", "Z")
+
+
+def model_name(body: Body) -> str:
+    # "name" is the field of older Ollama clients.
+    name = body.get_str("model", None, max_len=512) or body.get_str("name", None, max_len=512)
+    if not name:
+        raise invalid("'model' is required", "model")
+    return name
+
+
+def build_request(body: Body, priority: str | None, engine: ModelEngine | None, tokens: list[int], *,
+                  interactive: bool) -> GenerationRequest:
+    """The engine request; with engine=None only checks the body (before a model is loaded for it)."""
+    n_vocab, n_ctx = (engine.info.n_vocab, engine.n_ctx_per_seq) if engine else (None, 1 << 24)
+    options = body.get_object("options") or Body({}, "options.")
+    # The context is fixed when the model loads: clients that each send their own num_ctx
+    # (Continue, Cline, Aider, Zed) share one load instead of reloading it per request, as Ollama
+    # does. A request asking for less is kept within it; one asking for more gets the loaded
+    # context, and its final line says so (context_note).
+    num_ctx = options.get_int("num_ctx", None, lo=1, hi=1 << 24)
+    ctx_param, whose = "prompt", "this model's context"
+    if num_ctx is not None and num_ctx < n_ctx:
+        n_ctx, ctx_param, whose = num_ctx, "options.num_ctx", "the request's num_ctx"
+    sampling = sampling_from(options, n_vocab=n_vocab, seed=parse_seed(options), names=_OLLAMA_NAMES)
+    sampling.json_schema = parse_json_format(body.raw("format"), "format")
+    sampling.constraint_param = "format"
+    num_predict = options.get_int("num_predict", None, lo=-2, hi=(1 << 63) - 1)
+    requested = None if num_predict is None or num_predict <= 0 else num_predict  # -1 / -2: to the context's end
+    return GenerationRequest(
+        prompt_tokens=tokens,
+        sampling=sampling,
+        max_tokens=clamp_max_tokens(requested, len(tokens), n_ctx, ctx_param, whose),
+        stop=parse_stop(options.raw("stop"), "options.stop"),
+        lane=parse_lane(body, priority, "interactive" if interactive else "default"),
+    )
+
+
+def context_note(body: Body, engine: ModelEngine) -> dict[str, Any]:
+    """For a request whose num_ctx is more than this model is served with: the context it got, and a
+    warning, on its final line (no client misreads an extra field; a silent cut would mislead)."""
+    options = body.get_object("options") or Body({}, "options.")
+    asked = options.get_int("num_ctx", None, lo=1, hi=1 << 24)
+    served = engine.n_ctx_per_seq
+    if asked is None or asked <= served:
+        return {}
+    return {"context_length": served,
+            "warning": f"num_ctx {asked} is more than this model is served with: the request got {served} tokens "
+                       "of context (setting context_length)"}
+
+
+def final_fields(clock: Clock, usage: Usage | None, reason: str | None) -> dict[str, Any]:
+    prompt_ns = int(max(0.0, usage.ttft_s - usage.queue_s) * 1e9) if usage else 0
+    eval_ns = int(max(0.0, usage.total_s - usage.ttft_s) * 1e9) if usage else 0
+    return {
+        "done": True,
+        "done_reason": "length" if reason == "length" else "stop",
+        "total_duration": clock.since_start_ns(),
+        "load_duration": clock.load_ns(),
+        "prompt_eval_count": usage.prompt_tokens if usage else 0,
+        "prompt_eval_duration": prompt_ns,
+        "eval_count": usage.completion_tokens if usage else 0,
+        "eval_duration": eval_ns,
+    }
+
+
+def tag_entry(model: Any) -> dict[str, Any]:
+    return {"name": model.ref, "model": model.ref, "modified_at": now_iso(model.modified), "size": model.size,
+            "digest": model.sha256 or "", "details": details(model)}
+
+
+def remote_tag(name: str, upstreams: list[str]) -> dict[str, Any]:
+    # Ollama marks its cloud models with remote_model / remote_host; ours name the upstream.
+    return {"name": name, "model": name, "modified_at": now_iso(0), "size": 0, "digest": "",
+            "details": {"format": "remote", "family": "", "families": [], "parameter_size": "",
+                        "quantization_level": ""},
+            "remote_model": name, "remote_host": ",".join(upstreams)}

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import datetime as dt
 import logging
 import time
 from typing import Any, Callable
@@ -25,101 +24,18 @@ from ..protocol.requests import GenerationEvent, GenerationRequest, Usage
 from ..api.errors import ClientGone, json_dumps, safe_message
 from ..api.generation import Clock, chat_template, check_tokens, collect, embed_texts, generation, is_token_list, merge, raise_if_failed, tokenize_async
 from .disconnect import guard_disconnect
+from .ndjson import open_ndjson, send_line
 from .state import MANAGER_KEY, METRICS_KEY, SETTINGS_KEY, STORE_KEY
-from ..api.ollama import details, show_body, version_body
+from ..api.ollama import (FOREVER, build_request, context_note, details, final_fields, model_name, now_iso, remote_tag,
+                          show_body, tag_entry, version_body)
 from ..runtime.manager import plan_model
 from ..store.cache import InstalledModel
 from ..api.tools import ToolCallStream, parse_tool_calls
-from ..api.validation import MAX_EMBED_INPUTS, Body, clamp_max_tokens, invalid, parse_json_format, parse_keep_alive, parse_lane, parse_messages, parse_seed, parse_stop, parse_tools, sampling_from
+from ..api.validation import MAX_EMBED_INPUTS, invalid, parse_keep_alive, parse_messages, parse_tools
 from .body import read_json
 
 routes = web.RouteTableDef()
 log = logging.getLogger("localserve.server")
-
-NDJSON = "application/x-ndjson"
-FOREVER = "9999-12-31T23:59:59Z"
-_OLLAMA_NAMES = {"penalty_last_n": "repeat_last_n"}
-
-
-def now_iso(epoch: float | None = None) -> str:
-    try:
-        t = dt.datetime.fromtimestamp(time.time() if epoch is None else epoch, dt.timezone.utc)
-    except (OverflowError, ValueError, OSError):
-        return FOREVER  # past year 9999: a keep_alive of 1e12 seconds expires never, not with a 500
-    return t.isoformat(timespec="microseconds").replace("+00:00", "Z")
-
-
-def model_name(body: Body) -> str:
-    # "name" is the field of older Ollama clients.
-    name = body.get_str("model", None, max_len=512) or body.get_str("name", None, max_len=512)
-    if not name:
-        raise invalid("'model' is required", "model")
-    return name
-
-
-def build_request(body: Body, request: web.Request, engine: ModelEngine | None, tokens: list[int], *,
-                  interactive: bool) -> GenerationRequest:
-    """The engine request; with engine=None only checks the body (before a model is loaded for it)."""
-    n_vocab, n_ctx = (engine.info.n_vocab, engine.n_ctx_per_seq) if engine else (None, 1 << 24)
-    options = body.get_object("options") or Body({}, "options.")
-    # The context is fixed when the model loads: clients that each send their own num_ctx
-    # (Continue, Cline, Aider, Zed) share one load instead of reloading it per request, as Ollama
-    # does. A request asking for less is kept within it; one asking for more gets the loaded
-    # context, and its final line says so (context_note).
-    num_ctx = options.get_int("num_ctx", None, lo=1, hi=1 << 24)
-    ctx_param, whose = "prompt", "this model's context"
-    if num_ctx is not None and num_ctx < n_ctx:
-        n_ctx, ctx_param, whose = num_ctx, "options.num_ctx", "the request's num_ctx"
-    sampling = sampling_from(options, n_vocab=n_vocab, seed=parse_seed(options), names=_OLLAMA_NAMES)
-    sampling.json_schema = parse_json_format(body.raw("format"), "format")
-    sampling.constraint_param = "format"
-    num_predict = options.get_int("num_predict", None, lo=-2, hi=(1 << 63) - 1)
-    requested = None if num_predict is None or num_predict <= 0 else num_predict  # -1 / -2: to the context's end
-    return GenerationRequest(
-        prompt_tokens=tokens,
-        sampling=sampling,
-        max_tokens=clamp_max_tokens(requested, len(tokens), n_ctx, ctx_param, whose),
-        stop=parse_stop(options.raw("stop"), "options.stop"),
-        lane=parse_lane(body, request.headers.get("X-Priority"), "interactive" if interactive else "default"),
-    )
-
-
-def context_note(body: Body, engine: ModelEngine) -> dict[str, Any]:
-    """For a request whose num_ctx is more than this model is served with: the context it got, and a
-    warning, on its final line (no client misreads an extra field; a silent cut would mislead)."""
-    options = body.get_object("options") or Body({}, "options.")
-    asked = options.get_int("num_ctx", None, lo=1, hi=1 << 24)
-    served = engine.n_ctx_per_seq
-    if asked is None or asked <= served:
-        return {}
-    return {"context_length": served,
-            "warning": f"num_ctx {asked} is more than this model is served with: the request got {served} tokens "
-                       "of context (setting context_length)"}
-
-
-def final_fields(clock: Clock, usage: Usage | None, reason: str | None) -> dict[str, Any]:
-    prompt_ns = int(max(0.0, usage.ttft_s - usage.queue_s) * 1e9) if usage else 0
-    eval_ns = int(max(0.0, usage.total_s - usage.ttft_s) * 1e9) if usage else 0
-    return {
-        "done": True,
-        "done_reason": "length" if reason == "length" else "stop",
-        "total_duration": clock.since_start_ns(),
-        "load_duration": clock.load_ns(),
-        "prompt_eval_count": usage.prompt_tokens if usage else 0,
-        "prompt_eval_duration": prompt_ns,
-        "eval_count": usage.completion_tokens if usage else 0,
-        "eval_duration": eval_ns,
-    }
-
-
-async def open_ndjson(request: web.Request) -> web.StreamResponse:
-    response = web.StreamResponse(headers={"Content-Type": NDJSON, "Cache-Control": "no-cache"})
-    await response.prepare(request)
-    return response
-
-
-async def send_line(response: web.StreamResponse, data: Any) -> None:
-    await response.write((json_dumps(data) + "\n").encode("utf-8"))
 
 
 async def stream_lines(request: web.Request, streams: list[EventStream],
@@ -188,7 +104,7 @@ async def generate(request: web.Request) -> web.StreamResponse:
         return await load_only(request, model, keep_alive, {"response": ""})
     if context and not is_token_list(context):
         raise invalid("'context' must be an array of token ids", "context")
-    build_request(body, request, None, [], interactive=False)  # bad options fail before any model load
+    build_request(body, request.headers.get("X-Priority"), None, [], interactive=False)  # bad options fail before any model load
 
     async def prepare(engine: ModelEngine) -> list[GenerationRequest]:
         if raw:
@@ -200,7 +116,7 @@ async def generate(request: web.Request) -> web.StreamResponse:
         # A continuation of `context`: the earlier turn already began with BOS.
         earlier = check_tokens(context, engine.info.n_vocab, "context") if context else []
         tokens = earlier + await tokenize_async(engine, text, template, add_special=not context)
-        return [build_request(body, request, engine, tokens, interactive=False)]
+        return [build_request(body, request.headers.get("X-Priority"), engine, tokens, interactive=False)]
 
     clock = Clock()
     async with generation(request.app[MANAGER_KEY], model, keep_alive, prepare, clock) as run:
@@ -241,13 +157,13 @@ async def chat(request: web.Request) -> web.StreamResponse:
         return await load_only(request, model, keep_alive, {"message": {"role": "assistant", "content": ""}})
     messages = parse_messages(raw_messages)
     tools = parse_tools(body.raw("tools"))
-    build_request(body, request, None, [], interactive=stream)  # bad options fail before any model load
+    build_request(body, request.headers.get("X-Priority"), None, [], interactive=stream)  # bad options fail before any model load
 
     async def prepare(engine: ModelEngine) -> list[GenerationRequest]:
         template = chat_template(engine)
         prompt = await template.render_async(messages, tools=tools or None)
         tokens = await tokenize_async(engine, prompt, template)
-        return [build_request(body, request, engine, tokens, interactive=stream)]
+        return [build_request(body, request.headers.get("X-Priority"), engine, tokens, interactive=stream)]
 
     clock = Clock()
     async with generation(request.app[MANAGER_KEY], model, keep_alive, prepare, clock) as run:
@@ -329,19 +245,6 @@ async def embeddings_legacy(request: web.Request) -> web.Response:
         _, (vector,) = await guard_disconnect(request, embed_texts(
             loaded.engine, [prompt], truncate=True, param="prompt", max_tokens=_embed_budget(request)))
     return web.json_response({"embedding": vector}, dumps=json_dumps)
-
-
-def tag_entry(model: Any) -> dict[str, Any]:
-    return {"name": model.ref, "model": model.ref, "modified_at": now_iso(model.modified), "size": model.size,
-            "digest": model.sha256 or "", "details": details(model)}
-
-
-def remote_tag(name: str, upstreams: list[str]) -> dict[str, Any]:
-    # Ollama marks its cloud models with remote_model / remote_host; ours name the upstream.
-    return {"name": name, "model": name, "modified_at": now_iso(0), "size": 0, "digest": "",
-            "details": {"format": "remote", "family": "", "families": [], "parameter_size": "",
-                        "quantization_level": ""},
-            "remote_model": name, "remote_host": ",".join(upstreams)}
 
 
 @routes.get("/api/tags")

@@ -33,7 +33,8 @@ from ..protocol.progress import PullEvent
 from ..pull.policy import UrlPolicy, is_direct_link
 from ..api.errors import ClientGone
 from .disconnect import guard_disconnect
-from .ollama_routes import model_name, open_ndjson, send_line
+from .ndjson import open_ndjson, send_line
+from ..api.ollama import model_name
 from .state import SETTINGS_KEY
 from .body import read_json
 
