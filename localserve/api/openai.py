@@ -40,6 +40,7 @@ from .generation import (
     tokenize_async,
     with_seed_offset,
 )
+from .fim import fim_prompt
 from .metrics import Metrics
 from .tools import forced_call_schema, parse_tool_calls
 from .validation import (
@@ -66,6 +67,7 @@ if TYPE_CHECKING:
 
 SYSTEM_FINGERPRINT = f"localserve-{__version__}"
 MAX_TOKENS_LIMIT = (1 << 63) - 1  # bigger asks are clamped to the context left, not refused
+MAX_FIM_CHARS = 1 << 20  # a suffix as long as a prompt may be; the context cuts it further
 MIN_LOGPROB = -9999.0  # JSON has no -inf; OpenAI clients expect a number
 CHAT_PREFIX, COMPLETION_PREFIX = "chatcmpl", "cmpl"  # of response ids
 
@@ -124,7 +126,9 @@ def parse_options(body: Body, env: ApiEnv, *, chat: bool) -> Options:
         seed=parse_seed(body),
         logprobs=logprobs,
         json_schema=parse_json_format(body.raw("response_format"), "response_format"),
-        lane=parse_lane(body, env.priority_header, "interactive" if (chat and stream) else "default"),
+        # A streamed chat and a fill-in-the-middle (someone typing waits on it) are interactive.
+        lane=parse_lane(body, env.priority_header,
+                        "interactive" if (chat and stream) or body.raw("suffix") is not None else "default"),
         keep_alive=parse_keep_alive(body.raw("keep_alive")),
     )
     build_request(body, options, None, [1])  # sampling fields fail here, before any model load
@@ -309,10 +313,16 @@ class CompletionCall:
     opts: Options
     prompts: list[str | list[int]]
     echoes: list[str]  # per prompt: the text to echo before its completion ("" = none)
+    suffix: str | None = None  # fill-in-the-middle: the text after the cursor; each prompt is before it
 
     async def prepare(self, engine: ModelEngine) -> list[GenerationRequest]:
         requests = []
         for p in self.prompts:
+            if self.suffix is not None:
+                tokens = self._fim_tokens(engine, p)
+                base = build_request(self.body, self.opts, engine, tokens, param="prompt")
+                requests.extend(with_seed_offset(base, i) for i in range(self.opts.n))
+                continue
             if isinstance(engine, TextEngine):
                 base = text_request(self.body, self.opts, TextPrompt("completion", prompt=p))
                 requests.extend(with_seed_offset(base, i) for i in range(self.opts.n))
@@ -328,18 +338,29 @@ class CompletionCall:
         return requests
 
 
+    def _fim_tokens(self, engine: ModelEngine, prefix: str | list[int]) -> list[int]:
+        if isinstance(engine, TextEngine):
+            raise invalid("fill-in-the-middle ('suffix') is served for local models only", "suffix")
+        assert isinstance(prefix, str)  # parse_completion refuses token prompts with a suffix
+        room = min(self.opts.max_tokens or 16, engine.n_ctx_per_seq // 2)  # what the answer may take
+        return fim_prompt(engine, self.opts.model, prefix, self.suffix or "", budget=engine.n_ctx_per_seq - room).tokens
+
+
 def parse_completion(body: Body, env: ApiEnv) -> CompletionCall:
     opts = parse_options(body, env, chat=False)
     prompts = parse_text_or_tokens(body.raw("prompt"), "prompt", MAX_PROMPTS)
-    if body.has("suffix"):
-        raise invalid("'suffix' (fill-in-the-middle) is not supported", "suffix")
+    suffix = body.get_str("suffix", None, max_len=MAX_FIM_CHARS) if body.raw("suffix") is not None else None
+    if suffix is not None and any(not isinstance(p, str) for p in prompts):
+        raise invalid("fill-in-the-middle ('suffix') takes a text prompt", "prompt")
     best_of = body.get_int("best_of", None, lo=1, hi=opts.n)
     if best_of is not None and best_of != opts.n:
         raise invalid("'best_of' must equal 'n' (server-side ranking is not supported)", "best_of")
     echo = body.get_bool("echo", False)
     if echo and (opts.logprobs is not None or any(not isinstance(p, str) for p in prompts)):
         raise invalid("'echo' is supported with text prompts and without 'logprobs'", "echo")
-    return CompletionCall(body, opts, prompts, [p if echo and isinstance(p, str) else "" for p in prompts])
+    if echo and suffix is not None:
+        raise invalid("'echo' and 'suffix' cannot be combined", "echo")
+    return CompletionCall(body, opts, prompts, [p if echo and isinstance(p, str) else "" for p in prompts], suffix)
 
 
 def completion_response(call: CompletionCall, head: Head, choices: Sequence[Choice]) -> dict[str, Any]:

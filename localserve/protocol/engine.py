@@ -32,6 +32,9 @@ class ModelInfo:
     bos_token: str | None
     eos_token: str | None
     metadata: dict[str, Any] = field(default_factory=dict)
+    # The model's fill-in-the-middle tokens by role ("pre", "suf", "mid", and where it has them
+    # "pad", "rep", "sep"), as llama.cpp names them; empty for a model that has none.
+    fim_tokens: dict[str, int] = field(default_factory=dict)
     # Where it runs, as the backend loaded it (not as planned): layers on the GPU (llama.cpp counts
     # the output layer as one) out of those it could offload, and the device memory its buffers
     # took. All 0 on the CPU and for engines that cannot say.

@@ -26,9 +26,10 @@ from ..api.generation import Clock, chat_template, check_tokens, collect, embed_
 from .disconnect import guard_disconnect
 from .ndjson import open_ndjson, send_line
 from .state import MANAGER_KEY, METRICS_KEY, SETTINGS_KEY, STORE_KEY
-from ..api.ollama import (FOREVER, build_request, context_note, details, final_fields, model_name, now_iso, remote_tag,
-                          show_body, tag_entry, version_body)
+from ..api.ollama import (FOREVER, build_request, context_note, details, final_fields, fim_request_tokens, model_name,
+                          now_iso, remote_tag, show_body, tag_entry, version_body)
 from ..runtime.manager import plan_model
+from ..runtime.model_facts import fim_capable
 from ..store.cache import InstalledModel
 from ..api.tools import ToolCallStream, parse_tool_calls
 from ..api.validation import MAX_EMBED_INPUTS, invalid, parse_keep_alive, parse_messages, parse_tools
@@ -96,17 +97,21 @@ async def generate(request: web.Request) -> web.StreamResponse:
     context = body.get_list("context", max_items=1 << 22) or []
     if body.get_list("images", max_items=64):
         raise invalid("this server does not support image input", "images")
-    if body.get_str("suffix", None):
-        raise invalid("'suffix' (fill-in-the-middle) is not supported", "suffix")
+    suffix = body.get_str("suffix", None)  # fill-in-the-middle: the prompt is the text before the cursor
     if body.get_str("template", None):
         raise invalid("a custom 'template' is not supported; the model's own chat template is used", "template")
-    if not prompt and not context:
+    if not prompt and not context and suffix is None:
         return await load_only(request, model, keep_alive, {"response": ""})
+    if suffix is not None and context:
+        raise invalid("'suffix' (fill-in-the-middle) cannot continue a 'context'", "suffix")
     if context and not is_token_list(context):
         raise invalid("'context' must be an array of token ids", "context")
     build_request(body, request.headers.get("X-Priority"), None, [], interactive=False)  # bad options fail before any model load
 
     async def prepare(engine: ModelEngine) -> list[GenerationRequest]:
+        if suffix is not None:  # someone typing waits on it: interactive unless the client says otherwise
+            tokens = fim_request_tokens(body, engine, model, prompt, suffix)
+            return [build_request(body, request.headers.get("X-Priority"), engine, tokens, interactive=True)]
         if raw:
             text, template = prompt, None
         else:
@@ -263,7 +268,8 @@ async def show(request: web.Request) -> web.Response:
     body = await read_json(request)
     model = await asyncio.to_thread(request.app[STORE_KEY].find, model_name(body))
     served = await served_context(request, model)
-    return web.json_response(show_body(model, served, now_iso(model.modified)), dumps=json_dumps)
+    fim = await asyncio.to_thread(fim_capable, model)
+    return web.json_response(show_body(model, served, now_iso(model.modified), fim), dumps=json_dumps)
 
 
 async def served_context(request: web.Request, model: InstalledModel) -> int:

@@ -26,6 +26,7 @@ from ..protocol.requests import Usage
 from ..api.errors import ClientGone, json_dumps, openai_error_body, openai_exception_body
 from ..api.generation import UsageTotals, merge, raise_if_failed
 from .disconnect import guard_disconnect
+from .sse import open_sse, send_sse
 from ..api.openai import (
     CHAT_PREFIX,
     COMPLETION_PREFIX,
@@ -57,19 +58,6 @@ def api_env(request: web.Request) -> ApiEnv:
     return ApiEnv(app[SETTINGS_KEY], app[MANAGER_KEY], app[METRICS_KEY], request.headers.get("X-Priority"))
 
 
-# --- SSE -----------------------------------------------------------------------------------------
-async def open_sse(request: web.Request) -> web.StreamResponse:
-    response = web.StreamResponse(
-        headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
-    )
-    await response.prepare(request)
-    return response
-
-
-async def send_sse(response: web.StreamResponse, data: Any) -> None:
-    await response.write(f"data: {json_dumps(data)}\n\n".encode("utf-8"))
-
-
 # --- chat and completions ------------------------------------------------------------------------
 @routes.post("/v1/chat/completions")
 async def chat_completions(request: web.Request) -> web.StreamResponse:
@@ -82,6 +70,8 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
 
 
 @routes.post("/v1/completions")
+@routes.post("/v1/fim/completions")  # Continue's OpenAI provider posts FIM here ({apiBase}/fim/completions)
+@routes.post("/fim/completions")
 async def completions(request: web.Request) -> web.StreamResponse:
     env = api_env(request)
     call = parse_completion(await read_json(request), env)

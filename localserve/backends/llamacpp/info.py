@@ -29,7 +29,18 @@ def read_model_info(model, vocab, path: Path, *, n_vocab: int, n_embd: int) -> M
         bos_token=_special_text(vocab, llama_cpp.llama_vocab_bos(vocab)),
         eos_token=_special_text(vocab, llama_cpp.llama_vocab_eos(vocab)),
         metadata=meta,
+        fim_tokens=fim_tokens(vocab),
     )
+
+
+FIM_ROLES = ("pre", "suf", "mid", "pad", "rep", "sep")
+
+
+def fim_tokens(vocab) -> dict[str, int]:
+    """llama.cpp's FIM tokens: from the GGUF's tokenizer.ggml.fim_*_token_id, or found by their
+    text (<fim_prefix>, <|fim_prefix|>, <PRE>, ...) when the converter wrote none."""
+    found = {role: getattr(llama_cpp, f"llama_vocab_fim_{role}")(vocab) for role in FIM_ROLES}
+    return {role: int(t) for role, t in found.items() if t is not None and t >= 0}
 
 
 def _special_text(vocab, token: int) -> str | None:

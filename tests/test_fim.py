@@ -1,0 +1,138 @@
+"""Fill-in-the-middle on every route the editor plugins call (issue 23, item 1), on the real model.
+
+No small GGUF with FIM tokens ships in a package these machines can reach, and SmolLM2 names none
+(llama.cpp finds only its <reponame>). So the test model is SmolLM2 copied with llama.cpp's FIM
+metadata keys pointing at special tokens it has (its StarCoder-style <file_sep> and <reponame> are
+the real repo-level ones): the prompt assembly, the routes, the cache and the refusals are what is
+tested; the completions themselves are whatever SmolLM2 makes of that layout.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from server_harness import MODEL, model_server
+
+pytestmark = pytest.mark.model
+FIM_IDS = {"pre": 11, "suf": 12, "mid": 13, "rep": 4, "sep": 5}  # <jupyter_start> ... <reponame> <file_sep>
+PREFIX = "def add(a, b):\n    "
+SUFFIX = "\n\nprint(add(1, 2))\n"
+
+
+@pytest.fixture(scope="module")
+def fim_gguf(smollm2_gguf: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    import gguf
+    from gguf.scripts.gguf_new_metadata import MetadataDetails, copy_with_new_metadata
+
+    out = tmp_path_factory.mktemp("fim") / "smollm2-fim.gguf"
+    reader = gguf.GGUFReader(smollm2_gguf, "r")
+    arch = reader.get_field(gguf.Keys.General.ARCHITECTURE).contents()
+    writer = gguf.GGUFWriter(out, arch=arch, endianess=reader.endianess)
+    new = {f"tokenizer.ggml.fim_{role}_token_id": MetadataDetails(gguf.GGUFValueType.UINT32, token)
+           for role, token in FIM_IDS.items()}
+    copy_with_new_metadata(reader, writer, new, [])
+    return out
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory, fim_gguf: Path, smollm2_gguf: Path):
+    from localserve.store.cache import ModelStore
+
+    with model_server(tmp_path_factory.mktemp("home"), fim_gguf) as live:
+        ModelStore(live.settings).register_local(smollm2_gguf, "plain", "latest")
+        yield live
+
+
+def engine_of(server, ref: str = f"{MODEL}:Q4_1"):
+    async def get():
+        async with server.manager.use(ref) as loaded:
+            return loaded.engine
+
+    return server.call(get())
+
+
+def test_the_prompt_is_the_models_own_layout(server) -> None:
+    from localserve.api.fim import fim_prompt
+
+    engine = engine_of(server)
+    assert {k: engine.info.fim_tokens[k] for k in FIM_IDS} == FIM_IDS
+    tok = lambda text: list(engine.tokenize(text, add_special=False))  # noqa: E731
+    bos = list(engine.tokenize("", add_special=True))
+    plain = fim_prompt(engine, MODEL, PREFIX, SUFFIX, budget=512)
+    assert plain.tokens == bos + [11] + tok(PREFIX) + [12] + tok(SUFFIX) + [13] and not plain.truncated
+    extra = fim_prompt(engine, MODEL, PREFIX, SUFFIX, budget=512, extra=[("util.py", "X = 1\n")], middle="return")
+    assert extra.tokens == (bos + [4] + tok("myproject\n") + [5] + tok("util.py\n") + tok("X = 1\n") + [5]
+                            + tok("filename\n") + [11] + tok(PREFIX) + [12] + tok(SUFFIX) + [13] + tok("return"))
+    # Cut to fit: the prefix keeps its end (next to the cursor), the suffix its start.
+    long_prefix = "x = 1\n" * 200
+    cut = fim_prompt(engine, MODEL, long_prefix, SUFFIX, budget=64)
+    assert cut.truncated and len(cut.tokens) <= 64
+    assert cut.tokens[cut.tokens.index(11) + 1:cut.tokens.index(12)] == tok(long_prefix)[-len(
+        cut.tokens[cut.tokens.index(11) + 1:cut.tokens.index(12)]):]
+
+
+def test_openai_completions_with_suffix_and_continues_routes(server) -> None:
+    body = {"model": MODEL, "prompt": PREFIX, "suffix": SUFFIX, "max_tokens": 8, "temperature": 0}
+    answers = []
+    for route in ("/v1/completions", "/v1/fim/completions", "/fim/completions"):
+        status, answer = server.json("POST", route, body)
+        assert status == 200, answer
+        answers.append(answer["choices"][0]["text"])
+        assert answer["usage"]["prompt_tokens"] > len(PREFIX) // 8
+    assert len(set(answers)) == 1  # one request path, greedy: one answer
+    # The FIM prompt is what the engine got: the same tokens through /infill give the same text.
+    status, infill = server.json("POST", "/infill", {"input_prefix": PREFIX, "input_suffix": SUFFIX,
+                                                     "n_predict": 8, "temperature": 0})
+    assert status == 200 and infill["content"] == answers[0]
+
+
+def test_ollama_generate_with_suffix_and_show_says_insert(server) -> None:
+    status, show = server.json("POST", "/api/show", {"model": MODEL})
+    assert "insert" in show["capabilities"] and ".Suffix" in show["template"]
+    status, plain = server.json("POST", "/api/show", {"model": "plain"})
+    assert "insert" not in plain["capabilities"] and ".Suffix" not in plain["template"]
+    status, answer = server.json("POST", "/api/generate", {"model": MODEL, "prompt": PREFIX, "suffix": SUFFIX,
+                                                           "stream": False, "raw": True,
+                                                           "options": {"num_predict": 8, "temperature": 0}})
+    assert status == 200, answer
+    _, openai = server.json("POST", "/v1/completions", {"model": MODEL, "prompt": PREFIX, "suffix": SUFFIX,
+                                                        "max_tokens": 8, "temperature": 0})
+    assert answer["response"] == openai["choices"][0]["text"]
+
+
+def test_infill_as_llama_vscode_calls_it(server) -> None:
+    """Warm-up after an edit (n_predict 0), then keystrokes on a growing prefix: the cache serves
+    the shared start, and the answer carries what the plugin reads."""
+    extra = [{"filename": "util.py", "text": "def helper():\n    return 42\n" * 4}]
+    source = "".join(f"def f{i}(x):\n    return x + {i}\n\n" for i in range(20)) + PREFIX
+    warm = {"input_prefix": source, "input_suffix": SUFFIX, "input_extra": extra, "n_predict": 0}
+    status, first = server.json("POST", "/infill", warm)
+    assert status == 200 and first["content"] == "" and first["tokens_predicted"] == 0
+    for typed in ("r", "re", "ret"):
+        status, answer = server.json("POST", "/infill", {**warm, "input_prefix": source + typed, "n_predict": 4,
+                                                         "temperature": 0, "cache_prompt": True})
+        assert status == 200, answer
+        assert answer["stop"] is True and answer["truncated"] is False and "timings" in answer
+        # Everything before the cursor comes from the cache; what follows it (the keystroke, the
+        # suffix and <fim_mid>, ~20 tokens here) is computed again.
+        assert answer["tokens_cached"] >= 0.9 * answer["tokens_evaluated"], answer
+    status, _, data = server.request("POST", "/infill", {**warm, "n_predict": 4, "stream": True, "temperature": 0})
+    frames = [json.loads(line[6:]) for line in data.splitlines() if line.startswith(b"data: ")]
+    assert frames[-1]["stop"] is True and all(f["stop"] is False for f in frames[:-1])
+
+
+def test_a_model_without_fim_tokens_is_refused_by_name(server) -> None:
+    body = {"model": "plain", "prompt": PREFIX, "suffix": SUFFIX, "max_tokens": 4}
+    status, answer = server.json("POST", "/v1/completions", body)
+    assert status == 400 and "'plain" in answer["error"]["message"] and "fill-in-the-middle" in answer["error"]["message"]
+    assert answer["error"]["param"] == "suffix"
+    status, answer = server.json("POST", "/api/generate", {"model": "plain", "prompt": PREFIX, "suffix": SUFFIX,
+                                                           "stream": False})
+    assert status == 400 and "fill-in-the-middle" in answer["error"]
+    status, answer = server.json("POST", "/infill", {"model": "plain", "input_prefix": PREFIX})
+    assert status == 400 and answer["error"]["param"] == "input_suffix"
+    status, answer = server.json("POST", "/v1/completions", {**body, "model": MODEL, "prompt": [1, 2, 3]})
+    assert status == 400 and answer["error"]["param"] == "prompt"
