@@ -22,20 +22,35 @@ pytestmark = pytest.mark.model
 
 
 @pytest.fixture
-def claims_amx(monkeypatch: pytest.MonkeyPatch) -> None:
-    from localserve.backends.llamacpp import probe as llamacpp_probe
+def claims_amx(monkeypatch: pytest.MonkeyPatch):
+    """This machine's real hardware report with AMX among the CPU's features, wherever a report is
+    taken (a load's plan, hw, show), and a build that says it compiled AMX. Returns the CPU."""
+    import dataclasses
 
-    monkeypatch.setattr(llamacpp_probe, "cpu_claims_amx", lambda: True)
+    from localserve.backends.llamacpp import probe as llamacpp_probe
+    from localserve.hardware import detect_hardware
+    from localserve.runtime import manager
+
+    real = detect_hardware()
+    amx = dataclasses.replace(real, cpu=dataclasses.replace(real.cpu, features=[*real.cpu.features, "AMX"]))
     monkeypatch.setattr(llamacpp_probe, "build_uses_amx", lambda: True)
+    monkeypatch.setattr(manager, "hardware_report", lambda: amx)
+    monkeypatch.setattr("localserve.hardware.detect_hardware", lambda *a, **k: amx)
+    monkeypatch.setattr("localserve.commands.hw.detect_hardware", lambda *a, **k: amx)
+    return amx.cpu
 
 
-def test_the_probe_loads_and_decodes_the_real_model_here(smollm2_gguf: Path, tmp_path: Path, claims_amx: None) -> None:
+def test_the_probe_loads_and_decodes_the_real_model_here(smollm2_gguf: Path, tmp_path: Path, claims_amx) -> None:
     from localserve.backends.llamacpp import probe as llamacpp_probe
 
-    assert llamacpp_probe.extra_buffers_allowed(tmp_path, smollm2_gguf) is True
-    verdict = llamacpp_probe.read_verdict(tmp_path)
+    cpu = claims_amx
+    assert llamacpp_probe.extra_buffers_allowed(tmp_path, smollm2_gguf, cpu.model, cpu.features) is True
+    verdict = llamacpp_probe.read_verdict(tmp_path, llamacpp_probe.build_key(cpu.model, cpu.features))
     assert verdict is not None and verdict.ok and verdict.signal is None and verdict.seconds > 0
-    assert "probed on this CPU and runs" in llamacpp_probe.condition(tmp_path)
+    assert "probed on this CPU and runs" in llamacpp_probe.condition(tmp_path, cpu.model, cpu.features)
+    # Never probed where the CPU does not claim AMX, whatever the build.
+    plain = [f for f in cpu.features if f != "AMX"]
+    assert llamacpp_probe.condition(tmp_path, cpu.model, plain) is None
 
 
 def dying_probe_child(sig: int) -> str:
@@ -57,7 +72,7 @@ def dying_probe_child(sig: int) -> str:
 
 @pytest.mark.parametrize("sig", [signal.SIGSEGV, signal.SIGILL])
 def test_a_probe_child_killed_by_a_signal_makes_the_load_take_the_fallback(
-    smollm2_gguf: Path, tmp_path: Path, claims_amx: None, monkeypatch: pytest.MonkeyPatch, sig: int,
+    smollm2_gguf: Path, tmp_path: Path, claims_amx, monkeypatch: pytest.MonkeyPatch, sig: int,
 ) -> None:
     from localserve.backends.llamacpp import probe as llamacpp_probe
     from localserve.backends.llamacpp.backend import LlamaCppBackend
@@ -65,14 +80,16 @@ def test_a_probe_child_killed_by_a_signal_makes_the_load_take_the_fallback(
     real_probe = llamacpp_probe.probe
     monkeypatch.setattr(llamacpp_probe, "probe", lambda path, key: real_probe(
         path, key, command=[sys.executable, "-c", dying_probe_child(sig), str(path)]))
-    result = [llamacpp_probe.extra_buffers_allowed(tmp_path, smollm2_gguf)]
+    cpu = claims_amx
+    result = [llamacpp_probe.extra_buffers_allowed(tmp_path, smollm2_gguf, cpu.model, cpu.features)]
     assert result == [False]
-    verdict = llamacpp_probe.read_verdict(tmp_path)
+    key = llamacpp_probe.build_key(cpu.model, cpu.features)
+    verdict = llamacpp_probe.read_verdict(tmp_path, key)
     assert verdict is not None and not verdict.ok and verdict.signal == signal.Signals(sig).name
     record = json.loads((tmp_path / llamacpp_probe.VERDICT_NAME).read_text())
-    assert record["key"] == llamacpp_probe.build_key()
-    assert f"died with {signal.Signals(sig).name}" in llamacpp_probe.condition(tmp_path)
-    assert "localserve setup" in llamacpp_probe.condition(tmp_path)
+    assert record["key"] == key
+    assert f"died with {signal.Signals(sig).name}" in llamacpp_probe.condition(tmp_path, cpu.model, cpu.features)
+    assert "localserve setup" in llamacpp_probe.condition(tmp_path, cpu.model, cpu.features)
 
     # Remembered: the next load asks no child, and goes through the registry without extra buffers.
     monkeypatch.setattr(llamacpp_probe, "probe", lambda *a, **k: pytest.fail("probed twice"))
@@ -190,7 +207,7 @@ def test_run_says_how_the_daemon_died_when_it_dies_mid_stream(tmp_path: Path, sm
     assert f"Note: the previous daemon (pid {info['pid']}) died from SIGSEGV" in serve_err
 
 
-def test_hw_and_show_name_the_condition_and_the_command(smollm2_gguf: Path, tmp_path: Path, claims_amx: None,
+def test_hw_and_show_name_the_condition_and_the_command(smollm2_gguf: Path, tmp_path: Path, claims_amx,
                                                         capsys: pytest.CaptureFixture[str]) -> None:
     from dataclasses import asdict
 
@@ -200,7 +217,8 @@ def test_hw_and_show_name_the_condition_and_the_command(smollm2_gguf: Path, tmp_
     env = cli_env(tmp_path, free_port())
     register_model(env, smollm2_gguf, "smol")
     (tmp_path / "run").mkdir(exist_ok=True)
-    (tmp_path / "run" / VERDICT_NAME).write_text(json.dumps(asdict(Verdict(build_key(), False, "SIGILL", 0.6, 1.0))))
+    key = build_key(claims_amx.model, claims_amx.features)
+    (tmp_path / "run" / VERDICT_NAME).write_text(json.dumps(asdict(Verdict(key, False, "SIGILL", 0.6, 1.0))))
     config = ["--home", str(tmp_path)]
     assert main(["hw", *config]) == 0
     out = capsys.readouterr().out

@@ -156,17 +156,19 @@ def _summary(m: InstalledModel) -> dict[str, Any]:
 
 def describe_model(model: InstalledModel, settings: Settings, n_ctx: int | None = None) -> dict[str, Any]:
     """Everything `show` prints, as data: GGUF facts, memory at a context, where it would run."""
+    from ..hardware import detect_hardware
     from ..store.gguf_facts import read_gguf_facts
     from ..runtime.memory import estimate_memory
     from ..runtime.manager import gguf_limits, planned_vram
 
     if n_ctx is not None and n_ctx <= 0:
         raise InvalidRequestError("--ctx must be a positive number of tokens")
+    report = detect_hardware()
     if model.gguf is None:  # folder variants only: no GGUF facts to size it from
         meta = next(iter(model.variants.values())).meta
         return {**_summary(model), "architecture": meta.get("architecture") or meta.get("model_type"),
                 "context_length": meta.get("context_length"), "memory": None,
-                "placement": _placement(None, model, settings)}
+                "placement": _placement(None, model, settings, report)}
     facts = read_gguf_facts(model.gguf.path)
     limits, estimate = gguf_limits(facts, settings)  # what a load here gets
     ctx_given = n_ctx is not None
@@ -191,8 +193,8 @@ def describe_model(model: InstalledModel, settings: Settings, n_ctx: int | None 
         "engine": limits.describe(),
         "ctx_given": ctx_given,
     }
-    info["placement"] = place = _placement(estimate, model, settings)
-    info["native"] = native_condition(settings) if place.get("backend") == "llamacpp" else None
+    info["placement"] = place = _placement(estimate, model, settings, report)
+    info["native"] = native_condition(settings, report) if place.get("backend") == "llamacpp" else None
     # Layers a load would put on the GPU (llama.cpp's count: the output layer is one more) and
     # their memory; `ps` / /api/ps show what a loaded model actually got.
     layers = place.get("n_gpu_layers") or 0
@@ -201,23 +203,22 @@ def describe_model(model: InstalledModel, settings: Settings, n_ctx: int | None 
     return info
 
 
-def native_condition(settings: Settings) -> str | None:
-    """A condition of this machine's llama.cpp build that decides how models load (llamacpp_probe)."""
+def native_condition(settings: Settings, report: Any) -> str | None:
+    """A condition of this machine's llama.cpp build that decides how models load (llamacpp/probe.py)."""
     try:
         from ..backends.llamacpp.probe import condition
     except ImportError:  # no llama_cpp: nothing to say about its build
         return None
-    return condition(settings.run_dir)
+    return condition(settings.run_dir, report.cpu.model, report.cpu.features)
 
 
-def _placement(estimate: Any, model: InstalledModel, settings: Settings) -> dict[str, Any]:
+def _placement(estimate: Any, model: InstalledModel, settings: Settings, report: Any) -> dict[str, Any]:
     """What a load would pick, asked the way a load asks (the registry, over every variant)."""
     from ..runtime.registry import choose
     from ..errors import LocalserveError
-    from ..hardware import detect_hardware
 
     try:
-        return choose(model, settings, detect_hardware(), estimate).as_dict()
+        return choose(model, settings, report, estimate).as_dict()
     except LocalserveError as e:  # nothing installed here runs it: `show` still shows the model
         return {"backend": None, "reason": str(e)}
 

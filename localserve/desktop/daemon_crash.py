@@ -126,10 +126,11 @@ def _signal_of(proc: subprocess.Popen[bytes] | None) -> str | None:
 
 def _fix(sig: str | None) -> str:
     if sig in ("SIGILL", "SIGSEGV", "SIGBUS"):
-        from ..backends.llamacpp.probe import build_uses_amx, cpu_claims_amx
+        from ..backends.llamacpp.probe import needs_probe
+        from ..runtime.manager import hardware_report
 
         try:
-            amx = cpu_claims_amx() and build_uses_amx()
+            amx = needs_probe(hardware_report().cpu.features)
         except Exception:  # noqa: BLE001 - no llama_cpp here: no AMX advice either
             amx = False
         if amx:
@@ -157,5 +158,5 @@ def last_death(log_dir: Path) -> Death | None:
         text = (log_dir / CRASH_NAME).read_text(encoding="utf-8", errors="replace")
     except OSError:
         return None
-    pids = [int(m.group(1)) for m in re.finditer(r"^--- localserve daemon pid (\d+) started", text, re.M)]
+    pids = [int(m.group(1)) for line in text.splitlines() if (m := _HEADER.match(line))]
     return read_death(log_dir, pids[-1]) if pids else None

@@ -46,8 +46,10 @@ def _load_llamacpp(installed: "InstalledModel", variant: "StoredVariant", plan: 
     from ..engine.local import Engine
     from ..backends.llamacpp.backend import LlamaCppBackend
     from ..backends.llamacpp.probe import extra_buffers_allowed
+    from .manager import hardware_report
 
     limits = plan.limits
+    cpu = hardware_report().cpu  # the report plan_model already took: probed once per process
     backend = LlamaCppBackend.load(
         variant.path,
         n_ctx=limits.n_ctx,
@@ -58,7 +60,7 @@ def _load_llamacpp(installed: "InstalledModel", variant: "StoredVariant", plan: 
         kv_unified=limits.kv_unified,
         flash_attention=limits.flash_attention,
         kv_type=limits.kv_type,
-        extra_buffers=extra_buffers_allowed(settings.run_dir, variant.path),
+        extra_buffers=extra_buffers_allowed(settings.run_dir, variant.path, cpu.model, cpu.features),
     )
     engine = Engine(backend, limits, installed.ref)
     engine.start()

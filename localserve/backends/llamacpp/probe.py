@@ -30,6 +30,7 @@ import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Sequence
 
 log = logging.getLogger(__name__)
 
@@ -56,18 +57,6 @@ class Verdict:
                 "`localserve setup` builds llama.cpp without AMX")
 
 
-def cpu_claims_amx() -> bool:
-    """Whether the CPU advertises AMX tiles (Linux's /proc/cpuinfo; other systems: never probed)."""
-    try:
-        text = Path("/proc/cpuinfo").read_text(encoding="utf-8", errors="replace")
-    except OSError:
-        return False
-    for line in text.splitlines():
-        if line.startswith("flags"):
-            return "amx_tile" in line.split()
-    return False
-
-
 @functools.lru_cache(maxsize=1)
 def build_uses_amx() -> bool:
     """Whether the installed llama.cpp build compiled ggml's AMX kernels ("AMX_INT8 = 1")."""
@@ -85,35 +74,30 @@ def _cpu_libraries() -> list[Path]:
     return sorted({path.resolve() for path in found})  # the .so, .so.0 links name one file
 
 
-def build_key() -> str:
-    """The build (its CPU libraries' bytes) and the CPU (model and flags): a new build, or the same
-    data directory on another machine, is probed again."""
+def build_key(cpu_model: str, cpu_features: Sequence[str]) -> str:
+    """The build (its CPU libraries' bytes) and the CPU (the hardware report's model and features): a
+    new build, or the same data directory on another machine, is probed again."""
     digest = hashlib.sha256()
     for path in _cpu_libraries():
         digest.update(path.name.encode())
         digest.update(path.read_bytes())
-    try:
-        cpuinfo = Path("/proc/cpuinfo").read_text(encoding="utf-8", errors="replace")
-    except OSError:
-        cpuinfo = ""
-    first = cpuinfo.split("\n\n", 1)[0]
-    digest.update("\n".join(line for line in first.splitlines()
-                            if line.startswith(("model name", "flags"))).encode())
+    digest.update(f"{cpu_model}\n{' '.join(cpu_features)}".encode())
     return digest.hexdigest()[:24]
 
 
-def needs_probe() -> bool:
-    return cpu_claims_amx() and build_uses_amx()
+def needs_probe(cpu_features: Sequence[str]) -> bool:
+    """A CPU that claims AMX (hardware/cpu.py names the amx_tile flag "AMX") and a build that uses it."""
+    return "AMX" in cpu_features and build_uses_amx()
 
 
-def read_verdict(run_dir: Path, key: str | None = None) -> Verdict | None:
-    """The recorded verdict for this build and CPU, or None (never probed, or another build)."""
+def read_verdict(run_dir: Path, key: str) -> Verdict | None:
+    """The recorded verdict for this build and CPU (`key`), or None (never probed, or another build)."""
     try:
         data = json.loads((run_dir / VERDICT_NAME).read_text(encoding="utf-8"))
         verdict = Verdict(**data)
     except (OSError, ValueError, TypeError):
         return None
-    return verdict if verdict.key == (key or build_key()) else None
+    return verdict if verdict.key == key else None
 
 
 def probe(model_path: Path, key: str, command: list[str] | None = None, timeout: float = PROBE_TIMEOUT_S) -> Verdict | None:
@@ -150,11 +134,11 @@ def _signal_name(number: int) -> str:
         return f"signal {number}"
 
 
-def extra_buffers_allowed(run_dir: Path, model_path: Path) -> bool:
+def extra_buffers_allowed(run_dir: Path, model_path: Path, cpu_model: str, cpu_features: Sequence[str]) -> bool:
     """Whether a load here may use llama.cpp's extra buffer types: probed first where it could kill us."""
-    if not needs_probe():
+    if not needs_probe(cpu_features):
         return True
-    key = build_key()
+    key = build_key(cpu_model, cpu_features)
     verdict = read_verdict(run_dir, key)
     if verdict is None:
         log.info("this CPU claims AMX and llama.cpp was built with it: probing it in a child process first")
@@ -168,13 +152,13 @@ def extra_buffers_allowed(run_dir: Path, model_path: Path) -> bool:
     return verdict.ok
 
 
-def condition(run_dir: Path) -> str | None:
+def condition(run_dir: Path, cpu_model: str, cpu_features: Sequence[str]) -> str | None:
     """One line for `hw` and `show` where this machine has the condition, else None."""
-    if not cpu_claims_amx():
+    if "AMX" not in cpu_features:
         return None
     if not build_uses_amx():
         return "this CPU claims AMX; the installed llama.cpp build was compiled without it (nothing to probe)"
-    verdict = read_verdict(run_dir)
+    verdict = read_verdict(run_dir, build_key(cpu_model, cpu_features))
     if verdict is None:
         return ("this CPU claims AMX and the llama.cpp build uses it: the first load probes it in a child process, "
                 "since some VMs advertise AMX and trap it")
