@@ -24,6 +24,7 @@ REQUIRED = ("pre", "suf", "mid")
 REPO_NAME = "myproject"
 CURRENT_FILE = "filename"
 SUFFIX_SHARE = 4  # the suffix gets at most a quarter of the room, as llama.cpp's n_batch / 4
+DEFAULT_ANSWER = 128  # room an answer gets when the request does not say (llama.vscode always does)
 
 
 @dataclass(frozen=True)
@@ -41,6 +42,12 @@ def require_fim(engine: ModelEngine, model: str, param: str) -> dict[str, int]:
         raise InvalidRequestError(f"model {model!r} has no fill-in-the-middle tokens; use a model trained for code "
                                   "completion (its GGUF names fim_pre, fim_suf and fim_mid tokens)", param=param)
     return engine.info.fim_tokens
+
+
+def prompt_budget(engine: ModelEngine, answer_tokens: int | None) -> int:
+    """Tokens the FIM prompt may take: the context less the answer's room (at most half of it)."""
+    n_ctx = engine.n_ctx_per_seq
+    return n_ctx - min(answer_tokens or DEFAULT_ANSWER, n_ctx // 2)
 
 
 def fim_prompt(engine: ModelEngine, model: str, prefix: str, suffix: str, *, budget: int, param: str = "suffix",

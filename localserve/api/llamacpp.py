@@ -16,11 +16,10 @@ from typing import Any
 
 from ..protocol.engine import ModelEngine
 from ..protocol.requests import GenerationRequest, Usage
-from .fim import fim_prompt
+from .fim import fim_prompt, prompt_budget
 from .validation import Body, clamp_max_tokens, invalid, parse_lane, parse_seed, parse_stop, sampling_from
 
 MAX_EXTRA_CHUNKS = 256
-DEFAULT_PREDICT = 128  # llama.vscode sends its own; a request that does not gets this much room
 
 
 @dataclass
@@ -38,9 +37,8 @@ class InfillCall:
 
     async def prepare(self, engine: ModelEngine) -> list[GenerationRequest]:
         n_ctx = engine.n_ctx_per_seq
-        room = min(self.n_predict or DEFAULT_PREDICT, n_ctx // 2)
-        fim = fim_prompt(engine, self.model, self.prefix, self.suffix, budget=n_ctx - room, param="input_suffix",
-                         extra=self.extra, middle=self.middle)
+        fim = fim_prompt(engine, self.model, self.prefix, self.suffix, budget=prompt_budget(engine, self.n_predict),
+                         param="input_suffix", extra=self.extra, middle=self.middle)
         self.truncated = fim.truncated
         requested = 1 if self.n_predict == 0 else self.n_predict
         sampling = sampling_from(self.body, n_vocab=engine.info.n_vocab, seed=parse_seed(self.body))

@@ -19,7 +19,7 @@ from typing import Any
 from ..protocol.engine import ModelEngine
 from ..protocol.requests import GenerationRequest, Usage
 from ..store.cache import InstalledModel
-from .fim import fim_prompt
+from .fim import fim_prompt, prompt_budget
 from .generation import Clock
 from .templates import ChatTemplate
 from .validation import (Body, clamp_max_tokens, invalid, parse_json_format, parse_lane, parse_seed, parse_stop,
@@ -30,7 +30,6 @@ from .validation import (Body, clamp_max_tokens, invalid, parse_json_format, par
 OLLAMA_API_VERSION = "0.9.0"
 FOREVER = "9999-12-31T23:59:59Z"  # expires_at of a model kept loaded for good (keep_alive < 0)
 _OLLAMA_NAMES = {"penalty_last_n": "repeat_last_n"}  # our sampling field -> Ollama's option name
-FIM_DEFAULT_PREDICT = 128  # room a fill-in-the-middle answer gets when num_predict does not say
 # Chat templates that let a model reason before it answers (Qwen3, DeepSeek-R1 and their kin).
 _THINKING_MARKS = ("<think>", "enable_thinking", "reasoning_content")
 
@@ -158,9 +157,8 @@ def fim_request_tokens(body: Body, engine: ModelEngine, model: str, prefix: str,
     templates build exactly this from .Prompt and .Suffix), leaving the answer its num_predict."""
     options = body.get_object("options") or Body({}, "options.")
     asked = options.get_int("num_predict", None, lo=-2, hi=(1 << 63) - 1)
-    n_ctx = engine.n_ctx_per_seq
-    room = min(asked if asked and asked > 0 else FIM_DEFAULT_PREDICT, n_ctx // 2)
-    return fim_prompt(engine, model, prefix, suffix, budget=n_ctx - room).tokens
+    budget = prompt_budget(engine, asked if asked and asked > 0 else None)
+    return fim_prompt(engine, model, prefix, suffix, budget=budget).tokens
 
 
 def context_note(body: Body, engine: ModelEngine) -> dict[str, Any]:

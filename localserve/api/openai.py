@@ -40,7 +40,7 @@ from .generation import (
     tokenize_async,
     with_seed_offset,
 )
-from .fim import fim_prompt
+from .fim import fim_prompt, prompt_budget
 from .metrics import Metrics
 from .tools import forced_call_schema, parse_tool_calls
 from .validation import (
@@ -342,8 +342,8 @@ class CompletionCall:
         if isinstance(engine, TextEngine):
             raise invalid("fill-in-the-middle ('suffix') is served for local models only", "suffix")
         assert isinstance(prefix, str)  # parse_completion refuses token prompts with a suffix
-        room = min(self.opts.max_tokens or 16, engine.n_ctx_per_seq // 2)  # what the answer may take
-        return fim_prompt(engine, self.opts.model, prefix, self.suffix or "", budget=engine.n_ctx_per_seq - room).tokens
+        budget = prompt_budget(engine, self.opts.max_tokens)
+        return fim_prompt(engine, self.opts.model, prefix, self.suffix or "", budget=budget).tokens
 
 
 def parse_completion(body: Body, env: ApiEnv) -> CompletionCall:
