@@ -115,3 +115,15 @@ def stop_quietly(env: dict[str, str], proc: subprocess.Popen[str] | None = None)
     if proc is not None and proc.poll() is None:
         proc.kill()
         proc.wait(10)
+
+
+@contextmanager
+def attacked_daemon(home: Path, gguf: Path) -> Iterator[tuple[dict, subprocess.Popen[str]]]:
+    """A foreground daemon on `home` serving the cached model as `smol`, for attack suites: it must
+    still be alive when they are done."""
+    env = cli_env(home, free_port())
+    register_model(env, gguf, "smol")
+    with serving(env) as proc:
+        yield wait_published(home, proc), proc
+        assert proc.poll() is None, "the daemon died during the attacks"
+        stop_quietly(env, proc)

@@ -20,7 +20,7 @@ from typing import Iterator
 
 import pytest
 
-from daemon_util import cli_env, free_port, register_model, serving, stop_quietly, wait_published
+from daemon_util import attacked_daemon, free_port
 
 pytestmark = pytest.mark.model
 
@@ -30,14 +30,8 @@ ANSWER_BUDGET_S = 1.0  # each attack's 4xx
 
 @pytest.fixture(scope="module")
 def daemon(tmp_path_factory: pytest.TempPathFactory, smollm2_gguf: Path) -> Iterator[tuple[str, int]]:
-    home = tmp_path_factory.mktemp("attacks")
-    env = cli_env(home, free_port())
-    register_model(env, smollm2_gguf, "smol")
-    with serving(env) as proc:
-        info = wait_published(home, proc)
+    with attacked_daemon(tmp_path_factory.mktemp("attacks"), smollm2_gguf) as (info, proc):
         yield info["url"], proc.pid
-        assert proc.poll() is None, "the daemon died during the attacks"
-        stop_quietly(env, proc)
 
 
 def _split(url: str) -> tuple[str, int]:

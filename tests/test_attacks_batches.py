@@ -20,7 +20,7 @@ from typing import Iterator
 import openai
 import pytest
 
-from daemon_util import cli_env, free_port, register_model, serving, stop_quietly, wait_published
+from daemon_util import attacked_daemon
 from test_attacks import HEALTH_BUDGET_S, HealthProbe, _split, assert_clean
 
 pytestmark = pytest.mark.model
@@ -30,13 +30,8 @@ BOUNDARY = "xBoundary7"
 @pytest.fixture(scope="module")
 def daemon(tmp_path_factory: pytest.TempPathFactory, smollm2_gguf: Path) -> Iterator[tuple[str, Path]]:
     home = tmp_path_factory.mktemp("batch-attacks")
-    env = cli_env(home, free_port())
-    register_model(env, smollm2_gguf, "smol")
-    with serving(env) as proc:
-        info = wait_published(home, proc)
+    with attacked_daemon(home, smollm2_gguf) as (info, _):
         yield info["url"], home
-        assert proc.poll() is None, "the daemon died during the attacks"
-        stop_quietly(env, proc)
 
 
 def client_of(url: str) -> openai.OpenAI:
