@@ -19,7 +19,7 @@ from .config.settings import load_settings
 from .errors import LocalserveError
 
 # Modules under localserve/commands/, each registering its own subcommands.
-COMMAND_MODULES = ("models", "hw", "settings", "daemon", "desktop", "setup", "service", "convert", "upstream", "batch")
+COMMAND_MODULES = ("models", "hw", "settings", "daemon", "desktop", "setup", "service", "convert", "upstream", "batch", "launch")
 
 # Flags shared by every subcommand; each maps 1:1 to a Settings field.
 SETTING_FLAGS = {
@@ -47,7 +47,18 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
+    # Everything after the first `--` belongs to the program a command runs (`launch claude -- -p
+    # hi`), split off here: argparse's REMAINDER keeps or drops a `--` depending on what precedes it.
+    passthrough: list[str] = []
+    if "--" in argv:
+        cut = argv.index("--")
+        argv, passthrough = argv[:cut], argv[cut + 1:]
     args = parser.parse_args(argv)
+    if passthrough and not hasattr(args, "passthrough"):
+        parser.error(f"`{args.command or 'localserve'}` takes no arguments after `--`")
+    if hasattr(args, "passthrough"):
+        args.passthrough = passthrough
     flags = {key[len("setting_"):]: value for key, value in vars(args).items() if key.startswith("setting_")}
     if not getattr(args, "func", None):
         # Bare `localserve` (a desktop launcher, a first try): where the dashboard is; the commands

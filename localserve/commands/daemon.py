@@ -168,7 +168,7 @@ def _until(m: dict[str, Any]) -> str:
 
 def cmd_run(args: argparse.Namespace, settings: Settings) -> int:
     ref = args.model or settings.default_model
-    model = _ensure_model(ref, settings)
+    model = ensure_model(ref, settings)
     _convert_if_planned(model, settings)
     prompt = " ".join(args.prompt)
     if not sys.stdin.isatty():
@@ -188,7 +188,7 @@ def cmd_run(args: argparse.Namespace, settings: Settings) -> int:
         raise DaemonError(death_message(settings, info, f"answering with {model}") or str(e)) from None
 
 
-def _ensure_model(ref: str, settings: Settings) -> str:
+def ensure_model(ref: str, settings: Settings) -> str:
     """The installed model's `name:tag`, pulled first when it is not installed yet."""
     from ..errors import ModelNotFoundError
     from ..store.cache import ModelStore

@@ -1,0 +1,131 @@
+"""`localserve launch`: the switches each coding agent gets, and the real agents started with them.
+
+The agents are the real npm packages (Copilot CLI, Codex CLI, Claude Code), installed by npm into
+.test-cache/agents once per cache. SmolLM2 is served with at most its trained 8192 tokens, smaller
+than the prompts Copilot and Claude Code send by default, so what these tests can show differs
+per agent: Copilot refuses by itself once it has read the budget launch gave it (proof that it took
+our provider), the others get real answers or our errors from the daemon.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from daemon_util import REPO, cli, cli_env, free_port, register_model, stop_quietly, wait_published, start_serve
+from localserve.desktop.agents import AGENTS, CODEX_TOKEN_VAR, Target, context_warning
+
+AGENTS_DIR = REPO / ".test-cache" / "agents"
+PACKAGES = {"copilot": "@github/copilot@1", "codex": "@openai/codex@0", "claude": "@anthropic-ai/claude-code@2"}
+TARGET = Target("http://127.0.0.1:5555", "tok", "smollm2-135m:Q4_1", 8192)
+
+
+def test_claude_gets_every_tier_and_our_token() -> None:
+    env = AGENTS["claude"].environment(TARGET)
+    assert env["ANTHROPIC_BASE_URL"] == "http://127.0.0.1:5555"
+    assert env["ANTHROPIC_AUTH_TOKEN"] == "tok" and env["ANTHROPIC_API_KEY"] == ""
+    for tier in ("ANTHROPIC_MODEL", "ANTHROPIC_DEFAULT_OPUS_MODEL", "ANTHROPIC_DEFAULT_SONNET_MODEL",
+                 "ANTHROPIC_DEFAULT_HAIKU_MODEL", "CLAUDE_CODE_SUBAGENT_MODEL"):
+        assert env[tier] == "smollm2-135m:Q4_1"
+    assert env["CLAUDE_CODE_AUTO_COMPACT_WINDOW"] == "8192"
+    assert env["CLAUDE_CODE_ATTRIBUTION_HEADER"] == "0"
+    assert AGENTS["claude"].arguments(TARGET) == []
+
+
+def test_codex_gets_a_responses_provider_by_overrides() -> None:
+    agent = AGENTS["codex"]
+    args = agent.arguments(TARGET)
+    assert args[::2] == ["-c"] * (len(args) // 2)
+    overrides = dict(value.split("=", 1) for value in args[1::2])
+    assert overrides["model_provider"] == '"localserve"'
+    assert overrides["model"] == '"smollm2-135m:Q4_1"'
+    assert overrides["model_context_window"] == "8192"
+    assert overrides["model_providers.localserve.base_url"] == '"http://127.0.0.1:5555/v1"'
+    assert overrides["model_providers.localserve.wire_api"] == '"responses"'
+    assert overrides["model_providers.localserve.env_key"] == f'"{CODEX_TOKEN_VAR}"'
+    assert agent.environment(TARGET) == {CODEX_TOKEN_VAR: "tok"}
+    # The user's own arguments come after ours, so theirs win where Codex lets a later -c win.
+    assert agent.command("/bin/codex", TARGET, ["exec", "hi"])[-2:] == ["exec", "hi"]
+
+
+def test_copilot_gets_a_provider_and_a_budget_inside_the_context() -> None:
+    env = AGENTS["copilot"].environment(TARGET)
+    assert env["COPILOT_PROVIDER_BASE_URL"] == "http://127.0.0.1:5555/v1"
+    assert env["COPILOT_PROVIDER_TYPE"] == "openai" and env["COPILOT_PROVIDER_WIRE_API"] == "completions"
+    assert env["COPILOT_MODEL"] == "smollm2-135m:Q4_1" and env["COPILOT_PROVIDER_API_KEY"] == "tok"
+    budget = int(env["COPILOT_PROVIDER_MAX_PROMPT_TOKENS"]) + int(env["COPILOT_PROVIDER_MAX_OUTPUT_TOKENS"])
+    assert budget <= 8192
+
+
+def test_context_warning_only_when_the_agent_prompt_does_not_fit() -> None:
+    copilot = AGENTS["copilot"]
+    assert "12275 tokens" in (context_warning(copilot, TARGET) or "")
+    roomy = Target(TARGET.base_url, TARGET.token, TARGET.model, 32768)
+    assert context_warning(copilot, roomy) is None
+
+
+def test_arguments_after_the_double_dash_are_only_for_launch(tmp_path: Path) -> None:
+    env = cli_env(tmp_path, free_port())
+    result = cli(env, "hw", "--", "x")
+    assert result.returncode == 2 and "takes no arguments after `--`" in result.stderr
+
+
+def test_a_missing_agent_says_how_to_install_it(tmp_path: Path) -> None:
+    env = cli_env(tmp_path, free_port(), PATH=str(Path(sys.executable).parent), HOME=str(tmp_path))
+    result = cli(env, "launch", "claude", "--", "-p", "hi")
+    assert result.returncode == 1
+    assert "Claude Code is not installed" in result.stderr
+    assert "npm install -g @anthropic-ai/claude-code" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+# --- the real agents ---------------------------------------------------------------------------
+
+
+def installed_agent(name: str) -> Path:
+    """The agent's executable from .test-cache/agents, installed there by npm on first use."""
+    npm = shutil.which("npm")
+    if npm is None:
+        pytest.skip("needs npm (apt-get install npm)")
+    executable = AGENTS_DIR / "node_modules" / ".bin" / AGENTS[name].executable
+    if not executable.exists():
+        AGENTS_DIR.mkdir(parents=True, exist_ok=True)
+        subprocess.run([npm, "install", "--prefix", str(AGENTS_DIR), "--no-audit", "--no-fund", "--loglevel=error",
+                        PACKAGES[name]], check=True, timeout=600)
+    assert executable.exists()
+    return executable
+
+
+@pytest.fixture
+def daemon(tmp_path: Path, smollm2_gguf: Path):
+    """A daemon serving SmolLM2 with its full trained context, and the env `launch` runs in: the
+    agents' own state under a fresh HOME, the agents first on PATH."""
+    env = cli_env(tmp_path / "home", free_port(), LOCALSERVE_CONTEXT_LENGTH="8192", HOME=str(tmp_path))
+    register_model(env, smollm2_gguf)
+    proc = start_serve(env)
+    try:
+        wait_published(tmp_path / "home", proc)
+        yield env
+    finally:
+        stop_quietly(env, proc)
+
+
+def launch(env: dict[str, str], agent: str, *args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
+    bin_dir = installed_agent(agent).parent
+    run_env = {**env, "PATH": f"{bin_dir}{os.pathsep}{env.get('PATH', '')}"}
+    return subprocess.run([sys.executable, "-m", "localserve", "launch", agent, "smollm2-135m", "--", *args],
+                          env=run_env, cwd=env["HOME"], capture_output=True, text=True, timeout=timeout)
+
+
+def test_copilot_takes_our_provider_and_budget(daemon: dict[str, str]) -> None:
+    result = launch(daemon, "copilot", "-p", "Say hello", "--allow-all-tools", "--no-custom-instructions")
+    # Our warning first, then Copilot's own refusal, which it can only give from the prompt budget
+    # launch set: without COPILOT_PROVIDER_BASE_URL it would ask for a GitHub login instead.
+    assert "Copilot CLI sends about" in result.stderr
+    assert "exceed the model's usable context budget" in result.stdout + result.stderr
+    assert "log in" not in (result.stdout + result.stderr).lower()
