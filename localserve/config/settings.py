@@ -51,6 +51,10 @@ class Settings:
     batch_tokens: int = 0  # per-step token budget; 0 = sized from the machine
     queue_size: int = 64  # per lane
     queue_timeout: float = 600.0
+    # Seconds a stream may stay silent before it gets an SSE comment (`: ping`), while a slow CPU
+    # prefill or a queue holds its first token back: clients with a read timeout (Cline's 30 s)
+    # would otherwise give up on work that is progressing. llama-server pings every 30 s. 0 = never.
+    sse_ping_interval: float = 15.0
     threads: int = 0  # 0 = physical cores
     # Milliseconds a step's batch-lane prompt chunks may take, converted to tokens with the costs
     # measured on this machine: bounds what an interactive request arriving meanwhile waits. 0 = off.

@@ -28,6 +28,7 @@ from .errors import error_middleware
 from .metrics import handle_metrics, metrics_middleware
 from ..api.metrics import Metrics, UpstreamCollector
 from .security import WILDCARD_HOSTS, add_cors_headers, security_middleware
+from .sse import sse_pinger_middleware
 from .state import MANAGER_KEY, METRICS_KEY, SETTINGS_KEY, STARTED_KEY, STORE_KEY
 
 if TYPE_CHECKING:
@@ -63,7 +64,8 @@ def create_app(settings: Settings, manager: "ModelManager") -> web.Application:
     metrics = Metrics(manager.status)
     app = web.Application(
         client_max_size=settings.max_body_bytes,
-        middlewares=[security_middleware(settings), metrics_middleware(metrics), error_middleware, body_limits_middleware],
+        middlewares=[security_middleware(settings), metrics_middleware(metrics), error_middleware, body_limits_middleware,
+                     sse_pinger_middleware],
     )
     app[SETTINGS_KEY] = settings
     app[MANAGER_KEY] = manager

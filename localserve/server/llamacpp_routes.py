@@ -1,46 +1,85 @@
-"""llama.cpp server's native routes: POST /infill (llama.vscode, llama.vim), streamed or not."""
+"""llama.cpp server's native routes: POST /infill (llama.vscode, llama.vim), POST /completion
+(Continue's and Tabby's llama.cpp providers), streamed or not, and GET /props."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+from typing import Callable
 
 from aiohttp import web
 
+from .. import __version__
 from ..api.errors import ClientGone, json_dumps, openai_exception_body
-from ..api.generation import Run, collect, generation, merge, raise_if_failed
-from ..api.llamacpp import InfillCall, infill_final, parse_infill
-from ..errors import LocalserveError
+from ..api.generation import Run, generation, raise_if_failed
+from ..api.llamacpp import (NativeCall, bounded, chunk_object, final_object, parse_infill, parse_native_completion,
+                            props_body)
+from ..api.validation import Body
+from ..errors import GenerationError, LocalserveError
 from .body import read_json
 from .disconnect import guard_disconnect
+from .served import served
 from .sse import open_sse, send_sse
-from .state import MANAGER_KEY, SETTINGS_KEY
+from .state import MANAGER_KEY, SETTINGS_KEY, STORE_KEY
 
 routes = web.RouteTableDef()
 
 
 @routes.post("/infill")
 async def infill(request: web.Request) -> web.StreamResponse:
+    return await _answer(request, parse_infill, "infill")
+
+
+@routes.post("/completion")
+async def native_completion(request: web.Request) -> web.StreamResponse:
+    return await _answer(request, parse_native_completion, "completion")
+
+
+@routes.get("/props")
+async def props(request: web.Request) -> web.Response:
+    """llama-server's router takes `?model=`; without it, the default model."""
+    name = request.query.get("model") or request.app[SETTINGS_KEY].default_model
+    model = await asyncio.to_thread(request.app[STORE_KEY].find, name)
+    limits = await served(request, model)
+    return web.json_response(props_body(model.ref, limits.context, limits.slots, __version__), dumps=json_dumps)
+
+
+async def _answer(request: web.Request, parse: Callable[[Body, str, str | None], NativeCall],
+                  what: str) -> web.StreamResponse:
     body = await read_json(request)
-    call = parse_infill(body, request.app[SETTINGS_KEY].default_model, request.headers.get("X-Priority"))
+    call = parse(body, request.app[SETTINGS_KEY].default_model, request.headers.get("X-Priority"))
     async with generation(request.app[MANAGER_KEY], call.model, None, call.prepare) as run:
         if call.stream:
-            return await _stream(request, call, run)
-        (choice,) = await guard_disconnect(request, collect(run.streams))
-    return web.json_response(infill_final(call, run.model, choice.text, choice.usage, choice.finish_reason),
-                             dumps=json_dumps)
+            return await _stream(request, call, run, what)
+        final = await guard_disconnect(request, _collected(call, run))
+    return web.json_response(final, dumps=json_dumps)
 
 
-async def _stream(request: web.Request, call: InfillCall, run: Run) -> web.StreamResponse:
+async def _collected(call: NativeCall, run: Run) -> dict:
+    text: list[str] = []
+    tokens: list[int] = []
+    (stream,) = run.streams
+    async for event in bounded(stream, call):
+        raise_if_failed(event)
+        text.append(event.text)
+        tokens.extend(event.token_ids)
+        if event.finish_reason is not None:
+            return final_object(call, run.model, "".join(text), tokens, event.usage, event.finish_reason)
+    raise GenerationError("the engine's stream ended without a final event")
+
+
+async def _stream(request: web.Request, call: NativeCall, run: Run, what: str) -> web.StreamResponse:
     """`data: {"content": ..., "stop": false}` per piece of text, then the final object."""
     response = await open_sse(request)
+    (stream,) = run.streams
 
     async def body() -> None:
-        async for _, event in merge(run.streams):
+        async for event in bounded(stream, call):
             raise_if_failed(event)
-            if event.text and call.n_predict != 0:
-                await send_sse(response, {"content": event.text, "stop": False})
+            if (event.text or event.token_ids) and call.n_predict != 0:
+                await send_sse(response, chunk_object(call, event.text, event.token_ids))
             if event.finish_reason is not None:
-                await send_sse(response, infill_final(call, run.model, "", event.usage, event.finish_reason))
+                await send_sse(response, final_object(call, run.model, "", [], event.usage, event.finish_reason))
 
     try:
         await guard_disconnect(request, body())
@@ -48,5 +87,5 @@ async def _stream(request: web.Request, call: InfillCall, run: Run) -> web.Strea
         pass  # the client left (the next keystroke's request): generation() cancels the stream
     except LocalserveError as e:  # after the 200: the error object in a frame, as non-streamed
         with contextlib.suppress(ConnectionResetError):
-            await send_sse(response, openai_exception_body(e, f"infill {run.model}"))
+            await send_sse(response, openai_exception_body(e, f"{what} {run.model}"))
     return response

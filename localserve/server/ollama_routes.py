@@ -28,12 +28,11 @@ from .ndjson import open_ndjson, send_line
 from .state import MANAGER_KEY, METRICS_KEY, SETTINGS_KEY, STORE_KEY
 from ..api.ollama import (FOREVER, build_request, context_note, details, final_fields, fim_request_tokens, model_name,
                           now_iso, remote_tag, show_body, tag_entry, version_body)
-from ..runtime.manager import plan_model
 from ..runtime.model_facts import fim_capable
-from ..store.cache import InstalledModel
 from ..api.tools import ToolCallStream, parse_tool_calls
 from ..api.validation import MAX_EMBED_INPUTS, invalid, parse_keep_alive, parse_messages, parse_tools
 from .body import read_json
+from .served import served
 
 routes = web.RouteTableDef()
 log = logging.getLogger("localserve.server")
@@ -267,18 +266,9 @@ async def tags(request: web.Request) -> web.Response:
 async def show(request: web.Request) -> web.Response:
     body = await read_json(request)
     model = await asyncio.to_thread(request.app[STORE_KEY].find, model_name(body))
-    served = await served_context(request, model)
+    context = (await served(request, model)).context
     fim = await asyncio.to_thread(fim_capable, model)
-    return web.json_response(show_body(model, served, now_iso(model.modified), fim), dumps=json_dumps)
-
-
-async def served_context(request: web.Request, model: InstalledModel) -> int:
-    """Tokens of prompt and answer one request gets: the loaded engine's, else what a load plans."""
-    for row in request.app[MANAGER_KEY].status():
-        if row.get("name") == model.ref and row.get("context_length"):
-            return int(row["context_length"])
-    plan = await asyncio.to_thread(plan_model, model, request.app[SETTINGS_KEY])
-    return plan.limits.n_ctx_seq
+    return web.json_response(show_body(model, context, now_iso(model.modified), fim), dumps=json_dumps)
 
 
 @routes.get("/api/ps")

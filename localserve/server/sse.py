@@ -1,12 +1,27 @@
-"""Server-sent event responses (OpenAI's streams, llama.cpp's /infill): `data: JSON` frames."""
+"""Server-sent event responses (OpenAI's streams, llama.cpp's /infill): `data: JSON` frames.
+
+A stream that has sent nothing for `sse_ping_interval` seconds gets a comment line (`: ping`),
+which every SSE parser skips (the OpenAI and Anthropic SDKs, EventSource, the plugins' own
+readers): a client's read timeout then measures a dead server, not a long prefill or queue wait.
+The pinger lives as long as the handler: `sse_pinger_middleware` stops it when the handler
+returns or raises, before aiohttp closes the response.
+"""
 
 from __future__ import annotations
 
-from typing import Any
+import asyncio
+import contextlib
+import time
+from typing import Any, Awaitable, Callable
 
 from aiohttp import web
 
 from ..api.errors import json_dumps
+from .state import SETTINGS_KEY
+
+PING = b": ping\n\n"
+_PINGER = web.RequestKey("sse_pinger", asyncio.Task)  # the handler's ping task
+_LAST_WRITE = web.ResponseKey("sse_last_write", float)  # monotonic time of the last frame
 
 
 async def open_sse(request: web.Request) -> web.StreamResponse:
@@ -14,8 +29,39 @@ async def open_sse(request: web.Request) -> web.StreamResponse:
         headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
     )
     await response.prepare(request)
+    response[_LAST_WRITE] = time.monotonic()
+    interval = request.app[SETTINGS_KEY].sse_ping_interval
+    if interval > 0:
+        request[_PINGER] = asyncio.create_task(_ping(response, interval))
     return response
 
 
 async def send_sse(response: web.StreamResponse, data: Any) -> None:
     await response.write(f"data: {json_dumps(data)}\n\n".encode("utf-8"))
+    response[_LAST_WRITE] = time.monotonic()
+
+
+async def _ping(response: web.StreamResponse, interval: float) -> None:
+    while True:
+        idle = time.monotonic() - response[_LAST_WRITE]
+        if idle < interval:
+            await asyncio.sleep(interval - idle)
+            continue
+        try:
+            await response.write(PING)
+        except (ConnectionResetError, RuntimeError):  # the client left, or the response is closed
+            return
+        response[_LAST_WRITE] = time.monotonic()
+
+
+@web.middleware
+async def sse_pinger_middleware(request: web.Request,
+                                handler: Callable[[web.Request], Awaitable[web.StreamResponse]]) -> web.StreamResponse:
+    try:
+        return await handler(request)
+    finally:
+        pinger = request.get(_PINGER)
+        if pinger is not None:
+            pinger.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await pinger

@@ -1,0 +1,31 @@
+"""What one request for an installed model is served with, asked without loading it.
+
+/api/show (Ollama clients size their prompts by it) and /props (llama.cpp clients read `n_ctx` and
+`total_slots`) both answer at an editor's startup, for models that may not be loaded yet: the
+loaded engine's figures when it runs, else what its load would plan with today's settings.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+
+from aiohttp import web
+
+from ..runtime.manager import plan_model
+from ..store.cache import InstalledModel
+from .state import MANAGER_KEY, SETTINGS_KEY
+
+
+@dataclass(frozen=True)
+class Served:
+    context: int  # prompt + answer tokens of one request
+    slots: int  # requests decoding at once
+
+
+async def served(request: web.Request, model: InstalledModel) -> Served:
+    for row in request.app[MANAGER_KEY].status():
+        if row.get("name") == model.ref and row.get("context_length"):
+            return Served(int(row["context_length"]), int(row.get("max_sequences") or 1))
+    plan = await asyncio.to_thread(plan_model, model, request.app[SETTINGS_KEY])
+    return Served(plan.limits.n_ctx_seq, plan.limits.max_sequences)
