@@ -3,7 +3,7 @@
 Middleware order (outermost first): security (Host check, CORS preflight, API key) answers before
 anything is parsed; metrics counts every answer with its final status; errors turns exceptions
 into JSON bodies in the caller's dialect; body limits refuse a declared oversize body (413)
-before any handler reads it. CORS headers are added in on_response_prepare so that
+before any handler reads it; innermost, the SSE pinger of a streaming handler stops with it. CORS headers are added in on_response_prepare so that
 streaming responses, whose headers leave before the handler returns, get them too.
 
 The app owns the manager it is given: on cleanup (server shutdown) the manager is closed, which
