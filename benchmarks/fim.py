@@ -1,0 +1,200 @@
+"""Code completion while typing: FIM TTFT and cache reuse, localserve beside llama-server's /infill.
+
+    python benchmarks/fim.py --model-path .test-cache/home/models/smollm2-135m/Q4_1/SmolLM2-135M-Instruct.Q4_1.gguf
+
+The typing simulation (issue 23): a real source file is "typed" a few characters at a time; every
+150 ms the editor sends `/infill` with the text before the cursor as input_prefix and the next
+lines as input_suffix, and drops the previous request if it has not finished (closing its
+connection, as llama.vscode's abort does). Each server runs it alone and while 4 chat streams run
+beside it, in alternating passes (localserve, llama-server, localserve, llama-server), one server at
+a time on the same cores. Printed per pass: FIM TTFT p50 / p95 of the requests that got a first
+token, how many were dropped before it, and the share of prompt tokens the cache served
+(`tokens_cached` / `tokens_evaluated` of the requests that finished).
+
+The model must name FIM tokens. SmolLM2 names none, so with --add-fim-tokens (the default for a
+GGUF without them) the benchmark copies it with llama.cpp's FIM metadata keys pointing at special
+tokens it has, exactly as tests/test_fim.py does: both servers then build the same FIM prompts; the
+completions are whatever SmolLM2 makes of them, and the timings are what is measured.
+
+Figures, not assertions: tests never time anything (docs/architecture.md).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import shutil
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import aiohttp
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from serve import REPO, percentile, start_llama_server, start_localserve, stop, wait_ready  # noqa: E402
+
+SOURCE = REPO / "localserve" / "api" / "fim.py"  # the file being "typed"
+FIM_IDS = {"pre": 11, "suf": 12, "mid": 13, "rep": 4, "sep": 5}  # SmolLM2's special tokens (test_fim.py)
+SUFFIX_LINES = 12
+CHAT_PROMPT = "Explain in a few sentences how a hash map handles collisions."
+
+
+@dataclass
+class Pass:
+    ttfts: list[float] = field(default_factory=list)
+    dropped: int = 0
+    cached: int = 0
+    evaluated: int = 0
+    errors: int = 0
+
+
+def with_fim_tokens(gguf_path: Path, out: Path) -> Path:
+    import gguf
+    from gguf.scripts.gguf_new_metadata import MetadataDetails, copy_with_new_metadata
+
+    reader = gguf.GGUFReader(gguf_path, "r")
+    if reader.get_field("tokenizer.ggml.fim_pre_token_id") is not None:
+        return gguf_path
+    arch = reader.get_field(gguf.Keys.General.ARCHITECTURE).contents()
+    writer = gguf.GGUFWriter(out, arch=arch, endianess=reader.endianess)
+    new = {f"tokenizer.ggml.fim_{role}_token_id": MetadataDetails(gguf.GGUFValueType.UINT32, token)
+           for role, token in FIM_IDS.items()}
+    copy_with_new_metadata(reader, writer, new, [])
+    return out
+
+
+def keystrokes(text: str, start: int, n: int, chars_per_key: int) -> list[tuple[str, str]]:
+    """(prefix, suffix) at each of n cursor positions, a few characters apart."""
+    out = []
+    for i in range(n):
+        cursor = start + i * chars_per_key
+        line_end = text.find("\n", cursor)
+        rest = text[cursor:] if line_end < 0 else text[line_end:]
+        out.append((text[:cursor], "\n".join(rest.split("\n")[:SUFFIX_LINES])))
+    return out
+
+
+async def infill(session: aiohttp.ClientSession, url: str, model: str, prefix: str, suffix: str,
+                 n_predict: int, result: Pass) -> None:
+    body = {"model": model, "input_prefix": prefix, "input_suffix": suffix, "input_extra": [],
+            "prompt": "", "n_predict": n_predict, "stream": True, "cache_prompt": True,
+            "samplers": ["top_k", "top_p", "infill"], "top_k": 40, "top_p": 0.99, "temperature": 0.0}
+    start = time.perf_counter()
+    first = None
+    try:
+        async with session.post(url + "/infill", json=body) as resp:
+            if resp.status != 200:
+                result.errors += 1
+                return
+            async for raw in resp.content:
+                line = raw.strip()
+                if not line.startswith(b"data: "):
+                    continue
+                frame = json.loads(line[6:])
+                if first is None and (frame.get("content") or frame.get("stop")):
+                    first = time.perf_counter() - start
+                    result.ttfts.append(first)
+                if frame.get("stop"):
+                    result.cached += int(frame.get("tokens_cached", 0))
+                    result.evaluated += int(frame.get("tokens_evaluated", 0))
+    except asyncio.CancelledError:
+        if first is None:
+            result.dropped += 1
+        raise
+
+
+async def chat_loop(session: aiohttp.ClientSession, url: str, model: str, stop_at: asyncio.Event) -> None:
+    body = {"model": model, "messages": [{"role": "user", "content": CHAT_PROMPT}], "max_tokens": 96,
+            "stream": True, "temperature": 0.7}
+    while not stop_at.is_set():
+        with contextlib.suppress(aiohttp.ClientError):
+            async with session.post(url + "/v1/chat/completions", json=body) as resp:
+                async for _ in resp.content:
+                    if stop_at.is_set():
+                        break
+
+
+async def typing_pass(url: str, model: str, args: argparse.Namespace, chats: int) -> Pass:
+    text = SOURCE.read_text()
+    result = Pass()
+    stop_chats = asyncio.Event()
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as session:
+        background = [asyncio.create_task(chat_loop(session, url, model, stop_chats)) for _ in range(chats)]
+        if chats:
+            await asyncio.sleep(2.0)  # the chats are decoding before the typing starts
+        previous: asyncio.Task | None = None
+        for prefix, suffix in keystrokes(text, args.start, args.keys, args.chars_per_key):
+            if previous is not None and not previous.done():
+                previous.cancel()  # the next keystroke drops the answer nobody will see
+            previous = asyncio.create_task(infill(session, url, model, prefix, suffix, args.n_predict, result))
+            await asyncio.sleep(args.interval_ms / 1000)
+        if previous is not None:
+            with contextlib.suppress(asyncio.CancelledError):
+                await previous
+        stop_chats.set()
+        for task in background:
+            task.cancel()
+        await asyncio.gather(*background, return_exceptions=True)
+    return result
+
+
+def row(name: str, load: str, p: Pass) -> str:
+    if not p.ttfts:
+        return f"{name:<13} {load:<8} no request got a first token (dropped {p.dropped}, errors {p.errors})"
+    share = p.cached / p.evaluated if p.evaluated else 0.0
+    return (f"{name:<13} {load:<8} TTFT p50 {percentile(p.ttfts, 50) * 1000:6.0f} ms  p95 "
+            f"{percentile(p.ttfts, 95) * 1000:6.0f} ms  answered {len(p.ttfts):3d}  dropped {p.dropped:3d}  "
+            f"errors {p.errors}  cached {share:6.1%}")
+
+
+async def main_async(args: argparse.Namespace) -> int:
+    work = Path(tempfile.mkdtemp(prefix="localserve-fim-bench-"))
+    try:
+        model_path = Path(args.model_path).resolve()
+        if args.add_fim_tokens:
+            model_path = with_fim_tokens(model_path, work / "fim-model.gguf")
+        lines = []
+        for round_no in range(args.rounds):
+            for name in args.servers.split(","):
+                run_dir = work / f"{name}-{round_no}"
+                run_dir.mkdir()
+                if name == "localserve":
+                    proc, url, model = start_localserve(model_path, args.threads, args.sequences, run_dir)
+                else:
+                    proc, url, model = start_llama_server(model_path, args.threads, args.sequences, run_dir)
+                try:
+                    await wait_ready(url, "/health", proc)
+                    await typing_pass(url, model, argparse.Namespace(**{**vars(args), "keys": 4}), 0)  # warm
+                    for chats in (0, 4):
+                        result = await typing_pass(url, model, args, chats)
+                        lines.append(row(name, "alone" if chats == 0 else "4 chats", result))
+                        print(lines[-1], flush=True)
+                finally:
+                    stop(proc)
+        return 0
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model-path", required=True, help="a GGUF (FIM tokens are added to a copy when it has none)")
+    p.add_argument("--no-add-fim-tokens", dest="add_fim_tokens", action="store_false")
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--sequences", type=int, default=6, help="decoding slots on both servers (4 chats + FIM)")
+    p.add_argument("--keys", type=int, default=60, help="requests per pass")
+    p.add_argument("--interval-ms", type=float, default=150.0, help="time between keystroke requests")
+    p.add_argument("--chars-per-key", type=int, default=3)
+    p.add_argument("--start", type=int, default=2000, help="where in the file the cursor starts")
+    p.add_argument("--n-predict", type=int, default=16)
+    p.add_argument("--rounds", type=int, default=2, help="alternating passes per server")
+    p.add_argument("--servers", default="localserve,llama-server", help="comma-separated, in pass order")
+    return p.parse_args(argv)
+
+
+if __name__ == "__main__":
+    sys.exit(asyncio.run(main_async(parse_args())))
