@@ -1,6 +1,8 @@
-"""Build llama.cpp's own `llama-server` from the sources llama-cpp-python vendors, once, cached.
+"""Build llama.cpp's own `llama-server` (and `llama-batched-bench`, the hardware's ceiling) from the
+sources llama-cpp-python vendors, once, cached.
 
-    python benchmarks/llama_server_build.py        # prints the binary's path (builds it if needed)
+    python benchmarks/llama_server_build.py                       # llama-server's path (built if needed)
+    python benchmarks/llama_server_build.py llama-batched-bench   # another tool of the same build
 
 The anchor of benchmarks/serve.py must be the very llama.cpp localserve runs on, so the sources
 come from the pinned llama-cpp-python sdist (its vendor/llama.cpp), fetched with pip into a cache
@@ -45,8 +47,15 @@ def _sdist_sources(cache: Path) -> Path:
 
 def llama_server_binary() -> Path:
     """Path of the built llama-server; builds it on first use (minutes on a small CPU)."""
+    return tool_binary("llama-server")
+
+
+def tool_binary(target: str) -> Path:
+    """Path of one of llama.cpp's tools (llama-server, llama-batched-bench), built on first use
+    into the one build directory: a second tool reuses the objects of the first."""
     cache = cache_dir()
-    binary = cache / "build" / "bin" / "llama-server"
+    build = cache / "build"
+    binary = build / "bin" / target
     if binary.is_file():
         return binary
     src = _sdist_sources(cache)
@@ -54,16 +63,16 @@ def llama_server_binary() -> Path:
     if platform.machine() in ("x86_64", "AMD64"):
         env["CFLAGS"] = f"{env.get('CFLAGS', '')} {NO_AMX}".strip()
         env["CXXFLAGS"] = f"{env.get('CXXFLAGS', '')} {NO_AMX}".strip()
-    build = cache / "build"
-    # No CURL: the benchmark serves a local file. Release: the figures must be the optimised build's.
-    subprocess.run(["cmake", "-S", str(src), "-B", str(build), "-DCMAKE_BUILD_TYPE=Release",
-                    "-DLLAMA_CURL=OFF", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF",
-                    "-DLLAMA_BUILD_SERVER=ON", "-DLLAMA_BUILD_TOOLS=ON"], check=True, env=env)
+    if not (build / "CMakeCache.txt").is_file():
+        # No CURL: the benchmark serves a local file. Release: the figures must be the optimised build's.
+        subprocess.run(["cmake", "-S", str(src), "-B", str(build), "-DCMAKE_BUILD_TYPE=Release",
+                        "-DLLAMA_CURL=OFF", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF",
+                        "-DLLAMA_BUILD_SERVER=ON", "-DLLAMA_BUILD_TOOLS=ON"], check=True, env=env)
     jobs = str(max(1, (os.cpu_count() or 1)))
-    subprocess.run(["nice", "-n", "10", "cmake", "--build", str(build), "--target", "llama-server",
-                    "-j", jobs], check=True, env=env)
+    subprocess.run(["nice", "-n", "10", "cmake", "--build", str(build), "--target", target, "-j", jobs],
+                   check=True, env=env)
     return binary
 
 
 if __name__ == "__main__":
-    print(llama_server_binary())
+    print(tool_binary(sys.argv[1] if len(sys.argv) > 1 else "llama-server"))

@@ -6,7 +6,9 @@
 
     # start localserve, llama.cpp's own llama-server (built once from the sources the pinned
     # llama-cpp-python vendors: benchmarks/llama_server_build.py) and llama-cpp-python's server
-    # (`pip install -e .[bench]`) on the same GGUF, one after the other, and print one table
+    # (`pip install -e .[bench]`) on the same GGUF, one after the other in alternating passes
+    # (--passes, default 2: A B A B), and print one table: each pass, each server's median, and
+    # llama-batched-bench's ceiling for the same GGUF and threads (--no-ceiling skips it)
     python benchmarks/serve.py --launch --load A --model-path .test-cache/home/models/smollm2-135m/Q4_1/SmolLM2-135M-Instruct.Q4_1.gguf
     # interactive TTFT while 16 batch-lane requests saturate each server, idle vs under the flood
     python benchmarks/serve.py --launch --flood --model-path ...
@@ -35,6 +37,7 @@ import random
 import shutil
 import signal
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -334,38 +337,78 @@ def launch(name: str, args: argparse.Namespace, model_path: Path, work: Path) ->
 
 
 async def bench_launched(args: argparse.Namespace, prompts: list[Any]) -> list[tuple[str, dict[str, float]]]:
-    """Each server in turn on the same workload (never two at once: they would share the cores)."""
+    """The servers in alternating passes (A B A B ...), never two at once (they would share the
+    cores); a column per pass, then each server's median, so one noisy pass cannot decide."""
     model_path = Path(args.model_path).resolve()
     work = Path(tempfile.mkdtemp(prefix="localserve-bench-"))
     columns = []
     try:
-        for name in args.servers:
-            proc, url, model = launch(name, args, model_path, work)
-            try:
-                await wait_ready(url, READY[name], proc)
-                # Warm-up: loads the model (localserve loads on first use) outside the measurement.
-                await run_load(url, model, ["Hello"], concurrency=1, request_rate=math.inf, max_tokens=4,
-                               seed=args.seed, api_key=None, extra={})
-                print(f"running {'the flood' if args.flood else f'{len(prompts)} requests'} against {name} "
-                      f"({url}) ...", file=sys.stderr)
-                if args.flood:
-                    columns.append((name, await flood(url, model, args)))
-                    continue
-                results, duration = await run_load(
-                    url, model, prompts, concurrency=args.concurrency, request_rate=args.request_rate,
-                    max_tokens=args.max_tokens, seed=args.seed, api_key=None, extra=args.extra)
-                report_errors(name, results)
-                summary = summarize(results, duration)
-                summary["idle_cpu_percent"] = await idle_cpu_percent(proc.pid)
-                columns.append((name, summary))
-            finally:
-                stop(proc)
+        for pass_no in range(1, args.passes + 1):
+            for name in args.servers:
+                run_dir = work / f"{name}-{pass_no}"
+                run_dir.mkdir()
+                summary = await bench_one(name, args, model_path, run_dir, prompts)
+                columns.append((f"{name} #{pass_no}" if args.passes > 1 else name, summary))
+                print(f"pass {pass_no}, {name}: " + ", ".join(f"{k} {v:.3g}" for k, v in summary.items()
+                                                                if k in PASS_KEYS), file=sys.stderr)
     finally:
         if args.keep_logs:
             print(f"server logs kept in {work}", file=sys.stderr)
         else:
             shutil.rmtree(work, ignore_errors=True)
+    if args.passes > 1:
+        columns += [(f"{name} median", median_of([c for n, c in columns if n.startswith(f"{name} #")]))
+                    for name in args.servers]
     return columns
+
+
+async def bench_one(name: str, args: argparse.Namespace, model_path: Path, work: Path,
+                    prompts: list[Any]) -> dict[str, float]:
+    proc, url, model = launch(name, args, model_path, work)
+    try:
+        await wait_ready(url, READY[name], proc)
+        # Warm-up: loads the model (localserve loads on first use) outside the measurement.
+        await run_load(url, model, ["Hello"], concurrency=1, request_rate=math.inf, max_tokens=4,
+                       seed=args.seed, api_key=None, extra={})
+        print(f"running {'the flood' if args.flood else f'{len(prompts)} requests'} against {name} "
+              f"({url}) ...", file=sys.stderr)
+        if args.flood:
+            return await flood(url, model, args)
+        results, duration = await run_load(
+            url, model, prompts, concurrency=args.concurrency, request_rate=args.request_rate,
+            max_tokens=args.max_tokens, seed=args.seed, api_key=None, extra=args.extra)
+        report_errors(name, results)
+        summary = summarize(results, duration)
+        summary["idle_cpu_percent"] = await idle_cpu_percent(proc.pid)
+        return summary
+    finally:
+        stop(proc)
+
+
+PASS_KEYS = ("output_tokens_per_s", "ttft_ms_p50", "ttft_ms_p95", "flood_over_idle_p95", "flood_tokens_per_s")
+
+
+def median_of(summaries: list[dict[str, float]]) -> dict[str, float]:
+    return {key: statistics.median(s[key] for s in summaries) for key in summaries[0]}
+
+
+def batched_ceiling(model_path: Path, threads: int) -> dict[str, float]:
+    """llama.cpp's own llama-batched-bench on the same GGUF and threads: prompt tok/s (128-token
+    prompts) and generation tok/s at 1, 8 and 16 sequences, the most this machine can do."""
+    from llama_server_build import tool_binary
+
+    out = subprocess.run([str(tool_binary("llama-batched-bench")), "-m", str(model_path), "-c", "8192",
+                          "-b", "2048", "-ub", "512", "-npp", "128", "-ntg", "128", "-npl", "1,8,16",
+                          "-t", str(threads), "--no-mmap"],
+                         capture_output=True, text=True, check=True, cwd=REPO).stdout
+    ceiling = {}
+    for line in out.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        # |    PP |     TG |    B |   N_KV |   T_PP s | S_PP t/s |   T_TG s | S_TG t/s |      T s |    S t/s |
+        if len(cells) >= 8 and cells[0] == "128" and cells[2].isdigit():
+            ceiling[f"prompt_tokens_per_s_b{cells[2]}"] = float(cells[5])
+            ceiling[f"gen_tokens_per_s_b{cells[2]}"] = float(cells[7])
+    return ceiling
 
 
 async def idle_cpu_percent(pid: int, settle_s: float = 2.0, window_s: float = 5.0) -> float:
@@ -468,6 +511,11 @@ async def main_async(args: argparse.Namespace) -> int:
               f"max_tokens {args.max_tokens}, prompts of {min(args.prompt_words)}-{max(args.prompt_words)} words"
               + (f" behind a {LOADS['C'][3]}-word system prompt" if args.load == "C" else "") + "\n")
         print_table(columns)
+    if args.launch and args.ceiling:
+        ceiling = batched_ceiling(Path(args.model_path).resolve(), args.threads)
+        print("\nllama-batched-bench on the same GGUF and threads (128-token prompts, 128 out): "
+              + ", ".join(f"{k} {v:.1f}" for k, v in ceiling.items()))
+        columns.append(("ceiling", ceiling))
     if args.json:
         Path(args.json).write_text(json.dumps(dict(columns), indent=2))
     return 0
@@ -481,6 +529,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--launch", action="store_true", help="start the --servers one after another on --model-path")
     p.add_argument("--servers", type=lambda t: tuple(t.split(",")), default=None,
                    help=f"comma-separated, of {','.join(SERVERS)} (default: all; --flood: the first two)")
+    p.add_argument("--passes", type=int, default=2, help="alternating passes per server with --launch (default 2)")
+    p.add_argument("--no-ceiling", dest="ceiling", action="store_false",
+                   help="skip llama-batched-bench's hardware ceiling after the passes")
     p.add_argument("--load", choices=sorted(LOADS), help="issue 8's workloads (sets prompts and --max-tokens)")
     p.add_argument("--flood", action="store_true", help="interactive TTFT idle vs under a batch-lane flood")
     p.add_argument("--model-path", help="GGUF file for --launch")
