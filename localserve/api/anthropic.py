@@ -24,6 +24,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
+from ..backends.common.schema_bounds import check_schema
 from ..protocol.engine import TextEngine
 from ..protocol.requests import GenerationEvent
 from .anthropic_messages import chat_messages, chat_tool_choice, chat_tools
@@ -73,6 +74,7 @@ def _output_format(body: Body) -> dict[str, Any] | None:
     schema = fmt.get_object("schema")
     if schema is None:
         raise invalid("'output_config.format.schema' is required", "output_config.format.schema")
+    check_schema(schema.data, "output_config.format.schema")  # its bounds, named in Anthropic's terms
     return {"type": "json_schema", "json_schema": {"name": "output", "schema": schema.data}}
 
 
