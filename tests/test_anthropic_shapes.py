@@ -5,6 +5,7 @@ prefix cache, and the error statuses."""
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 from pathlib import Path
 
@@ -12,6 +13,7 @@ import anthropic
 import pytest
 
 from localserve.api.anthropic_messages import chat_messages, chat_tool_choice, chat_tools
+from localserve.api.anthropic_stream import with_pings
 from localserve.api.errors import anthropic_error
 from localserve.api.validation import Body
 from localserve.errors import InvalidRequestError
@@ -124,3 +126,24 @@ def test_error_statuses_are_anthropics():
         "invalid_request_error", "authentication_error", "permission_error", "not_found_error", "request_too_large",
         "rate_limit_error", "api_error"]
     assert anthropic_error(408, "slow")[0:1] == (408,) and anthropic_error(408, "slow")[1]["error"]["type"] == "timeout_error"
+
+
+def test_pings_while_the_prompt_is_read_and_no_event_lost():
+    class SlowStream:  # a long prefill: the first token comes late
+        def __init__(self) -> None:
+            self.events = ["a", "b"]
+
+        def __aiter__(self):
+            return self
+
+        async def __anext__(self):
+            if not self.events:
+                raise StopAsyncIteration
+            await asyncio.sleep(0.35 if len(self.events) == 2 else 0)
+            return self.events.pop(0)
+
+    async def run() -> list:
+        return [e async for e in with_pings(SlowStream(), interval=0.1)]
+
+    got = asyncio.run(run())
+    assert got[-2:] == ["a", "b"] and set(got[:-2]) == {None} and len(got) >= 4
