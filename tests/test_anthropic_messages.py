@@ -125,6 +125,16 @@ def test_stop_sequences(client):
     assert word not in m.content[0].text and whole.content[0].text.startswith(m.content[0].text)
 
 
+def test_last_assistant_turn_is_continued(client):
+    ask = [{"role": "user", "content": QUESTION}]
+    whole = client.messages.create(model=MODEL, max_tokens=24, messages=ask, **GREEDY).content[0].text
+    prefill = " ".join(whole.split()[:3])
+    m = client.messages.create(model=MODEL, max_tokens=24, **GREEDY,
+                               messages=ask + [{"role": "assistant", "content": prefill}])
+    assert (prefill + m.content[0].text).startswith(whole), (whole, prefill, m.content[0].text)
+    assert not m.content[0].text.startswith(prefill)
+
+
 def test_tool_use_and_tool_result_round_trip(client, oai):
     ask = [{"role": "user", "content": "What is the weather in Paris?"}]
     m = client.messages.create(model=MODEL, max_tokens=48, tools=TOOLS, messages=ask,

@@ -9,6 +9,7 @@ a conversation answers here exactly what it answers on /v1/chat/completions. Wha
 alone is the shape: anthropic_messages.py (request blocks -> chat messages, Claude Code's volatile
 billing header dropped) and anthropic_stream.py (events -> content blocks and stream events).
 
+A last assistant turn is a prefill: the answer continues its text, as Anthropic's does.
 Not served, each a 400 naming the field: images and documents (our models take text only) and
 server tools (web search, code execution). `output_config.format` (a JSON schema) constrains the
 answer as the chat path's response_format does. Accepted and without effect here: `metadata`,
@@ -99,6 +100,10 @@ def parse_messages(body: Body, env: ApiEnv, *, count_only: bool = False) -> Mess
     call = parse_chat(Body({k: v for k, v in chat.items() if v is not None}), env)
     # A reasoning template (Qwen3's) thinks only when asked, as Anthropic's models do.
     call.template_args = {"enable_thinking": thinking}
+    last = call.messages[-1]
+    if last["role"] == "assistant" and not last.get("tool_calls") and len(call.messages) > 1:
+        # Prefill: the answer continues the last assistant turn instead of starting a new one.
+        call.messages, call.continuation = call.messages[:-1], last["content"]
     return MessagesCall(call, thinking, stops)
 
 

@@ -237,14 +237,17 @@ class ChatCall:
     messages: list[dict[str, Any]]
     tools: list[dict[str, Any]]  # the tools the model may call (none when tool_choice is "none")
     forced: list[dict[str, Any]] | None  # tools one of which must be called
-    # Extra template variables (Anthropic's `thinking` sets enable_thinking) and the prompt rendered.
+    # Extra template variables (Anthropic's `thinking` sets enable_thinking), text the answer
+    # continues (Anthropic's prefill: a last assistant turn), and the prompt rendered.
     template_args: dict[str, Any] = field(default_factory=dict)
+    continuation: str = ""
     prompt: str = ""
 
     async def prompt_tokens(self, engine: ModelEngine) -> list[int]:
         """The rendered chat template's tokens (kept in `prompt`)."""
         template = chat_template(engine)
         self.prompt = await template.render_async(self.messages, tools=self.tools or None, **self.template_args)
+        self.prompt += self.continuation
         return await tokenize_async(engine, self.prompt, template)
 
     async def prepare(self, engine: ModelEngine) -> list[GenerationRequest]:
