@@ -292,7 +292,8 @@ def test_lanes_and_a_full_lane(smollm2_gguf, tmp_path):
     settings = server_settings(tmp_path / "home", max_sequences=1, queue_size=1)
     install_model(settings, smollm2_gguf)
     with LiveServer(settings) as live:
-        running, head = open_stream(live.port, "/v1/completions", long_completion(True))
+        # The only sequence, on the best lane: nothing that arrives preempts it.
+        running, head = open_stream(live.port, "/v1/completions", {**long_completion(True), "priority": "interactive"})
         assert b"data:" in head
         streamed, head = open_stream(live.port, "/v1/messages", long_message(max_tokens=4), wait_data=False)
         queued, head2 = open_stream(live.port, "/v1/messages", long_message(max_tokens=4, priority="batch"),
