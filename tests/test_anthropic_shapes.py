@@ -147,3 +147,19 @@ def test_pings_while_the_prompt_is_read_and_no_event_lost():
 
     got = asyncio.run(run())
     assert got[-2:] == ["a", "b"] and set(got[:-2]) == {None} and len(got) >= 4
+
+
+def test_model_aliases_setting(tmp_path):
+    from localserve.config.aliases import alias_target
+    from localserve.config.settings import load_settings
+    from localserve.errors import ConfigError
+
+    config = tmp_path / "config.toml"
+    config.write_text('model_aliases = ["claude-3-*=old", "claude-*=smollm2-135m"]\n')
+    settings = load_settings(environ={}, config_path=config)
+    assert [alias_target(n, settings.model_aliases) for n in ("claude-3-haiku", "Claude-Opus-4", "gpt-4o")] == \
+        ["old", "smollm2-135m", None]  # the first match wins, case aside
+    env = load_settings(environ={"LOCALSERVE_MODEL_ALIASES": "gpt-*=a, o?-mini=b"}, config_path=tmp_path / "none")
+    assert env.model_aliases == ("gpt-*=a", "o?-mini=b") and alias_target("o4-mini", env.model_aliases) == "b"
+    with pytest.raises(ConfigError, match="model_aliases"):
+        load_settings(environ={"LOCALSERVE_MODEL_ALIASES": "claude-*"}, config_path=tmp_path / "none")
