@@ -94,6 +94,10 @@ def chat_body(**extra: object) -> dict:
     return {"model": "smol", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, **extra}
 
 
+def message_body(**extra: object) -> dict:
+    return {"model": "smol", "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}], **extra}
+
+
 def schema_format(schema: dict) -> dict:
     return {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}}
 
@@ -134,6 +138,22 @@ ATTACKS: list[tuple[str, str, bytes, int]] = [
      + b"9" * 5000 + b"}}", 400),
     ("embeddings past max_embed_tokens", "/v1/embeddings",
      _json({"model": "smol", "input": [" ".join(["word"] * 2000)] * 200}), 400),
+    # Anthropic's Messages route: the same bounds on its own field names.
+    ("messages: forced tool maxItems 1e6", "/v1/messages",
+     _json(message_body(tools=[{"name": "f", "input_schema": {"type": "object", "properties": {
+         "xs": {"type": "array", "items": {"type": "integer"}, "maxItems": 1_000_000}}}}],
+         tool_choice={"type": "tool", "name": "f"})), 400),
+    ("messages: output schema maxLength 1e6", "/v1/messages",
+     _json(message_body(output_config={"format": {"type": "json_schema",
+                                                  "schema": {"type": "string", "maxLength": 1_000_000}}})), 400),
+    ("messages: input_schema nested 600 deep", "/v1/messages",
+     b'{"model": "smol", "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}], '
+     b'"tool_choice": {"type": "any"}, "tools": [{"name": "f", "input_schema": ' + deep_schema_text(600).encode()
+     + b"}]}", 400),
+    ("messages: 5,000-digit max_tokens", "/v1/messages",
+     b'{"model": "smol", "messages": [{"role": "user", "content": "hi"}], "max_tokens": ' + b"9" * 5000 + b"}", 400),
+    ("messages: 5,000 content blocks", "/v1/messages",
+     _json(message_body(messages=[{"role": "user", "content": [{"type": "text", "text": "hi"}] * 5000}])), 400),
 ]
 
 
@@ -158,12 +178,13 @@ def test_every_attack_gets_its_4xx_and_the_daemon_lives(daemon: tuple[str, int])
     assert greedy_chat(url) == before
 
 
-def test_declared_terabyte_body_is_refused_before_reading(daemon: tuple[str, int]) -> None:
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/messages"])
+def test_declared_terabyte_body_is_refused_before_reading(daemon: tuple[str, int], path: str) -> None:
     url, _ = daemon
     with socket.create_connection(_split(url), timeout=5) as sock:
         t0 = time.monotonic()
-        sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
-                     b"Content-Length: 1000000000000\r\n\r\n{")
+        sock.sendall(f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n".encode()
+                     + b"Content-Length: 1000000000000\r\n\r\n{")
         head = sock.recv(4096)
         took = time.monotonic() - t0
     assert head.startswith(b"HTTP/1.1 413"), head[:200]

@@ -21,7 +21,7 @@ from ..protocol.requests import GenerationRequest, Usage
 from ..store.cache import InstalledModel
 from .fim import fim_prompt, prompt_budget
 from .generation import Clock
-from .templates import ChatTemplate
+from .templates import ChatTemplate, is_reasoning_template
 from .validation import (Body, clamp_max_tokens, invalid, parse_json_format, parse_lane, parse_seed, parse_stop,
                          sampling_from)
 
@@ -30,8 +30,6 @@ from .validation import (Body, clamp_max_tokens, invalid, parse_json_format, par
 OLLAMA_API_VERSION = "0.9.0"
 FOREVER = "9999-12-31T23:59:59Z"  # expires_at of a model kept loaded for good (keep_alive < 0)
 _OLLAMA_NAMES = {"penalty_last_n": "repeat_last_n"}  # our sampling field -> Ollama's option name
-# Chat templates that let a model reason before it answers (Qwen3, DeepSeek-R1 and their kin).
-_THINKING_MARKS = ("<think>", "enable_thinking", "reasoning_content")
 
 
 def version_body(own_version: str) -> dict[str, str]:
@@ -46,7 +44,7 @@ def capabilities(template: str, fim: bool) -> list[str]:
         found.append("tools")
     if fim:
         found.append("insert")
-    if any(mark in template for mark in _THINKING_MARKS):
+    if is_reasoning_template(template):
         found.append("thinking")
     return found
 

@@ -237,6 +237,18 @@ class ChatCall:
     messages: list[dict[str, Any]]
     tools: list[dict[str, Any]]  # the tools the model may call (none when tool_choice is "none")
     forced: list[dict[str, Any]] | None  # tools one of which must be called
+    # Extra template variables (Anthropic's `thinking` sets enable_thinking), text the answer
+    # continues (Anthropic's prefill: a last assistant turn), and the prompt rendered.
+    template_args: dict[str, Any] = field(default_factory=dict)
+    continuation: str = ""
+    prompt: str = ""
+
+    async def prompt_tokens(self, engine: ModelEngine) -> list[int]:
+        """The rendered chat template's tokens (kept in `prompt`)."""
+        template = chat_template(engine)
+        self.prompt = await template.render_async(self.messages, tools=self.tools or None, **self.template_args)
+        self.prompt += self.continuation
+        return await tokenize_async(engine, self.prompt, template)
 
     async def prepare(self, engine: ModelEngine) -> list[GenerationRequest]:
         if isinstance(engine, TextEngine):
@@ -245,9 +257,7 @@ class ChatCall:
                 raise invalid(f"'tools' are not supported with the remote model {engine.name}", "tools")
             base = text_request(self.body, self.opts, TextPrompt("chat", messages=self.body.raw("messages")))
             return [with_seed_offset(base, i) for i in range(self.opts.n)]
-        template = chat_template(engine)
-        prompt = await template.render_async(self.messages, tools=self.tools or None)
-        tokens = await tokenize_async(engine, prompt, template)
+        tokens = await self.prompt_tokens(engine)
         base = build_request(self.body, self.opts, engine, tokens, param="messages")
         if self.forced:
             base.sampling.json_schema = forced_call_schema(self.forced)

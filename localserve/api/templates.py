@@ -69,6 +69,15 @@ TOOL_SYSTEM_PROMPT = (
 )
 
 
+# Chat templates that let a model reason before it answers (Qwen3, DeepSeek-R1 and their kin).
+_THINKING_MARKS = ("<think>", "enable_thinking", "reasoning_content")
+THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
+
+
+def is_reasoning_template(template: str) -> bool:
+    return any(mark in template for mark in _THINKING_MARKS)
+
+
 class TemplateRaised(Exception):
     """`raise_exception(...)` inside a template."""
 

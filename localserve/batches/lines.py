@@ -22,7 +22,8 @@ from typing import Any, Awaitable, Callable
 
 from ..errors import InvalidRequestError, LocalserveError, OverloadedError, QueueFullError
 from ..api.json_body import BodyTooLargeError, parse_json
-from ..api.errors import openai_error_body, openai_exception_body
+from ..api.anthropic import create_message, parse_messages
+from ..api.errors import anthropic_exception_body, openai_error_body, openai_exception_body
 from ..api.openai import (
     ApiEnv,
     chat_completion,
@@ -39,17 +40,23 @@ log = logging.getLogger(__name__)
 Pin = Callable[[str], Awaitable[None]]  # keeps a model loaded for the rest of the batch
 
 
+def openai_error(exc: LocalserveError, what: str) -> tuple[int, dict[str, Any]]:
+    return exc.http_status, openai_exception_body(exc, what)
+
+
 @dataclass(frozen=True)
 class Endpoint:
     parse: Callable[[Body, ApiEnv], Any]
     run: Callable[[Any, ApiEnv], Awaitable[dict[str, Any]]]
     model_of: Callable[[Any], str]
+    error: Callable[[LocalserveError, str], tuple[int, dict[str, Any]]] = openai_error  # the dialect's (status, body)
 
 
 ENDPOINTS: dict[str, Endpoint] = {
     "/v1/chat/completions": Endpoint(parse_chat, chat_completion, lambda call: call.opts.model),
     "/v1/completions": Endpoint(parse_completion, completion, lambda call: call.opts.model),
     "/v1/embeddings": Endpoint(parse_embeddings, embeddings, lambda call: call.model),
+    "/v1/messages": Endpoint(parse_messages, create_message, lambda call: call.chat.opts.model, anthropic_exception_body),
 }
 
 
@@ -97,7 +104,7 @@ async def run_line(raw: str, endpoint: str, env: ApiEnv, pin: Pin) -> Outcome:
     except (QueueFullError, OverloadedError):
         raise  # the lane is full or the model is loading: the runner tries the line again later
     except LocalserveError as exc:
-        return Outcome(exc.http_status, openai_exception_body(exc, f"batch line for {endpoint}"))
+        return Outcome(*ENDPOINTS[endpoint].error(exc, f"batch line for {endpoint}"))
     except Exception:  # noqa: BLE001 - a bug must fail one line, not the batch or the daemon
         log.exception("batch line for %s failed", endpoint)
         return Outcome(500, openai_error_body("internal server error", "server_error", None, "internal_error"))

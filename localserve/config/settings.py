@@ -16,6 +16,7 @@ from typing import Any, Mapping
 import platformdirs
 
 from ..errors import ConfigError
+from .aliases import parse_alias
 from .upstreams import UpstreamConfig, parse_upstreams, resolve_keys
 
 try:  # Python 3.11+
@@ -79,6 +80,9 @@ class Settings:
     # items (comma-separated in env and flags), e.g. "qwen2.5-7b=onnx"; a bare name covers all tags.
     backend: str = "auto"
     model_backends: tuple[str, ...] = ()
+    # Names clients send for models not served here, "PATTERN=MODEL" items with glob patterns
+    # (comma-separated in env and flags), e.g. "claude-*=smollm2-135m" for Claude Code (aliases.py).
+    model_aliases: tuple[str, ...] = ()
     max_body_bytes: int = 8 * 1024 * 1024
     # Seconds a client has to send a request body once its headers are in (408 after); 0 = no limit.
     body_timeout: float = 30.0
@@ -189,7 +193,11 @@ def _coerce(name: str, value: Any) -> Any:
             return Path(os.path.expanduser(str(value))) if value not in (None, "") else None
         if isinstance(default, tuple):  # comma-separated in env and flags, a list in TOML
             items = value.split(",") if isinstance(value, str) else list(value)
-            return tuple(s.strip() for s in items if s.strip())
+            result = tuple(s.strip() for s in items if s.strip())
+            if name == "model_aliases":
+                for item in result:
+                    parse_alias(item)  # a malformed item stops the daemon at start, not a request
+            return result
         if name in _SECRETS:
             return str(value).strip() or None
         if isinstance(default, bool):

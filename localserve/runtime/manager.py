@@ -33,6 +33,7 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, AsyncIterator, Callable
 
+from ..config.aliases import SETTING as ALIAS_SETTING, alias_target
 from ..config.settings import Settings
 from ..errors import BackendError, InvalidNameError, LocalserveError, ModelNotFoundError, OverloadedError
 from ..protocol.engine import ModelEngine
@@ -206,16 +207,13 @@ class ModelManager:
         """The loaded model for `model_ref`, loading it if needed; pinned while inside. A name the
         store does not hold (or refuses as a local name, like an upstream's "org/model" id) may be a
         remote model: then its upstream engine, with nothing to load, pin or unload."""
-        try:
-            installed = await asyncio.to_thread(self._store.find, model_ref)
-        except (ModelNotFoundError, InvalidNameError):
-            remote = await self.upstreams.engine_for(model_ref) if self.upstreams is not None else None
-            if remote is None:
-                raise
-            yield LoadedModel(name=model_ref, engine=remote, info=None, loaded_at=time.time(), memory_bytes=0,
+        served = await self._served(model_ref)
+        if not isinstance(served, InstalledModel):
+            name, remote = served
+            yield LoadedModel(name=name, engine=remote, info=None, loaded_at=time.time(), memory_bytes=0,
                               device="remote")
             return
-        model = await self._acquire(installed)
+        model = await self._acquire(served)
         try:
             yield model
         finally:
@@ -444,6 +442,33 @@ class ModelManager:
                 pass
 
     # --- helpers ---------------------------------------------------------------------------
+    async def _served(self, model_ref: str) -> "InstalledModel | tuple[str, ModelEngine]":
+        """What serves a name: the installed model, or (name, engine) of an upstream's; the name
+        itself first, then the model its `model_aliases` item maps it to (config/aliases.py)."""
+        try:
+            return await self._lookup(model_ref)
+        except (ModelNotFoundError, InvalidNameError) as missing:
+            target = alias_target(model_ref, self.settings.model_aliases)
+            if target is not None:
+                return await self._lookup(target)
+            if not isinstance(missing, ModelNotFoundError):
+                raise
+            # Agents send names of models that are not ours (claude-*, gpt-*): say how to serve them.
+            raise ModelNotFoundError(
+                model_ref, missing.suggestions,
+                message=f"model {model_ref!r} is not served here: pull it, or map the name to an installed "
+                        f"model with the {ALIAS_SETTING} setting (e.g. {model_ref.split('-')[0]}-*={self.settings.default_model})",
+            ) from None
+
+    async def _lookup(self, model_ref: str) -> "InstalledModel | tuple[str, ModelEngine]":
+        try:
+            return await asyncio.to_thread(self._store.find, model_ref)
+        except (ModelNotFoundError, InvalidNameError):
+            remote = await self.upstreams.engine_for(model_ref) if self.upstreams is not None else None
+            if remote is None:
+                raise
+            return model_ref, remote
+
     async def _key_of(self, model_ref: str) -> str | None:
         """The loaded model a reference names: exact `name:tag`, or what the store resolves it to,
         or a name with exactly one loaded tag (its manifest may be gone: `rm` of a loaded model)."""

@@ -22,7 +22,7 @@ from .. import __version__
 from ..config.settings import Settings
 from ..errors import ConfigError
 from ..store.cache import ModelStore
-from . import batch_routes, dashboard_routes, llamacpp_routes, ollama_routes, openai_routes, pull_routes
+from . import anthropic_routes, batch_routes, dashboard_routes, llamacpp_routes, ollama_routes, openai_routes, pull_routes
 from .body import body_limits_middleware
 from .errors import error_middleware
 from .metrics import handle_metrics, metrics_middleware
@@ -78,6 +78,7 @@ def create_app(settings: Settings, manager: "ModelManager") -> web.Application:
     app.add_routes(openai_routes.routes)
     app.add_routes(ollama_routes.routes)
     app.add_routes(llamacpp_routes.routes)  # /infill
+    app.add_routes(anthropic_routes.routes)  # /v1/messages, /v1/messages/count_tokens
     app.add_routes(pull_routes.routes)
     app.add_routes(dashboard_routes.routes)  # `/` (page or plain text), its files, live stats
     app.add_routes(batch_routes.routes)  # /v1/files, /v1/batches

@@ -1,7 +1,8 @@
 """Every failure of the HTTP API becomes a JSON body in the caller's dialect, never a traceback.
 
 /v1 and the rest speak OpenAI's shape `{"error": {"message", "type", "param", "code"}}`; /api/
-speaks Ollama's `{"error": "..."}`. The middleware here maps, in that order: our LocalserveError
+speaks Ollama's `{"error": "..."}`; /v1/messages (and a /v1 call carrying `anthropic-version`)
+Anthropic's `{"type": "error", "error": {"type", "message"}}`, with Anthropic's statuses. The middleware here maps, in that order: our LocalserveError
 tree (http_status / error_type / code / param), aiohttp's own HTTP exceptions (unknown route 404,
 wrong method 405, body over client_max_size 413), and anything else to a bare 500 whose details go
 only to the log -- a traceback or a host path in a response tells a web page on the same machine
@@ -16,7 +17,7 @@ from typing import Any, Awaitable, Callable
 
 from aiohttp import web
 
-from ..api.errors import ClientGone, openai_error_body, safe_message
+from ..api.errors import ClientGone, anthropic_error, openai_error_body, safe_message
 from ..errors import LocalserveError, OverloadedError, QueueFullError
 
 log = logging.getLogger("localserve.server")
@@ -41,6 +42,13 @@ def is_ollama_path(path: str) -> bool:
     return path == "/api" or path.startswith("/api/")
 
 
+def is_anthropic_request(request: web.Request) -> bool:
+    """Anthropic's routes, and any /v1 call of its SDK (which always sends anthropic-version)."""
+    path = request.path
+    return path == "/v1/messages" or path.startswith("/v1/messages/") or \
+        (path.startswith("/v1/") and "anthropic-version" in request.headers)
+
+
 def error_response(
     request: web.Request,
     status: int,
@@ -55,6 +63,8 @@ def error_response(
     """A JSON error in the dialect of the route family the request went to."""
     if is_ollama_path(request.path):
         body: dict[str, Any] = {"error": message}
+    elif is_anthropic_request(request):
+        status, body = anthropic_error(status, message)
     else:
         body = openai_error_body(message, error_type, param, code)
     all_headers = dict(headers or {})

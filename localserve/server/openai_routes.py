@@ -25,7 +25,9 @@ from ..errors import InvalidNameError, LocalserveError, ModelNotFoundError
 from ..protocol.requests import Usage
 from ..api.errors import ClientGone, json_dumps, openai_error_body, openai_exception_body
 from ..api.generation import UsageTotals, merge, raise_if_failed
+from ..api.anthropic import model_info as anthropic_model_info, model_list as anthropic_model_list
 from .disconnect import guard_disconnect
+from .errors import is_anthropic_request
 from .sse import open_sse, send_sse
 from ..api.openai import (
     CHAT_PREFIX,
@@ -223,6 +225,8 @@ async def list_models(request: web.Request) -> web.Response:
     if pool is not None:
         local = {m.ref for m in models}
         data += [remote_entry(name, ups) for name, ups in pool.models().items() if name not in local]
+    if is_anthropic_request(request):  # the anthropic SDK's models.list()
+        return web.json_response(anthropic_model_list(data))
     return web.json_response({"object": "list", "data": data})
 
 
@@ -236,5 +240,7 @@ async def get_model(request: web.Request) -> web.Response:
         upstreams = pool.models().get(name) if pool is not None else None
         if not upstreams:
             raise
-        return web.json_response(remote_entry(name, upstreams))
-    return web.json_response(model_entry(model))
+        entry = remote_entry(name, upstreams)
+    else:
+        entry = model_entry(model)
+    return web.json_response(anthropic_model_info(entry) if is_anthropic_request(request) else entry)
