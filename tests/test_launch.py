@@ -129,3 +129,20 @@ def test_copilot_takes_our_provider_and_budget(daemon: dict[str, str]) -> None:
     assert "Copilot CLI sends about" in result.stderr
     assert "exceed the model's usable context budget" in result.stdout + result.stderr
     assert "log in" not in (result.stdout + result.stderr).lower()
+
+
+def test_claude_code_answers_from_the_local_model(daemon: dict[str, str]) -> None:
+    # --bare, a short system prompt and no tools: Claude Code's default prompt (about 20k tokens)
+    # does not fit SmolLM2's 8192, so the real answer comes from the smallest session it runs.
+    result = launch(daemon, "claude", "--bare", "-p", "Say hello", "--system-prompt", "You are brief.",
+                    "--tools", "")
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert result.stdout.strip()
+    log = (Path(daemon["LOCALSERVE_HOME"]) / "logs" / "localserve.log").read_text()
+    assert '"POST /v1/messages?beta=true HTTP/1.1" 200' in log
+
+
+def test_claude_code_shows_our_error_when_its_prompt_does_not_fit(daemon: dict[str, str]) -> None:
+    result = launch(daemon, "claude", "-p", "Say hello")
+    assert "Claude Code sends about" in result.stderr  # launch's warning, before the agent starts
+    assert "this model's context is 8192 tokens" in result.stdout + result.stderr  # our 400, shown by Claude Code

@@ -78,7 +78,8 @@ def _claude_environment(t: Target) -> dict[str, str]:
         "ANTHROPIC_AUTH_TOKEN": t.token,
         "ANTHROPIC_API_KEY": "",  # a user's real key would otherwise be sent to us, and win over the token
         **{name: t.model for name in tiers},
-        # Compact before the served context runs out (Claude Code assumes its models' 200k).
+        # Compact before the served context runs out (Claude Code assumes its models' 200k). It
+        # takes no window under 100k (2.1.197), so a smaller context still overflows first.
         "CLAUDE_CODE_AUTO_COMPACT_WINDOW": str(t.context),
         # The per-request billing header changes the system prompt's first block on every call,
         # which would defeat our prefix cache; the daemon normalises it too, for hand-made setups.
@@ -117,7 +118,8 @@ AGENTS: dict[str, Agent] = {
     agent.name: agent
     for agent in (
         Agent("claude", "Claude Code", "claude", "npm install -g @anthropic-ai/claude-code",
-              prompt_tokens=0, measured_with="", environment=_claude_environment, arguments=lambda t: []),
+              prompt_tokens=20249, measured_with="2.1.197",
+              environment=_claude_environment, arguments=lambda t: []),
         Agent("codex", "Codex CLI", "codex", "npm install -g @openai/codex",
               prompt_tokens=0, measured_with="",
               environment=lambda t: {CODEX_TOKEN_VAR: t.token}, arguments=_codex_arguments),
