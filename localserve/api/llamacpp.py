@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..protocol.engine import ModelEngine
-from ..protocol.requests import GenerationRequest, Usage
+from ..protocol.requests import GenerationRequest, Lane, Usage
 from .fim import fim_prompt, prompt_budget
 from .validation import Body, clamp_max_tokens, invalid, parse_lane, parse_seed, parse_stop, sampling_from
 
@@ -35,6 +35,10 @@ class InfillCall:
     priority: str | None
     truncated: bool = field(default=False, init=False)
 
+    @property
+    def lane(self) -> Lane:
+        return parse_lane(self.body, self.priority, "interactive")  # someone is typing
+
     async def prepare(self, engine: ModelEngine) -> list[GenerationRequest]:
         n_ctx = engine.n_ctx_per_seq
         fim = fim_prompt(engine, self.model, self.prefix, self.suffix, budget=prompt_budget(engine, self.n_predict),
@@ -46,7 +50,7 @@ class InfillCall:
             prompt_tokens=fim.tokens, sampling=sampling,
             max_tokens=clamp_max_tokens(requested, len(fim.tokens), n_ctx, "input_prefix"),
             stop=parse_stop(self.body.raw("stop")),
-            lane=parse_lane(self.body, self.priority, "interactive"),  # someone is typing
+            lane=self.lane,
         )]
 
 

@@ -22,7 +22,7 @@ routes = web.RouteTableDef()
 async def infill(request: web.Request) -> web.StreamResponse:
     body = await read_json(request)
     call = parse_infill(body, request.app[SETTINGS_KEY].default_model, request.headers.get("X-Priority"))
-    async with generation(request.app[MANAGER_KEY], call.model, None, call.prepare) as run:
+    async with generation(request.app[MANAGER_KEY], call.model, None, call.prepare, lane=call.lane) as run:
         if call.stream:
             return await _stream(request, call, run)
         (choice,) = await guard_disconnect(request, collect(run.streams))

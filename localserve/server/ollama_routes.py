@@ -106,7 +106,8 @@ async def generate(request: web.Request) -> web.StreamResponse:
         raise invalid("'suffix' (fill-in-the-middle) cannot continue a 'context'", "suffix")
     if context and not is_token_list(context):
         raise invalid("'context' must be an array of token ids", "context")
-    build_request(body, request.headers.get("X-Priority"), None, [], interactive=False)  # bad options fail before any model load
+    # Bad options fail before any model load; the lane is also the one a wait for the load takes.
+    lane = build_request(body, request.headers.get("X-Priority"), None, [], interactive=suffix is not None).lane
 
     async def prepare(engine: ModelEngine) -> list[GenerationRequest]:
         if suffix is not None:  # someone typing waits on it: interactive unless the client says otherwise
@@ -124,7 +125,7 @@ async def generate(request: web.Request) -> web.StreamResponse:
         return [build_request(body, request.headers.get("X-Priority"), engine, tokens, interactive=False)]
 
     clock = Clock()
-    async with generation(request.app[MANAGER_KEY], model, keep_alive, prepare, clock) as run:
+    async with generation(request.app[MANAGER_KEY], model, keep_alive, prepare, clock, lane) as run:
         name, tokens = run.model, run.requests[0].prompt_tokens
         if stream:
             generated: list[int] = []
@@ -162,7 +163,8 @@ async def chat(request: web.Request) -> web.StreamResponse:
         return await load_only(request, model, keep_alive, {"message": {"role": "assistant", "content": ""}})
     messages = parse_messages(raw_messages)
     tools = parse_tools(body.raw("tools"))
-    build_request(body, request.headers.get("X-Priority"), None, [], interactive=stream)  # bad options fail before any model load
+    # Bad options fail before any model load; the lane is also the one a wait for the load takes.
+    lane = build_request(body, request.headers.get("X-Priority"), None, [], interactive=stream).lane
 
     async def prepare(engine: ModelEngine) -> list[GenerationRequest]:
         template = chat_template(engine)
@@ -171,7 +173,7 @@ async def chat(request: web.Request) -> web.StreamResponse:
         return [build_request(body, request.headers.get("X-Priority"), engine, tokens, interactive=stream)]
 
     clock = Clock()
-    async with generation(request.app[MANAGER_KEY], model, keep_alive, prepare, clock) as run:
+    async with generation(request.app[MANAGER_KEY], model, keep_alive, prepare, clock, lane) as run:
         name = run.model
         if stream:
             calls_filter = ToolCallStream(tools) if tools else None
