@@ -134,7 +134,9 @@ class ModelManager:
             rows.append(
                 {
                     "name": m.name,
-                    "state": "draining" if m.draining_for else "loaded",
+                    "state": "loaded",
+                    # While it makes room for another model: the lane it drains for (it admits only better ones).
+                    "draining_for": m.draining_for,
                     "size": m.info.size,
                     "memory_bytes": m.memory_bytes,
                     "vram_bytes": m.vram_bytes,
@@ -298,7 +300,8 @@ class ModelManager:
             decision = swaps.make_room(self._residents(), w.needed, self._room(), w.lane,
                                        min_residency=self.settings.swap_min_residency)
             for name in decision.unload:  # the load starts when their memory is back (_forget_unload)
-                self._begin_unload(self._loaded[name], f"idle, to make room for {w.model}")
+                victim = self._loaded[name]
+                self._begin_unload(victim, f"{'drained' if victim.draining_for else 'idle'}, to make room for {w.model}")
             if decision.ready and not decision.unload:
                 self._start_load(w)
                 w.reason = f"{w.model} is loading"
@@ -348,7 +351,7 @@ class ModelManager:
             if lease.hold:
                 model.leases.discard(lease)
         if ended:
-            log.info("swap: ending %d batch-lane requests of %s at a step boundary for a %s request for %s",
+            log.info("swap: ending %d batch-lane requests of %s at a step boundary for a %s-lane request for %s",
                      ended, model.name, waiter.lane, waiter.model)
 
     def _reason_loaded(self, name: str) -> str:
@@ -379,9 +382,11 @@ class ModelManager:
         self._recheck = asyncio.get_running_loop().call_later(max(0.0, at - time.monotonic()) + 0.01, self._tick)
 
     def _retry_after(self, model: str) -> float:
-        """Seconds until a full load queue has likely moved: a swap's guard and a load of it."""
-        load = self._load_seconds.get(model)
-        return swaps.DEFAULT_RETRY_AFTER if load is None else self.settings.swap_min_residency + load
+        """Seconds until a full load queue has likely moved: what is left of the thrash guards of
+        the busy models, and one load of `model` (as long as the last one took)."""
+        now = time.monotonic()
+        guards = [m.resident_since + self.settings.swap_min_residency - now for m in self._loaded.values() if m.work]
+        return max(1.0, max(guards, default=0.0) + self._load_seconds.get(model, swaps.DEFAULT_RETRY_AFTER))
 
     # --- load / unload ---------------------------------------------------------------------
     def _start_load(self, waiter: swaps.Waiter) -> None:

@@ -305,6 +305,7 @@ async def ps(request: web.Request) -> web.Response:
             "gpu_layers": row.get("gpu_layers", 0), "offloadable_layers": row.get("offloadable_layers", 0),
             "state": row.get("state", "loaded"), "pinned": row.get("pinned", 0),
             "running": row.get("running", 0), "waiting": row.get("waiting", {}),
+            "waiting_for_load": row.get("waiting_for_load", 0), "reason": row.get("reason", ""),
             "context_length": row.get("context_length", 0), "max_sequences": row.get("max_sequences", 0),
             **({"remote": True, "upstreams": row.get("upstreams", [])} if row.get("remote") else {}),
         })
