@@ -131,6 +131,8 @@ def _print_ps(models: list[dict[str, Any]]) -> None:
 def _processor(m: dict[str, Any]) -> str:
     if m.get("remote"):
         return "remote: " + ",".join(m.get("upstreams") or [])
+    if m.get("state") == "waiting":  # not loaded: no processor yet
+        return "-"
     size, vram = m.get("size") or 0, m.get("size_vram") or 0
     if not size or not vram:
         return "100% CPU"

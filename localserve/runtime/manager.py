@@ -351,8 +351,8 @@ class ModelManager:
             if lease.hold:
                 model.leases.discard(lease)
         if ended:
-            log.info("swap: ending %d batch-lane requests of %s at a step boundary for a %s-lane request for %s",
-                     ended, model.name, waiter.lane, waiter.model)
+            log.info("swap: ending %d batch-lane requests of %s at a step boundary for a request for %s (%s lane)",
+                     ended, model.name, waiter.model, waiter.lane)
 
     def _reason_loaded(self, name: str) -> str:
         if name in self._loading:
