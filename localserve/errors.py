@@ -24,6 +24,7 @@ status and an OpenAI error body (`server/errors.py`) through `http_status`, `err
     ├── BackendError                 a model failed to load or decode (500, details only in the log)
     ├── GenerationError              a request failed inside the engine (500, our message, shown)
     ├── RequestCancelledError        the server ended a request: shutdown, unload (503 + Retry-After)
+    │   └── SwapPreemptedError       batch-lane work ended at a step boundary so another model can load
     ├── UpstreamError                a remote upstream failed or refused (502)
     └── DaemonError                  the daemon cannot be started, reached or stopped, or answered an error
 """
@@ -173,6 +174,18 @@ class RequestCancelledError(OverloadedError):
     def __init__(self, message: str = "the request was cancelled by the server (shutting down or unloading "
                  "the model)", retry_after: float = 1.0):
         super().__init__(message, retry_after)
+
+
+class SwapPreemptedError(RequestCancelledError):
+    """A batch-lane request ended at a step boundary because a better-lane request for another
+    model needed its model's memory (runtime/swaps.py). Nothing of it was answered: the Batch API
+    runner runs the line again once the model is back, so its custom_id is still written once."""
+
+    code = "model_swap"
+
+    def __init__(self, model: str, retry_after: float = 1.0):
+        super().__init__(f"this batch-lane request was ended so that another model could be loaded in place of "
+                         f"{model}; retry it after the swap", retry_after)
 
 
 class UpstreamError(LocalserveError):

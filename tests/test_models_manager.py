@@ -145,21 +145,34 @@ async def test_keep_alive_zero_unloads_right_after_and_negative_keeps_forever(ma
 
 
 async def test_max_loaded_one_never_evicts_a_busy_model(managers, home: Path) -> None:
+    """With room for one, a request for another model waits (no 503) while the busy one serves,
+    and gets its model as soon as the busy one is idle (an idle model gives its slot up at once)."""
     loader = CountingLoader()
     manager = managers(make_settings(home, max_loaded_models=1), loader=loader)
     async with manager.use("alpha") as model:
-        with pytest.raises(OverloadedError) as err:
-            async with manager.use("beta"):
-                pass
-        assert err.value.http_status == 503 and err.value.retry_after > 0
-        assert "busy" in err.value.message
+        waiting = asyncio.create_task(_use_once(manager, "beta"))
+        for _ in range(100):
+            await asyncio.sleep(0.02)
+            if any(row["state"] == "waiting" for row in manager.status()):
+                break
+        row = next(row for row in manager.status() if row["name"] == "beta:latest")
+        assert row["state"] == "waiting" and row["waiting"]["default"] == 1
+        assert "alpha:latest" in row["reason"] and "minimum residency" in row["reason"]
         assert names(manager) == ["alpha:latest"]
         assert (await generate(model)).strip()  # alpha still serves
-    # Idle now: beta takes its place, alpha (least recently used) is unloaded.
-    async with manager.use("beta") as model:
-        assert (await generate(model)).strip()
+        assert not waiting.done()
+    await asyncio.wait_for(waiting, 60)  # alpha idle now: beta took its place
     assert names(manager) == ["beta:latest"]
     assert loader.calls == ["alpha:latest", "beta:latest"]
+
+
+async def test_a_wait_for_a_load_times_out_with_503(managers, home: Path) -> None:
+    manager = managers(make_settings(home, max_loaded_models=1, queue_timeout=0.5))
+    async with manager.use("alpha"):
+        with pytest.raises(OverloadedError) as err:
+            await _use_once(manager, "beta")
+    assert err.value.http_status == 503 and "waited" in err.value.message and "alpha:latest" in err.value.message
+    assert not [row for row in manager.status() if row["state"] == "waiting"]
 
 
 async def test_lru_order_with_two_slots(managers, home: Path) -> None:

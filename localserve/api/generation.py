@@ -22,7 +22,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, AsyncIterator, Awaitable, Callable, Sequence
 
 from ..protocol.engine import EventStream, ModelEngine
-from ..errors import ContextLengthExceededError, GenerationError, InvalidRequestError, RequestCancelledError
+from ..errors import (ContextLengthExceededError, GenerationError, InvalidRequestError, RequestCancelledError,
+                      SwapPreemptedError)
 from ..protocol.requests import GenerationEvent, GenerationRequest, Lane, TokenLogprob, Usage
 from .errors import ClientGone
 from .templates import ChatTemplate
@@ -147,18 +148,24 @@ Prepare = Callable[[ModelEngine], Awaitable[list[GenerationRequest]]]
 
 @asynccontextmanager
 async def generation(manager: "ModelManager", model: str, keep_alive: float | None, prepare: Prepare,
-                     clock: "Clock | None" = None) -> AsyncIterator[Run]:
-    """The one skeleton of every generating endpoint: pin `model` (loading it if needed), let
-    `prepare` turn the validated body into engine requests (template, tokenize, bounds), submit
-    all or none, and cancel every stream when the caller is done, returned, failed or was
-    cancelled (a client gone), so the engine frees their KV at its next step."""
-    async with manager.use(model, keep_alive=keep_alive) as loaded:
+                     clock: "Clock | None" = None, lane: Lane = "default") -> AsyncIterator[Run]:
+    """The one skeleton of every generating endpoint: lease `model` (loading it if needed, waiting
+    in `lane` for a swap), let `prepare` turn the validated body into engine requests (template,
+    tokenize, bounds), submit all or none, and cancel every stream when the caller is done,
+    returned, failed or was cancelled (a client gone), so the engine frees their KV at its next
+    step. A batch-lane generation a swap ended (runtime/swaps.py) raises SwapPreemptedError."""
+    async with manager.use(model, keep_alive=keep_alive, lane=lane) as lease:
         if clock is not None:
             clock.mark_loaded()
-        requests = await prepare(loaded.engine)
-        streams = await submit_all(loaded.engine, requests)
+        requests = await prepare(lease.engine)
+        streams = await submit_all(lease.engine, requests)
+        lease.attach(streams)  # so a swap can end batch-lane work at a step boundary
         try:
-            yield Run(loaded.name, loaded.engine, requests, streams)
+            yield Run(lease.name, lease.engine, requests, streams)
+        except RequestCancelledError:
+            if lease.preempted:
+                raise SwapPreemptedError(lease.name) from None
+            raise
         finally:
             cancel_all(streams)
 

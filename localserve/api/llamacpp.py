@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any, AsyncIterator
 
 from ..protocol.engine import EventStream, ModelEngine
-from ..protocol.requests import GenerationEvent, GenerationRequest, SamplingParams, Usage
+from ..protocol.requests import GenerationEvent, GenerationRequest, Lane, SamplingParams, Usage
 from .fim import fim_prompt, prompt_budget
 from .generation import check_tokens, is_token_list
 from .validation import Body, check_schema, clamp_max_tokens, invalid, parse_lane, parse_seed, parse_stop, sampling_from
@@ -42,6 +42,10 @@ class NativeCall:
     t_max_predict_ms: int | None
     truncated: bool = field(default=False, init=False)
 
+    @property
+    def lane(self) -> Lane:
+        return parse_lane(self.body, self.priority, "interactive")  # someone is typing
+
     def request(self, engine: ModelEngine, tokens: list[int], param: str) -> GenerationRequest:
         sampling = sampling_from(self.body, n_vocab=engine.info.n_vocab, seed=parse_seed(self.body))
         sampling.json_schema = _json_schema(self.body)
@@ -50,7 +54,7 @@ class NativeCall:
             prompt_tokens=tokens, sampling=sampling,
             max_tokens=clamp_max_tokens(requested, len(tokens), engine.n_ctx_per_seq, param),
             stop=parse_stop(self.body.raw("stop")),
-            lane=parse_lane(self.body, self.priority, "interactive"),  # someone is typing
+            lane=self.lane,
         )
 
 

@@ -396,7 +396,7 @@ GenerationCall = TypeVar("GenerationCall", ChatCall, CompletionCall)
 
 def start(call: ChatCall | CompletionCall, env: ApiEnv) -> AsyncContextManager[Run]:
     """The call's generation (pinned model, submitted streams, cancelled on exit)."""
-    return generation(env.manager, call.opts.model, call.opts.keep_alive, call.prepare)
+    return generation(env.manager, call.opts.model, call.opts.keep_alive, call.prepare, lane=call.opts.lane)
 
 
 async def _collected(call: GenerationCall, env: ApiEnv,
@@ -430,7 +430,7 @@ def parse_embeddings(body: Body, env: ApiEnv) -> EmbeddingsCall:
 
 async def embeddings(call: EmbeddingsCall, env: ApiEnv) -> dict[str, Any]:
     """The embeddings list object for a parsed call."""
-    async with env.manager.use(call.model) as loaded:
+    async with env.manager.use(call.model, lane=call.lane) as loaded:
         if isinstance(loaded.engine, TextEngine):  # the upstream tokenizes, counts and checks dimensions
             vectors, n_tokens = await loaded.engine.embed_text(call.inputs, call.dimensions)
         else:

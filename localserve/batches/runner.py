@@ -8,8 +8,10 @@ A batch's lines are sorted so that lines sharing a prompt prefix run next to eac
 prefix cache then serves the shared part), and `width` of them are in flight at once: twice the
 model's max_sequences by default, so the continuous batch stays full with the next line already
 queued while nothing else runs; the scheduler puts interactive and default lanes first whenever
-they have work. Every model a batch's lines use is pinned (ModelManager.use) until the batch ends,
-so it is loaded once and never unloaded by keep_alive between lines. Lines go through the engine
+they have work. Every model a batch's lines use is held (ModelManager.hold) until the batch ends,
+so it is loaded once and never unloaded by keep_alive between lines; a swap for a better lane's request
+for another model may end the batch's lines at a step boundary (SwapPreemptedError), and those lines
+run again once the model is back, each recorded once. Lines go through the engine
 protocol only (ModelManager -> ModelEngine), whatever engine serves the model. A line refused for
 now (its lane is full, its model loading, every upstream of it down) is tried again until the
 completion window ends.
@@ -40,7 +42,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ..config.settings import Settings
-from ..errors import DiskFullError, InvalidRequestError, NotFoundError, OverloadedError, QueueFullError
+from ..errors import DiskFullError, InvalidRequestError, NotFoundError, OverloadedError, QueueFullError, SwapPreemptedError
 from ..api.openai import ApiEnv
 from .files import FileStorage, dumps, file_object, new_id
 from .jsonl import read_input
@@ -49,7 +51,7 @@ from .queues import queues_of, overlap
 from .store import TERMINAL, BatchStore
 
 if TYPE_CHECKING:
-    from ..runtime.manager import LoadedModel, ModelManager
+    from ..runtime.manager import Lease, ModelManager
     from ..api.metrics import Metrics
 
 log = logging.getLogger(__name__)
@@ -278,6 +280,10 @@ class BatchRunner:
                 try:
                     outcome = await run_line(raw, endpoint, self.env, pin.__call__)
                     break
+                except SwapPreemptedError:
+                    # Ended unanswered for a better-lane request's model: run it again now; it waits
+                    # in the batch lane until its model is back, and is recorded only once it ran.
+                    continue
                 except (QueueFullError, OverloadedError) as e:
                     await asyncio.sleep(min(e.retry_after, RETRY_S))
             line = result_line(batch["id"], idx, custom_id, outcome)
@@ -321,18 +327,21 @@ class BatchRunner:
 
 
 class Pins:
-    """The models a batch uses, each pinned once for the batch's lifetime (released by `stack`)."""
+    """The models a batch uses, each held for the batch's lifetime (released by `stack`). A hold
+    keeps the model loaded between lines but is no work: a swap may revoke it (runtime/swaps.py),
+    and the next line that needs the model takes a new hold, waiting in the batch lane until the
+    model is back."""
 
     def __init__(self, manager: "ModelManager", stack: contextlib.AsyncExitStack):
         self.manager = manager
         self.stack = stack
-        self.pinned: dict[str, "LoadedModel"] = {}
+        self.pinned: dict[str, "Lease"] = {}
         self.lock = asyncio.Lock()
 
-    async def model(self, name: str) -> "LoadedModel":
+    async def model(self, name: str) -> "Lease":
         async with self.lock:
-            if name not in self.pinned:
-                self.pinned[name] = await self.stack.enter_async_context(self.manager.use(name))
+            if name not in self.pinned or self.pinned[name].revoked:
+                self.pinned[name] = await self.stack.enter_async_context(self.manager.hold(name))
             return self.pinned[name]
 
     async def __call__(self, name: str) -> None:

@@ -122,11 +122,17 @@ def _print_ps(models: list[dict[str, Any]]) -> None:
         # "smol:late…"); the new CONTEXT and layers columns pushed rows past 80. Print full width.
         console = Console(width=200)
     console.print(table)
+    for m in models:  # requests waiting for a load, and which model must drain first (runtime/swaps.py)
+        if m.get("reason"):
+            queued = f"{m['waiting_for_load']} waiting for a load; " if m.get("waiting_for_load") else ""
+            print(f"{m.get('name') or m.get('model')} ({m.get('state')}): {queued}{m['reason']}")
 
 
 def _processor(m: dict[str, Any]) -> str:
     if m.get("remote"):
         return "remote: " + ",".join(m.get("upstreams") or [])
+    if m.get("state") == "waiting":  # not loaded: no processor yet
+        return "-"
     size, vram = m.get("size") or 0, m.get("size_vram") or 0
     if not size or not vram:
         return "100% CPU"
@@ -137,8 +143,8 @@ def _processor(m: dict[str, Any]) -> str:
 
 
 def _until(m: dict[str, Any]) -> str:
-    if m.get("state") == "loading":
-        return "loading"
+    if m.get("state") in ("loading", "waiting"):  # _print_ps says why a request waits
+        return str(m["state"])
     if m.get("pinned"):
         return "in use"
     expires = m.get("expires_at")

@@ -45,7 +45,15 @@ class Settings:
     # HF_TOKEN variable or the token file `huggingface-cli login` writes (see _hf_token_fallback).
     hf_token: str | None = None
     keep_alive: float = 300.0  # seconds a model stays loaded after its last request
-    max_loaded_models: int = 2
+    # Models loaded at once: 0 = as many as the memory estimates fit (runtime/swaps.py); a number
+    # is an upper bound on top of that.
+    max_loaded_models: int = 0
+    # Seconds a model just loaded keeps its slot while it has work, before a request for another
+    # model may make it drain (the thrash guard, runtime/swaps.py). 10 s is several times a small
+    # model's load (0.3-2 s here) and about one load of a 7-8B model from the page cache, so two busy
+    # models sharing one slot spend most of their time answering, not loading; an idle model gives its
+    # slot up at once, so a lone request never waits for it.
+    swap_min_residency: float = 10.0
     shutdown_timeout: float = 10.0  # seconds in-flight requests get to finish when the daemon stops
     context_length: int = 0  # per request; 0 = min(trained context, 8192)
     max_sequences: int = 0  # 0 = sized from memory and the machine

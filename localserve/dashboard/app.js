@@ -144,8 +144,10 @@ function renderLoaded(models) {
   const body = $("#loaded tbody");
   body.replaceChildren(...models.map((m) => el("tr", { "data-model": m.name },
     el("td", {}, m.name), el("td", {}, bytes(m.memory_bytes)), el("td", {}, m.device || "–"),
-    el("td", {}, m.pinned ? "in use" : m.expires_in == null ? "forever" : `${Math.round(m.expires_in)} s`),
-    el("td", {}, el("button", { class: "unload", onclick: () => unload(m.name) }, "Unload")))));
+    // A request waiting for a load says which model must drain first (runtime/swaps.py).
+    el("td", {}, m.reason ? `${m.state}: ${m.waiting_for_load} waiting, ${m.reason}`
+      : m.pinned ? "in use" : m.expires_in == null ? "forever" : `${Math.round(m.expires_in)} s`),
+    el("td", {}, m.state === "waiting" ? "" : el("button", { class: "unload", onclick: () => unload(m.name) }, "Unload")))));
 }
 
 async function unload(name) {

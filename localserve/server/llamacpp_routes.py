@@ -48,7 +48,7 @@ async def _answer(request: web.Request, parse: Callable[[Body, str, str | None],
                   what: str) -> web.StreamResponse:
     body = await read_json(request)
     call = parse(body, request.app[SETTINGS_KEY].default_model, request.headers.get("X-Priority"))
-    async with generation(request.app[MANAGER_KEY], call.model, None, call.prepare) as run:
+    async with generation(request.app[MANAGER_KEY], call.model, None, call.prepare, lane=call.lane) as run:
         if call.stream:
             return await _stream(request, call, run, what)
         final = await guard_disconnect(request, _collected(call, run))

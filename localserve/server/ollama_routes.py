@@ -105,7 +105,8 @@ async def generate(request: web.Request) -> web.StreamResponse:
         raise invalid("'suffix' (fill-in-the-middle) cannot continue a 'context'", "suffix")
     if context and not is_token_list(context):
         raise invalid("'context' must be an array of token ids", "context")
-    build_request(body, request.headers.get("X-Priority"), None, [], interactive=False)  # bad options fail before any model load
+    # Bad options fail before any model load; the lane is also the one a wait for the load takes.
+    lane = build_request(body, request.headers.get("X-Priority"), None, [], interactive=suffix is not None).lane
 
     async def prepare(engine: ModelEngine) -> list[GenerationRequest]:
         if suffix is not None:  # someone typing waits on it: interactive unless the client says otherwise
@@ -123,7 +124,7 @@ async def generate(request: web.Request) -> web.StreamResponse:
         return [build_request(body, request.headers.get("X-Priority"), engine, tokens, interactive=False)]
 
     clock = Clock()
-    async with generation(request.app[MANAGER_KEY], model, keep_alive, prepare, clock) as run:
+    async with generation(request.app[MANAGER_KEY], model, keep_alive, prepare, clock, lane) as run:
         name, tokens = run.model, run.requests[0].prompt_tokens
         if stream:
             generated: list[int] = []
@@ -161,7 +162,8 @@ async def chat(request: web.Request) -> web.StreamResponse:
         return await load_only(request, model, keep_alive, {"message": {"role": "assistant", "content": ""}})
     messages = parse_messages(raw_messages)
     tools = parse_tools(body.raw("tools"))
-    build_request(body, request.headers.get("X-Priority"), None, [], interactive=stream)  # bad options fail before any model load
+    # Bad options fail before any model load; the lane is also the one a wait for the load takes.
+    lane = build_request(body, request.headers.get("X-Priority"), None, [], interactive=stream).lane
 
     async def prepare(engine: ModelEngine) -> list[GenerationRequest]:
         template = chat_template(engine)
@@ -170,7 +172,7 @@ async def chat(request: web.Request) -> web.StreamResponse:
         return [build_request(body, request.headers.get("X-Priority"), engine, tokens, interactive=stream)]
 
     clock = Clock()
-    async with generation(request.app[MANAGER_KEY], model, keep_alive, prepare, clock) as run:
+    async with generation(request.app[MANAGER_KEY], model, keep_alive, prepare, clock, lane) as run:
         name = run.model
         if stream:
             calls_filter = ToolCallStream(tools) if tools else None
@@ -293,6 +295,7 @@ async def ps(request: web.Request) -> web.Response:
             "gpu_layers": row.get("gpu_layers", 0), "offloadable_layers": row.get("offloadable_layers", 0),
             "state": row.get("state", "loaded"), "pinned": row.get("pinned", 0),
             "running": row.get("running", 0), "waiting": row.get("waiting", {}),
+            "waiting_for_load": row.get("waiting_for_load", 0), "reason": row.get("reason", ""),
             "context_length": row.get("context_length", 0), "max_sequences": row.get("max_sequences", 0),
             **({"remote": True, "upstreams": row.get("upstreams", [])} if row.get("remote") else {}),
         })

