@@ -32,6 +32,7 @@ from ..api.openai import (
     parse_completion,
     parse_embeddings,
 )
+from ..api.responses import create_response, parse_responses
 from ..api.validation import THREAD_PARSE_BYTES, Body
 
 log = logging.getLogger(__name__)
@@ -50,6 +51,7 @@ ENDPOINTS: dict[str, Endpoint] = {
     "/v1/chat/completions": Endpoint(parse_chat, chat_completion, lambda call: call.opts.model),
     "/v1/completions": Endpoint(parse_completion, completion, lambda call: call.opts.model),
     "/v1/embeddings": Endpoint(parse_embeddings, embeddings, lambda call: call.model),
+    "/v1/responses": Endpoint(parse_responses, create_response, lambda call: call.chat.opts.model),
 }
 
 

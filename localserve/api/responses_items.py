@@ -1,0 +1,167 @@
+"""Responses API items and tools, read and turned into the chat path's messages and tools.
+
+A Responses `input` is a string or a list of items: messages (roles user, system, developer,
+assistant; content a string or `input_text` / `output_text` parts), `function_call`s the model
+made and the client's `function_call_output`s. Each item is checked here with its own `input[i]`
+param and kept in one canonical shape with an id (what is stored, listed by input_items, and
+continued by `previous_response_id`); `chat_messages` then turns a whole item list into the
+messages /v1/chat/completions would get for the same conversation: consecutive function calls
+join the assistant message before them as its `tool_calls`, an output becomes a `tool` message.
+Reasoning items (Codex sends its earlier ones back) carry nothing the model here can use: they are
+accepted and left out.
+"""
+
+from __future__ import annotations
+
+import uuid
+from typing import Any
+
+from .validation import MAX_MESSAGES, MAX_TOOLS, invalid, type_name
+
+MESSAGE_ROLES = ("user", "system", "developer", "assistant")
+TEXT_PARTS = ("input_text", "output_text", "text")
+MAX_CALL_ID = 512
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}_{uuid.uuid4().hex}"
+
+
+def _text_of(value: Any, param: str) -> str:
+    """A message's content: a string, or text parts joined."""
+    if isinstance(value, str):
+        return value
+    if not isinstance(value, list):
+        raise invalid(f"'{param}' must be a string or an array of content parts", param)
+    texts = []
+    for j, part in enumerate(value):
+        p = f"{param}[{j}]"
+        kind = part.get("type") if isinstance(part, dict) else type_name(part)
+        if kind == "refusal" and isinstance(part.get("refusal"), str):
+            texts.append(part["refusal"])
+            continue
+        if kind not in TEXT_PARTS:
+            raise invalid(f"'{p}': only text content is supported (got {str(kind)[:30]!r}); this server "
+                          "serves no images, files or audio", p)
+        if not isinstance(part.get("text"), str):
+            raise invalid(f"'{p}.text' must be a string", f"{p}.text")
+        texts.append(part["text"])
+    return "".join(texts)
+
+
+def _string(item: dict[str, Any], key: str, param: str, max_len: int = 1 << 24) -> str:
+    value = item.get(key)
+    if not isinstance(value, str) or not value or len(value) > max_len:
+        raise invalid(f"'{param}.{key}' must be a non-empty string of at most {max_len} characters", f"{param}.{key}")
+    return value
+
+
+def parse_input(value: Any, param: str = "input") -> list[dict[str, Any]]:
+    """The request's input as canonical items (a string is one user message)."""
+    if isinstance(value, str):
+        value = [{"type": "message", "role": "user", "content": value}]
+    if not isinstance(value, list) or not value:
+        raise invalid(f"'{param}' must be a string or a non-empty array of items", param)
+    if len(value) > MAX_MESSAGES:
+        raise invalid(f"'{param}' has more than {MAX_MESSAGES} items", param)
+    items = []
+    for i, item in enumerate(value):
+        p = f"{param}[{i}]"
+        if not isinstance(item, dict):
+            raise invalid(f"'{p}' must be an object", p)
+        kind = item.get("type", "message")
+        if kind == "message":
+            role = item.get("role")
+            if role not in MESSAGE_ROLES:
+                raise invalid(f"'{p}.role' must be one of {', '.join(MESSAGE_ROLES)}", f"{p}.role")
+            text = _text_of(item.get("content"), f"{p}.content")
+            part = "output_text" if role == "assistant" else "input_text"
+            content: dict[str, Any] = {"type": part, "text": text}
+            if role == "assistant":
+                content["annotations"] = []
+            items.append({"id": _own_id(item, "msg"), "type": "message", "role": role, "content": [content],
+                          "status": "completed"})
+        elif kind == "function_call":
+            if not isinstance(item.get("arguments"), str):
+                raise invalid(f"'{p}.arguments' must be a string (the call's arguments as JSON)", f"{p}.arguments")
+            items.append({"id": _own_id(item, "fc"), "type": "function_call", "status": "completed",
+                          "call_id": _string(item, "call_id", p, MAX_CALL_ID), "name": _string(item, "name", p, 256),
+                          "arguments": item["arguments"]})
+        elif kind == "function_call_output":
+            items.append({"id": _own_id(item, "fco"), "type": "function_call_output", "status": "completed",
+                          "call_id": _string(item, "call_id", p, MAX_CALL_ID),
+                          "output": _text_of(item.get("output"), f"{p}.output")})
+        elif kind == "reasoning":
+            continue  # an earlier turn's reasoning: nothing here can read it back
+        else:
+            raise invalid(f"'{p}.type' must be message, function_call, function_call_output or reasoning "
+                          f"(got {str(kind)[:40]!r})", f"{p}.type")
+    if not items:
+        raise invalid(f"'{param}' holds no message or function call output", param)
+    return items
+
+
+def _own_id(item: dict[str, Any], prefix: str) -> str:
+    given = item.get("id")
+    return given if isinstance(given, str) and 0 < len(given) <= 256 else new_id(prefix)
+
+
+def chat_messages(instructions: str | None, items: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The chat messages of a conversation of canonical items (input or output ones)."""
+    messages: list[dict[str, Any]] = [{"role": "system", "content": instructions}] if instructions else []
+    for item in items:
+        kind = item["type"]
+        if kind == "message":
+            messages.append({"role": item["role"], "content": "".join(part.get("text", "") for part in item["content"])})
+        elif kind == "function_call":
+            last = messages[-1] if messages else None
+            if last is None or last["role"] != "assistant":
+                last = {"role": "assistant", "content": ""}
+                messages.append(last)
+            last.setdefault("tool_calls", []).append(
+                {"id": item["call_id"], "type": "function", "function": {"name": item["name"], "arguments": item["arguments"]}})
+        elif kind == "function_call_output":
+            messages.append({"role": "tool", "tool_call_id": item["call_id"], "content": item["output"]})
+    return messages
+
+
+def parse_tools(value: Any) -> list[dict[str, Any]]:
+    """Responses function tools ({"type": "function", "name", "parameters", ...}) in the chat
+    path's shape; any other kind (web search, file search, MCP, custom) is a 400 naming it."""
+    if value is None:
+        return []
+    if not isinstance(value, list):
+        raise invalid("'tools' must be an array", "tools")
+    if len(value) > MAX_TOOLS:
+        raise invalid(f"'tools' has more than {MAX_TOOLS} tools", "tools")
+    tools = []
+    for i, tool in enumerate(value):
+        p = f"tools[{i}]"
+        if not isinstance(tool, dict) or tool.get("type") != "function":
+            kind = tool.get("type") if isinstance(tool, dict) else type_name(tool)
+            raise invalid(f"'{p}.type': only function tools are supported (got {str(kind)[:40]!r})", f"{p}.type")
+        if not isinstance(tool.get("name"), str) or not tool["name"]:
+            raise invalid(f"'{p}.name' must be a non-empty string", f"{p}.name")
+        if tool.get("parameters") is not None and not isinstance(tool["parameters"], dict):
+            raise invalid(f"'{p}.parameters' must be an object", f"{p}.parameters")
+        # The chat path's function entry, key for key, so the template renders the same tools.
+        fn = {key: tool[key] for key in ("name", "description", "parameters") if tool.get(key) is not None}
+        tools.append({"type": "function", "function": fn})
+    return tools
+
+
+def chat_tool_choice(value: Any) -> Any:
+    """Responses' tool_choice in the chat path's shape: the modes as they are, a named function
+    {"type": "function", "name"} as {"type": "function", "function": {"name"}}."""
+    if value is None or value in ("none", "auto", "required"):
+        return value
+    if isinstance(value, dict) and value.get("type") == "function" and isinstance(value.get("name"), str):
+        return {"type": "function", "function": {"name": value["name"]}}
+    raise invalid("'tool_choice' must be \"none\", \"auto\", \"required\" or {\"type\": \"function\", \"name\": ...}",
+                  "tool_choice")
+
+
+def response_tools(tools: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The tools as a response object repeats them (Responses' flat function shape)."""
+    return [{"type": "function", "name": t["function"]["name"], "description": t["function"].get("description"),
+             "parameters": t["function"].get("parameters"), "strict": False} for t in tools]
