@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import socket
 import sqlite3
 import threading
 import time
@@ -27,7 +26,7 @@ from localserve.api.validation import Body
 from localserve.config.settings import Settings
 from localserve.protocol.requests import GenerationEvent, Usage
 from server_harness import MODEL, MODEL_TAG, LiveServer, install_model, model_server, server_settings
-from test_server_load import NO_EOS, open_stream, slot_deadline, wait_idle
+from test_server_load import NO_EOS, assert_silent_disconnect_frees_the_slot, open_stream, slot_deadline, wait_idle
 
 GREEDY = {"temperature": 0.0}
 QUESTION = "What is the capital of France?"
@@ -336,18 +335,7 @@ def test_disconnect_mid_stream_frees_the_slot(one_slot):
 
 @pytest.mark.model
 def test_disconnect_without_streaming_frees_the_slot(one_slot):
-    # Nothing is written to a non-streaming client until the end: the server must notice by itself.
-    payload = json.dumps(long_response(False)).encode()
-    s = socket.create_connection(("127.0.0.1", one_slot.port))
-    s.sendall(f"POST /v1/responses HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
-              f"Content-Length: {len(payload)}\r\n\r\n".encode() + payload)
-    deadline = time.monotonic() + 30
-    while one_slot.engine_stats().get("running", 0) == 0:
-        assert time.monotonic() < deadline
-        time.sleep(0.02)
-    deadline = slot_deadline(one_slot)
-    s.close()
-    wait_idle(one_slot, deadline)
+    assert_silent_disconnect_frees_the_slot(one_slot, "/v1/responses", long_response(False))
 
 
 @pytest.mark.model
