@@ -247,6 +247,7 @@ BAD_FIELDS = [
     ({"temperature": 5}, "temperature"),
     ({"max_output_tokens": 0}, "max_output_tokens"),
     ({"text": {"format": {"type": "xml"}}}, "text.format.type"),
+    ({"text": {"format": {"type": "json_schema", "name": "x"}}}, "text.format.schema"),
     ({"background": True}, "background"),
     ({"truncation": "auto"}, "truncation"),
     ({"reasoning": {"effort": "enormous"}}, "reasoning.effort"),

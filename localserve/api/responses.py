@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from typing import Any, AsyncContextManager, Iterator, Sequence
 
 from ..errors import InvalidRequestError
-from ..protocol.engine import ModelEngine
+from ..protocol.engine import ModelEngine, TextEngine
 from ..protocol.requests import GenerationRequest, SamplingParams, Usage
 from .tools import ToolCall, parse_tool_calls
 from .generation import Choice, Run, collect, generation
@@ -94,7 +94,9 @@ def _chat_body(body: Body, instructions: str | None, items: list[dict[str, Any]]
 def _response_format(value: Any) -> Any:
     """text.format ({"type": "json_schema", "name", "schema"}) as chat's response_format."""
     if isinstance(value, dict) and value.get("type") == "json_schema":
-        return {"type": "json_schema", "json_schema": {"name": value.get("name"), "schema": value.get("schema")}}
+        if not isinstance(value.get("schema"), dict):
+            raise invalid("'text.format.schema' must be a JSON schema object", "text.format.schema")
+        return {"type": "json_schema", "json_schema": {"name": value.get("name"), "schema": value["schema"]}}
     return value
 
 
@@ -258,13 +260,10 @@ def finished_output(conv: Conversation, text: str, finish_reason: str | None,
 
 
 def count_tokens(engine: ModelEngine | None, text: str) -> int:
-    """Tokens of `text` as the model counts them (an engine that tokenizes remotely: none)."""
-    if engine is None or not text:
+    """Tokens of `text` as the model counts them (0 for a remote model, which tokenizes upstream)."""
+    if engine is None or not text or isinstance(engine, TextEngine):
         return 0
-    try:
-        return len(engine.tokenize(text, add_special=False))
-    except (NotImplementedError, AttributeError):
-        return 0
+    return len(engine.tokenize(text, add_special=False))
 
 
 def final_response(conv: Conversation, model: str, choice: Choice, engine: ModelEngine | None) -> dict[str, Any]:
