@@ -26,6 +26,7 @@ from localserve.api.validation import Body
 from localserve.config.settings import Settings
 from localserve.protocol.requests import GenerationEvent, Usage
 from server_harness import MODEL, MODEL_TAG, LiveServer, install_model, model_server, server_settings
+from test_error_channel import SCHEMA, banned  # noqa: F401 - the fixture
 from test_server_load import NO_EOS, assert_silent_disconnect_frees_the_slot, open_stream, slot_deadline, wait_idle
 
 GREEDY = {"temperature": 0.0}
@@ -133,6 +134,24 @@ def test_stream_sends_openais_event_sequence(client):
     assert final.output_text == text and final.output[0].id == item_id
     assert final.usage.output_tokens == whole.usage.output_tokens
     assert final.usage.input_tokens_details.cached_tokens > 0  # the same prompt again: the prefix cache
+
+
+@pytest.mark.model
+def test_a_failure_after_the_stream_began_is_an_error_event_and_response_failed(server, banned):
+    # A JSON schema and a logit_bias that leave no token: the engine fails after the 200 went out.
+    body = {"model": MODEL, "input": "Give me a JSON object.", "max_output_tokens": 16, "temperature": 0,
+            "logit_bias": banned, "text": {"format": {"type": "json_schema", "name": "a", "schema": SCHEMA}}}
+    status, whole = server.json("POST", "/v1/responses", body)
+    assert status == 400 and "no token" in whole["error"]["message"], whole
+    status, _, data = server.request("POST", "/v1/responses", {**body, "stream": True})
+    assert status == 200
+    events = [json.loads(line[len(b"data: "):]) for line in data.splitlines() if line.startswith(b"data: ")]
+    assert [e["type"] for e in events] == ["response.created", "response.in_progress", "error", "response.failed"]
+    assert {k: events[2][k] for k in ("message", "code", "param")} == {
+        k: whole["error"][k] for k in ("message", "code", "param")}
+    failed = events[3]["response"]
+    assert failed["status"] == "failed" and failed["error"]["message"] == whole["error"]["message"]
+    assert [e["sequence_number"] for e in events] == [0, 1, 2, 3]
 
 
 # --- function calls ----------------------------------------------------------------------------
@@ -248,6 +267,7 @@ BAD_FIELDS = [
     ({"max_output_tokens": 0}, "max_output_tokens"),
     ({"text": {"format": {"type": "xml"}}}, "text.format.type"),
     ({"text": {"format": {"type": "json_schema", "name": "x"}}}, "text.format.schema"),
+    ({"text": {"format": {"type": "json_schema", "name": "x", "schema": {"type": "frob"}}}}, "text.format"),
     ({"background": True}, "background"),
     ({"truncation": "auto"}, "truncation"),
     ({"reasoning": {"effort": "enormous"}}, "reasoning.effort"),

@@ -175,7 +175,11 @@ class Conversation:
 
     async def prepare(self, engine: ModelEngine) -> list[GenerationRequest]:
         with responses_params():
-            return await self.chat.prepare(engine)
+            requests = await self.chat.prepare(engine)
+        for request in requests:  # what the engine's grammar errors name, mid-stream too
+            sampling = request.sampling
+            sampling.constraint_param = RENAMED.get(sampling.constraint_param, sampling.constraint_param)
+        return requests
 
 
 async def conversation(call: ResponsesCall, env: ApiEnv) -> Conversation:
