@@ -49,7 +49,7 @@ UNSUPPORTED = {
     "prompt": "reusable prompt templates are not supported; send 'instructions' and 'input'",
 }
 REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh")
-REASONING_SUMMARIES = ("auto", "concise", "detailed")
+REASONING_SUMMARIES = ("auto", "concise", "detailed", "none")  # "none": Codex's config offers it
 MAX_METADATA = 16  # OpenAI's limits: 16 pairs, keys up to 64 characters, values up to 512
 
 
@@ -61,8 +61,10 @@ def responses_params() -> Iterator[None]:
     except InvalidRequestError as e:
         for chat, ours in RENAMED.items():
             if e.param and (e.param == chat or e.param.startswith((chat + ".", chat + "["))):
+                # A message's index is not its item's (instructions and function calls move them).
                 e.param = ours if chat == "messages" else ours + e.param[len(chat):]
                 e.message = e.message.replace(f"'{chat}", f"'{ours}")
+                break
         raise
 
 
