@@ -178,6 +178,11 @@ def test_function_call_round_trip_matches_chat(client):
         *ask, {"role": "assistant", "content": None, "tool_calls": [
             {"id": call.call_id, "type": "function", "function": {"name": call.name, "arguments": call.arguments}}]},
         {"role": "tool", "tool_call_id": call.call_id, "content": "Sunny, 21 C"}], 16, tools=[CHAT_WEATHER_TOOL])
+    # The same round trip statefully: the stored call is the conversation the output continues.
+    stateful = client.responses.create(model=MODEL, previous_response_id=r.id, tools=[WEATHER_TOOL],
+                                       input=[follow[-1]], max_output_tokens=16, **GREEDY)
+    assert stateful.output_text == answer.output_text
+    assert stateful.usage.input_tokens_details.cached_tokens > 0
 
 
 @pytest.mark.model
