@@ -14,6 +14,7 @@ import json
 import sqlite3
 import threading
 import time
+from pathlib import Path
 
 import openai
 import pytest
@@ -30,6 +31,7 @@ from test_error_channel import SCHEMA, banned  # noqa: F401 - the fixture
 from test_server_load import NO_EOS, assert_silent_disconnect_frees_the_slot, open_stream, slot_deadline, wait_idle
 
 GREEDY = {"temperature": 0.0}
+FIXTURES = Path(__file__).parent / "fixtures" / "agents"
 QUESTION = "What is the capital of France?"
 WEATHER_TOOL = {"type": "function", "name": "get_weather", "description": "The weather in a city",
                 "parameters": {"type": "object", "properties": {"city": {"type": "string", "enum": ["Paris", "Rome"]}},
@@ -154,6 +156,44 @@ def test_a_failure_after_the_stream_began_is_an_error_event_and_response_failed(
     assert [e["sequence_number"] for e in events] == [0, 1, 2, 3]
 
 
+@pytest.mark.model
+def test_the_sdks_stream_helper_rebuilds_the_same_response(client):
+    # client.responses.stream() checks every event against the items it has seen and accumulates
+    # them into the final response: an event out of order or naming a wrong item raises there.
+    whole = client.responses.create(model=MODEL, input="What is 2+2?", max_output_tokens=24, **GREEDY)
+    assert whole.status == "completed"  # the helper wants response.completed, not .incomplete
+    with client.responses.stream(model=MODEL, input="What is 2+2?", max_output_tokens=24, **GREEDY) as stream:
+        texts = [e.delta for e in stream if e.type == "response.output_text.delta"]
+        final = stream.get_final_response()
+    assert "".join(texts) == final.output_text == whole.output_text
+    with client.responses.stream(model=MODEL, input="Weather in Rome?", tools=[WEATHER_TOOL], max_output_tokens=40,
+                                 tool_choice={"type": "function", "name": "get_weather"}, **GREEDY) as stream:
+        final = stream.get_final_response()
+    assert final.output[-1].type == "function_call" and json.loads(final.output[-1].arguments)
+
+
+@pytest.mark.model
+def test_a_codex_shaped_request(server):
+    # The fields Codex CLI sends (its reasoning items, prompt_cache_key, include, text.verbosity,
+    # strict function tools, store false): accepted, streamed, nothing stored.
+    body = {"model": MODEL, "instructions": "You are a coding agent.", "stream": True, "store": False,
+            "input": [{"type": "message", "role": "developer", "content": [{"type": "input_text", "text": "Be brief."}]},
+                      {"type": "reasoning", "id": "rs_1", "summary": [], "encrypted_content": "opaque"},
+                      {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "Say hi."}]}],
+            "tools": [{**WEATHER_TOOL, "strict": False}], "tool_choice": "auto", "parallel_tool_calls": False,
+            "reasoning": {"effort": "medium", "summary": "auto"}, "include": ["reasoning.encrypted_content"],
+            "prompt_cache_key": "0b7e", "text": {"verbosity": "low"}, "max_output_tokens": 8, "temperature": 0}
+    status, headers, data = server.request("POST", "/v1/responses", body)
+    assert status == 200 and headers["Content-Type"].startswith("text/event-stream")
+    names = [line[len(b"event: "):].decode() for line in data.splitlines() if line.startswith(b"event: ")]
+    events = [json.loads(line[len(b"data: "):]) for line in data.splitlines() if line.startswith(b"data: ")]
+    assert names == [e["type"] for e in events] and names[0] == "response.created"
+    final = events[-1]["response"]
+    assert final["status"] in ("completed", "incomplete") and final["store"] is False
+    assert final["reasoning"] == {"effort": "medium", "summary": "auto"}
+    assert server.json("GET", f"/v1/responses/{final['id']}")[0] == 404
+
+
 # --- function calls ----------------------------------------------------------------------------
 @pytest.mark.model
 def test_function_call_round_trip_matches_chat(client):
@@ -199,6 +239,52 @@ def test_function_call_streams_its_arguments(client):
     assert events[at].delta == events[at + 1].arguments == events[at + 2].item.arguments
     assert kinds[-1] == "response.completed"
     assert events[-1].response.output[-1].type == "function_call"
+
+
+@pytest.mark.model
+def test_hosted_tools_are_left_out_and_namespaced_functions_called_by_namespace(client):
+    # Nothing runs web_search here: the model is not offered it, the answer is the tool-less one.
+    r = client.responses.create(model=MODEL, input=QUESTION, tools=[{"type": "web_search"}], max_output_tokens=8,
+                                **GREEDY)
+    assert r.output_text == chat_text(client, [{"role": "user", "content": QUESTION}], 8) and r.tools == []
+    namespace = {"type": "namespace", "name": "weather", "description": "Weather tools", "tools": [WEATHER_TOOL]}
+    r = client.responses.create(model=MODEL, input="Weather in Rome?", tools=[namespace, {"type": "web_search"}],
+                                tool_choice={"type": "function", "name": "get_weather"}, max_output_tokens=40, **GREEDY)
+    (call,) = r.output
+    assert call.type == "function_call" and call.name == "get_weather" and call.namespace == "weather"
+    assert [t.type for t in r.tools] == ["namespace"]
+
+
+@pytest.fixture(scope="module")
+def long_context(tmp_path_factory, smollm2_gguf):
+    with model_server(tmp_path_factory.mktemp("long"), smollm2_gguf, context_length=8192, max_sequences=2) as live:
+        yield live
+
+
+def _shortened(value, limit: int):
+    """The recorded request with every long text cut, so it fits SmolLM2's context."""
+    if isinstance(value, dict):
+        return {k: _shortened(v, limit) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_shortened(v, limit) for v in value]
+    return value[:limit] if isinstance(value, str) else value
+
+
+@pytest.mark.model
+def test_codexs_recorded_request_is_answered(long_context):
+    # What Codex 0.171.0 really sent (tests/fixtures/agents): function and namespace tools, the
+    # hosted web_search, developer messages, reasoning, include, prompt_cache_key, client_metadata.
+    body = json.loads((FIXTURES / "codex-0.171.0-responses.json").read_text())
+    body = {**_shortened(body, 120), "model": MODEL, "max_output_tokens": 8, "temperature": 0}
+    status, _, data = long_context.request("POST", "/v1/responses", body)
+    assert status == 200, data[:500]
+    events = [json.loads(line[len(b"data: "):]) for line in data.splitlines() if line.startswith(b"data: ")]
+    assert events[0]["type"] == "response.created" and events[-1]["type"] in ("response.completed",
+                                                                               "response.incomplete"), events[-1]
+    final = events[-1]["response"]
+    assert final["store"] is False and final["usage"]["input_tokens"] > 500
+    assert [t["type"] for t in final["tools"]].count("namespace") == 1
+    assert "web_search" not in [t["type"] for t in final["tools"]]
 
 
 # --- stored responses ------------------------------------------------------------------------------
@@ -265,7 +351,8 @@ def test_stored_responses_outlive_the_server_and_expire(tmp_path, smollm2_gguf):
 
 # --- errors ----------------------------------------------------------------------------------
 BAD_FIELDS = [
-    ({"tools": [{"type": "web_search"}]}, "tools[0].type"),
+    ({"tools": [{"type": "custom", "name": "apply_patch"}]}, "tools[0].type"),
+    ({"tools": [{"type": "namespace", "name": "n", "tools": [{"type": "custom", "name": "x"}]}]}, "tools[0].tools[0].type"),
     ({"tools": [{"type": "function"}]}, "tools[0].name"),
     ({"tool_choice": {"type": "allowed_tools", "tools": []}}, "tool_choice"),
     ({"temperature": 5}, "temperature"),
@@ -369,7 +456,7 @@ def test_batch_lines_for_v1_responses(client, tmp_path):
     lines = [{"custom_id": "a", "method": "POST", "url": "/v1/responses",
               "body": {"model": MODEL, "input": QUESTION, "max_output_tokens": 8, "temperature": 0}},
              {"custom_id": "b", "method": "POST", "url": "/v1/responses",
-              "body": {"model": MODEL, "input": "Hi", "tools": [{"type": "web_search"}]}}]
+              "body": {"model": MODEL, "input": "Hi", "tools": [{"type": "custom", "name": "x"}]}}]
     path = tmp_path / "in.jsonl"
     path.write_text("".join(json.dumps(line) + "\n" for line in lines))
     batch = client.batches.create(input_file_id=client.files.create(file=path.open("rb"), purpose="batch").id,

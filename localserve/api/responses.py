@@ -35,7 +35,8 @@ from .generation import Choice, Run, collect, generation
 from .reasoning import split_thinking
 from .openai import ApiEnv, ChatCall, observe, parse_chat
 from .response_store import ResponseStore
-from .responses_items import chat_messages, chat_tool_choice, new_id, parse_input, parse_tools, response_tools
+from .responses_items import chat_messages, new_id, parse_input
+from .responses_tools import ResponsesTools, chat_tool_choice, parse_tools
 from .validation import Body, invalid
 
 # Fields the chat path reads under the same name.
@@ -76,16 +77,17 @@ class ResponsesCall:
     previous_id: str | None
     store: bool
     parallel_tool_calls: bool
+    tools: ResponsesTools
     chat: ChatCall  # this request's input alone through parse_chat (every field checked before any load)
     echo: dict[str, Any]  # the request's settings, as the response object repeats them
     id: str = field(default_factory=lambda: new_id("resp"))
     created_at: int = field(default_factory=lambda: int(time.time()))
 
 
-def _chat_body(body: Body, instructions: str | None, items: list[dict[str, Any]]) -> Body:
+def _chat_body(body: Body, instructions: str | None, items: list[dict[str, Any]], tools: ResponsesTools) -> Body:
     data: dict[str, Any] = {name: body.raw(name) for name in PASSED if body.has(name)}
     data["messages"] = chat_messages(instructions, items)
-    data["tools"] = parse_tools(body.raw("tools")) or None
+    data["tools"] = tools.chat or None
     data["tool_choice"] = chat_tool_choice(body.raw("tool_choice"))
     data["max_completion_tokens"] = body.raw("max_output_tokens")
     text = body.get_object("text")
@@ -102,9 +104,10 @@ def _response_format(value: Any) -> Any:
     return value
 
 
-def _chat_call(body: Body, env: ApiEnv, instructions: str | None, items: list[dict[str, Any]]) -> ChatCall:
+def _chat_call(body: Body, env: ApiEnv, instructions: str | None, items: list[dict[str, Any]],
+               tools: ResponsesTools) -> ChatCall:
     with responses_params():
-        return parse_chat(_chat_body(body, instructions, items), env)
+        return parse_chat(_chat_body(body, instructions, items, tools), env)
 
 
 def parse_responses(body: Body, env: ApiEnv) -> ResponsesCall:
@@ -121,16 +124,17 @@ def parse_responses(body: Body, env: ApiEnv) -> ResponsesCall:
     include = body.get_list("include", max_items=64)
     if include is not None and not all(isinstance(x, str) for x in include):
         raise invalid("'include' must be an array of strings", "include")
-    chat = _chat_call(body, env, instructions, items)
+    tools = parse_tools(body.raw("tools"))
+    chat = _chat_call(body, env, instructions, items, tools)
     return ResponsesCall(
         body=body, items=items, instructions=instructions, previous_id=previous,
         store=body.get_bool("store", True),
         parallel_tool_calls=body.get_bool("parallel_tool_calls", True),
-        chat=chat, echo=_echo(body, chat),
+        tools=tools, chat=chat, echo=_echo(body, chat, tools),
     )
 
 
-def _echo(body: Body, chat: ChatCall) -> dict[str, Any]:
+def _echo(body: Body, chat: ChatCall, tools: ResponsesTools) -> dict[str, Any]:
     """What the response object says about the request: its settings as they apply."""
     defaults = SamplingParams()
     reasoning = body.get_object("reasoning")
@@ -149,7 +153,7 @@ def _echo(body: Body, chat: ChatCall) -> dict[str, Any]:
         "top_p": body.get_float("top_p", defaults.top_p, lo=0, hi=1),
         "text": {"format": fmt if isinstance(fmt, dict) else {"type": "text"}},
         "tool_choice": body.raw("tool_choice", "auto"),
-        "tools": response_tools(parse_tools(body.raw("tools"))),
+        "tools": tools.echo,
         "truncation": "disabled",
     }
 
@@ -190,7 +194,7 @@ async def conversation(call: ResponsesCall, env: ApiEnv) -> Conversation:
         return Conversation(call, call.chat, call.items)
     previous = await ResponseStore.of(env.settings).get(call.previous_id, "previous_response_id")
     context = previous.context + previous.response["output"] + call.items
-    return Conversation(call, _chat_call(call.body, env, call.instructions, context), context)
+    return Conversation(call, _chat_call(call.body, env, call.instructions, context, call.tools), context)
 
 
 def start(conv: Conversation, env: ApiEnv) -> AsyncContextManager[Run]:
@@ -231,9 +235,12 @@ def message_item(text: str, status: str, item_id: str | None = None) -> dict[str
             "content": [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}]}
 
 
-def call_item(call: ToolCall, status: str = "completed") -> dict[str, Any]:
-    return {"id": new_id("fc"), "type": "function_call", "status": status, "call_id": call.id,
+def call_item(call: ToolCall, tools: ResponsesTools) -> dict[str, Any]:
+    item = {"id": new_id("fc"), "type": "function_call", "status": "completed", "call_id": call.id,
             "name": call.name, "arguments": call.arguments}
+    if call.name in tools.namespaces:
+        item["namespace"] = tools.namespaces[call.name]
+    return item
 
 
 def reasoning_item(text: str) -> dict[str, Any]:
@@ -261,7 +268,7 @@ def finished_output(conv: Conversation, text: str, finish_reason: str | None,
         calls = calls[:1]
     if content or not calls:
         output.append(message_item(content, status))
-    output.extend(call_item(c) for c in calls)
+    output.extend(call_item(c, conv.call.tools) for c in calls)
     return output, reasoning_tokens
 
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 import uuid
 from typing import Any
 
-from .validation import MAX_MESSAGES, MAX_TOOLS, invalid, type_name
+from .validation import MAX_MESSAGES, invalid, type_name
 
 MESSAGE_ROLES = ("user", "system", "developer", "assistant")
 TEXT_PARTS = ("input_text", "output_text", "text")
@@ -84,9 +84,12 @@ def parse_input(value: Any, param: str = "input") -> list[dict[str, Any]]:
         elif kind == "function_call":
             if not isinstance(item.get("arguments"), str):
                 raise invalid(f"'{p}.arguments' must be a string (the call's arguments as JSON)", f"{p}.arguments")
-            items.append({"id": _own_id(item, "fc"), "type": "function_call", "status": "completed",
-                          "call_id": _string(item, "call_id", p, MAX_CALL_ID), "name": _string(item, "name", p, 256),
-                          "arguments": item["arguments"]})
+            call = {"id": _own_id(item, "fc"), "type": "function_call", "status": "completed",
+                    "call_id": _string(item, "call_id", p, MAX_CALL_ID), "name": _string(item, "name", p, 256),
+                    "arguments": item["arguments"]}
+            if isinstance(item.get("namespace"), str):
+                call["namespace"] = item["namespace"]  # a namespace tool's function (responses_tools.py)
+            items.append(call)
         elif kind == "function_call_output":
             items.append({"id": _own_id(item, "fco"), "type": "function_call_output", "status": "completed",
                           "call_id": _string(item, "call_id", p, MAX_CALL_ID),
@@ -123,45 +126,3 @@ def chat_messages(instructions: str | None, items: list[dict[str, Any]]) -> list
         elif kind == "function_call_output":
             messages.append({"role": "tool", "tool_call_id": item["call_id"], "content": item["output"]})
     return messages
-
-
-def parse_tools(value: Any) -> list[dict[str, Any]]:
-    """Responses function tools ({"type": "function", "name", "parameters", ...}) in the chat
-    path's shape; any other kind (web search, file search, MCP, custom) is a 400 naming it."""
-    if value is None:
-        return []
-    if not isinstance(value, list):
-        raise invalid("'tools' must be an array", "tools")
-    if len(value) > MAX_TOOLS:
-        raise invalid(f"'tools' has more than {MAX_TOOLS} tools", "tools")
-    tools = []
-    for i, tool in enumerate(value):
-        p = f"tools[{i}]"
-        if not isinstance(tool, dict) or tool.get("type") != "function":
-            kind = tool.get("type") if isinstance(tool, dict) else type_name(tool)
-            raise invalid(f"'{p}.type': only function tools are supported (got {str(kind)[:40]!r})", f"{p}.type")
-        if not isinstance(tool.get("name"), str) or not tool["name"]:
-            raise invalid(f"'{p}.name' must be a non-empty string", f"{p}.name")
-        if tool.get("parameters") is not None and not isinstance(tool["parameters"], dict):
-            raise invalid(f"'{p}.parameters' must be an object", f"{p}.parameters")
-        # The chat path's function entry, key for key, so the template renders the same tools.
-        fn = {key: tool[key] for key in ("name", "description", "parameters") if tool.get(key) is not None}
-        tools.append({"type": "function", "function": fn})
-    return tools
-
-
-def chat_tool_choice(value: Any) -> Any:
-    """Responses' tool_choice in the chat path's shape: the modes as they are, a named function
-    {"type": "function", "name"} as {"type": "function", "function": {"name"}}."""
-    if value is None or value in ("none", "auto", "required"):
-        return value
-    if isinstance(value, dict) and value.get("type") == "function" and isinstance(value.get("name"), str):
-        return {"type": "function", "function": {"name": value["name"]}}
-    raise invalid("'tool_choice' must be \"none\", \"auto\", \"required\" or {\"type\": \"function\", \"name\": ...}",
-                  "tool_choice")
-
-
-def response_tools(tools: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """The tools as a response object repeats them (Responses' flat function shape)."""
-    return [{"type": "function", "name": t["function"]["name"], "description": t["function"].get("description"),
-             "parameters": t["function"].get("parameters"), "strict": False} for t in tools]

@@ -146,7 +146,7 @@ class ResponseEvents:
             out += self._open("message")
         out += self._close(status)
         for call in calls:
-            out += self._function_call(call_item(call))
+            out += self._function_call(call_item(call, self.conv.call.tools))
         response = self._response(status, usage=usage_object(event.usage, self.reasoning_tokens),
                                   incomplete=incomplete)
         out.append(self._event("response.incomplete" if status == "incomplete" else "response.completed",
