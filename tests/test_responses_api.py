@@ -316,6 +316,24 @@ def test_previous_response_id_continues_the_stored_conversation_from_the_cache(c
 
 
 @pytest.mark.model
+def test_item_references_name_stored_items(client, server):
+    first = client.responses.create(model=MODEL, input="My name is Ada.", max_output_tokens=8, **GREEDY)
+    (asked,) = client.responses.input_items.list(first.id).data
+    chained = client.responses.create(model=MODEL, previous_response_id=first.id, input="What is my name?",
+                                      max_output_tokens=8, **GREEDY)
+    # The same conversation sent statelessly, its first two items by reference (as Codex may).
+    referenced = client.responses.create(model=MODEL, max_output_tokens=8, **GREEDY, input=[
+        {"type": "item_reference", "id": asked.id}, {"type": "item_reference", "id": first.output[0].id},
+        {"role": "user", "content": "What is my name?"}])
+    assert referenced.output_text == chained.output_text
+    assert [i.id for i in client.responses.input_items.list(referenced.id, order="asc").data][:2] == \
+        [asked.id, first.output[0].id]
+    status, body = server.json("POST", "/v1/responses", {"model": MODEL, "input": [
+        {"role": "user", "content": "Hi"}, {"type": "item_reference", "id": "msg_nowhere"}]})
+    assert status == 400 and body["error"]["param"] == "input[1].id", body
+
+
+@pytest.mark.model
 def test_retrieve_and_delete(client):
     r = client.responses.create(model=MODEL, input="Hi", max_output_tokens=4, metadata={"task": "t1"}, **GREEDY)
     got = client.responses.retrieve(r.id)

@@ -45,7 +45,10 @@ CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
 CREATE TABLE IF NOT EXISTS responses (
     id TEXT PRIMARY KEY, created REAL NOT NULL, data TEXT NOT NULL, context TEXT NOT NULL);
 CREATE INDEX IF NOT EXISTS responses_created ON responses (created);
+CREATE TABLE IF NOT EXISTS items (id TEXT PRIMARY KEY, created REAL NOT NULL, data TEXT NOT NULL);
+CREATE INDEX IF NOT EXISTS items_created ON items (created);
 """
+MAX_LOOKUP = 500  # ids per SELECT, under SQLite's bound on parameters
 
 
 @dataclass
@@ -108,6 +111,10 @@ class ResponseStore:
             raise not_found(response_id, param)
         return StoredResponse(json.loads(row[0]), json.loads(row[1]))
 
+    async def items(self, ids: list[str]) -> dict[str, dict[str, Any]]:
+        """The stored items (of any stored response's context or output) with these ids."""
+        return await self._run(self._items, ids)
+
     async def delete(self, response_id: str) -> None:
         if not await self._run(self._delete, response_id):
             raise not_found(response_id, "response_id")
@@ -127,10 +134,15 @@ class ResponseStore:
     def _save(self, db: sqlite3.Connection, response: dict[str, Any], context: list[dict[str, Any]]) -> None:
         db.execute("BEGIN IMMEDIATE")  # one transaction: the expired rows go and the new one arrives together
         try:
+            now = time.time()
             if self.retention_s > 0:
                 db.execute("DELETE FROM responses WHERE created < ?", (self._cutoff(),))
+                db.execute("DELETE FROM items WHERE created < ?", (self._cutoff(),))
             db.execute("INSERT OR REPLACE INTO responses (id, created, data, context) VALUES (?, ?, ?, ?)",
-                       (response["id"], time.time(), json.dumps(response), json.dumps(context)))
+                       (response["id"], now, json.dumps(response), json.dumps(context)))
+            # Every item by its id, for item_reference: what a later request may point at.
+            db.executemany("INSERT OR REPLACE INTO items (id, created, data) VALUES (?, ?, ?)",
+                           ((item["id"], now, json.dumps(item)) for item in context + response["output"]))
             db.execute("COMMIT")
         except BaseException:
             if db.in_transaction:  # SQLite may have rolled back already (a full disk)
@@ -140,6 +152,15 @@ class ResponseStore:
     def _get(self, db: sqlite3.Connection, response_id: str) -> tuple[str, str] | None:
         return db.execute("SELECT data, context FROM responses WHERE id=? AND created >= ?",
                           (response_id, self._cutoff())).fetchone()
+
+    def _items(self, db: sqlite3.Connection, ids: list[str]) -> dict[str, dict[str, Any]]:
+        found: dict[str, dict[str, Any]] = {}
+        for start in range(0, len(ids), MAX_LOOKUP):
+            chunk = ids[start:start + MAX_LOOKUP]
+            rows = db.execute(f"SELECT id, data FROM items WHERE id IN ({','.join('?' * len(chunk))}) AND created >= ?",
+                              (*chunk, self._cutoff())).fetchall()
+            found.update((row[0], json.loads(row[1])) for row in rows)
+        return found
 
     def _delete(self, db: sqlite3.Connection, response_id: str) -> bool:
         return db.execute("DELETE FROM responses WHERE id=? AND created >= ?",

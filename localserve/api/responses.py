@@ -189,11 +189,28 @@ class Conversation:
 
 
 async def conversation(call: ResponsesCall, env: ApiEnv) -> Conversation:
-    """The call's conversation, a stored previous response's rebuilt in front (404 if none)."""
-    if call.previous_id is None:
+    """The call's conversation: a stored previous response's rebuilt in front (404 if none), and
+    item references replaced by the stored items they name (400 if none)."""
+    references = [item for item in call.items if item["type"] == "item_reference"]
+    if call.previous_id is None and not references:
         return Conversation(call, call.chat, call.items)
-    previous = await ResponseStore.of(env.settings).get(call.previous_id, "previous_response_id")
-    context = previous.context + previous.response["output"] + call.items
+    store = ResponseStore.of(env.settings)
+    history: list[dict[str, Any]] = []
+    if call.previous_id is not None:
+        previous = await store.get(call.previous_id, "previous_response_id")
+        history = previous.context + previous.response["output"]
+    known = {item["id"]: item for item in history}
+    missing = [ref["id"] for ref in references if ref["id"] not in known]
+    if missing:
+        known.update(await store.items(missing))
+    items = []
+    for item in call.items:
+        if item["type"] == "item_reference":
+            if item["id"] not in known:
+                raise invalid(f"'{item['_param']}': no stored item with id {item['id'][:80]!r}", item["_param"])
+            item = known[item["id"]]
+        items.append(item)
+    context = history + items
     return Conversation(call, _chat_call(call.body, env, call.instructions, context, call.tools), context)
 
 

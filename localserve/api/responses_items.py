@@ -2,7 +2,7 @@
 
 A Responses `input` is a string or a list of items: messages (roles user, system, developer,
 assistant; content a string or `input_text` / `output_text` parts), `function_call`s the model
-made and the client's `function_call_output`s. Each item is checked here with its own `input[i]`
+made and the client's `function_call_output`s, and `item_reference`s to items of stored responses. Each item is checked here with its own `input[i]`
 param and kept in one canonical shape with an id (what is stored, listed by input_items, and
 continued by `previous_response_id`); `chat_messages` then turns a whole item list into the
 messages /v1/chat/completions would get for the same conversation: consecutive function calls
@@ -94,10 +94,13 @@ def parse_input(value: Any, param: str = "input") -> list[dict[str, Any]]:
             items.append({"id": _own_id(item, "fco"), "type": "function_call_output", "status": "completed",
                           "call_id": _string(item, "call_id", p, MAX_CALL_ID),
                           "output": _text_of(item.get("output"), f"{p}.output")})
+        elif kind == "item_reference":
+            # An item of a stored response, by id: api/responses.py reads it before the answer.
+            items.append({"type": "item_reference", "id": _string(item, "id", p, 256), "_param": f"{p}.id"})
         elif kind == "reasoning":
             continue  # an earlier turn's reasoning: nothing here can read it back
         else:
-            raise invalid(f"'{p}.type' must be message, function_call, function_call_output or reasoning "
+            raise invalid(f"'{p}.type' must be message, function_call, function_call_output, item_reference or reasoning "
                           f"(got {str(kind)[:40]!r})", f"{p}.type")
     if not items:
         raise invalid(f"'{param}' holds no message or function call output", param)
@@ -110,7 +113,9 @@ def _own_id(item: dict[str, Any], prefix: str) -> str:
 
 
 def chat_messages(instructions: str | None, items: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """The chat messages of a conversation of canonical items (input or output ones)."""
+    """The chat messages of a conversation of canonical items (input or output ones); an
+    unresolved item_reference counts as an empty user turn (parse_responses checks the other
+    fields with it before the store is read)."""
     messages: list[dict[str, Any]] = [{"role": "system", "content": instructions}] if instructions else []
     for item in items:
         kind = item["type"]
@@ -125,4 +130,6 @@ def chat_messages(instructions: str | None, items: list[dict[str, Any]]) -> list
                 {"id": item["call_id"], "type": "function", "function": {"name": item["name"], "arguments": item["arguments"]}})
         elif kind == "function_call_output":
             messages.append({"role": "tool", "tool_call_id": item["call_id"], "content": item["output"]})
+        elif kind == "item_reference":
+            messages.append({"role": "user", "content": ""})
     return messages
