@@ -28,7 +28,8 @@ from localserve.api.response_store import ResponseStore  # noqa: E402
 
 
 def _ms(samples: list[float]) -> str:
-    return f"median {statistics.median(samples) * 1000:.2f} ms, p90 {sorted(samples)[int(len(samples) * 0.9)] * 1000:.2f} ms"
+    p90 = sorted(samples)[int(len(samples) * 0.9)]
+    return f"median {statistics.median(samples) * 1000:.2f} ms, p90 {p90 * 1000:.2f} ms"
 
 
 async def shared(path: Path, n: int, context: list[dict]) -> tuple[list[float], list[float]]:

@@ -36,7 +36,8 @@ QUESTION = "What is the capital of France?"
 WEATHER_TOOL = {"type": "function", "name": "get_weather", "description": "The weather in a city",
                 "parameters": {"type": "object", "properties": {"city": {"type": "string", "enum": ["Paris", "Rome"]}},
                                "required": ["city"]}}
-CHAT_WEATHER_TOOL = {"type": "function", "function": {k: WEATHER_TOOL[k] for k in ("name", "description", "parameters")}}
+CHAT_WEATHER_TOOL = {"type": "function",
+                     "function": {k: WEATHER_TOOL[k] for k in ("name", "description", "parameters")}}
 
 
 @pytest.fixture(scope="module")
@@ -76,7 +77,8 @@ def test_create_is_the_chat_answer_in_openais_shape(client):
 @pytest.mark.model
 def test_instructions_and_message_items_are_the_chat_messages(client):
     items = [{"type": "message", "role": "developer", "content": [{"type": "input_text", "text": "Answer briefly."}]},
-             {"role": "user", "content": [{"type": "input_text", "text": "Name a "}, {"type": "input_text", "text": "fruit."}]},
+             {"role": "user", "content": [{"type": "input_text", "text": "Name a "},
+                                          {"type": "input_text", "text": "fruit."}]},
              {"role": "assistant", "content": [{"type": "output_text", "text": "An apple."}]},
              {"role": "user", "content": "Another one?"}]
     r = client.responses.create(model=MODEL, instructions="You are a grocer.", input=items, max_output_tokens=12,
@@ -177,7 +179,8 @@ def test_a_codex_shaped_request(server):
     # The fields Codex CLI sends (its reasoning items, prompt_cache_key, include, text.verbosity,
     # strict function tools, store false): accepted, streamed, nothing stored.
     body = {"model": MODEL, "instructions": "You are a coding agent.", "stream": True, "store": False,
-            "input": [{"type": "message", "role": "developer", "content": [{"type": "input_text", "text": "Be brief."}]},
+            "input": [{"type": "message", "role": "developer",
+                       "content": [{"type": "input_text", "text": "Be brief."}]},
                       {"type": "reasoning", "id": "rs_1", "summary": [], "encrypted_content": "opaque"},
                       {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "Say hi."}]}],
             "tools": [{**WEATHER_TOOL, "strict": False}], "tool_choice": "auto", "parallel_tool_calls": False,
@@ -370,7 +373,8 @@ def test_stored_responses_outlive_the_server_and_expire(tmp_path, smollm2_gguf):
 # --- errors ----------------------------------------------------------------------------------
 BAD_FIELDS = [
     ({"tools": [{"type": "custom", "name": "apply_patch"}]}, "tools[0].type"),
-    ({"tools": [{"type": "namespace", "name": "n", "tools": [{"type": "custom", "name": "x"}]}]}, "tools[0].tools[0].type"),
+    ({"tools": [{"type": "namespace", "name": "n", "tools": [{"type": "custom", "name": "x"}]}]},
+     "tools[0].tools[0].type"),
     ({"tools": [{"type": "function"}]}, "tools[0].name"),
     ({"tool_choice": {"type": "allowed_tools", "tools": []}}, "tool_choice"),
     ({"temperature": 5}, "temperature"),
@@ -539,7 +543,8 @@ def test_thinking_streams_as_a_reasoning_item_and_matches_the_whole_answer(step)
     events, final = _streamed(conv, text, step)
     kinds = [e["type"] for e in events]
     assert [e["sequence_number"] for e in events] == list(range(len(events)))
-    assert "".join(e["delta"] for e in events if e["type"] == "response.reasoning_text.delta") == "\nThe user greets me."
+    thought = "".join(e["delta"] for e in events if e["type"] == "response.reasoning_text.delta")
+    assert thought == "\nThe user greets me."
     assert "".join(e["delta"] for e in events if e["type"] == "response.output_text.delta") == "Hello there!"
     assert kinds.index("response.reasoning_text.done") < kinds.index("response.output_text.delta")
     assert [item["type"] for item in final["output"]] == ["reasoning", "message"]

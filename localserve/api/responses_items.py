@@ -1,12 +1,13 @@
-"""Responses API items and tools, read and turned into the chat path's messages and tools.
+"""Responses API input items, read and turned into the chat path's messages.
 
 A Responses `input` is a string or a list of items: messages (roles user, system, developer,
 assistant; content a string or `input_text` / `output_text` parts), `function_call`s the model
-made and the client's `function_call_output`s, and `item_reference`s to items of stored responses. Each item is checked here with its own `input[i]`
-param and kept in one canonical shape with an id (what is stored, listed by input_items, and
-continued by `previous_response_id`); `chat_messages` then turns a whole item list into the
-messages /v1/chat/completions would get for the same conversation: consecutive function calls
-join the assistant message before them as its `tool_calls`, an output becomes a `tool` message.
+made, the client's `function_call_output`s, and `item_reference`s to items of stored responses.
+Each item is checked here with its own `input[i]` param and kept in one canonical shape with an
+id (what is stored, listed by input_items, and continued by `previous_response_id`);
+`chat_messages` then turns a whole item list into the messages /v1/chat/completions would get for
+the same conversation: consecutive function calls join the assistant message before them as its
+`tool_calls`, an output becomes a `tool` message.
 Reasoning items (Codex sends its earlier ones back) carry nothing the model here can use: they are
 accepted and left out.
 """
@@ -100,8 +101,8 @@ def parse_input(value: Any, param: str = "input") -> list[dict[str, Any]]:
         elif kind == "reasoning":
             continue  # an earlier turn's reasoning: nothing here can read it back
         else:
-            raise invalid(f"'{p}.type' must be message, function_call, function_call_output, item_reference or reasoning "
-                          f"(got {str(kind)[:40]!r})", f"{p}.type")
+            raise invalid(f"'{p}.type' must be message, function_call, function_call_output, item_reference or "
+                          f"reasoning (got {str(kind)[:40]!r})", f"{p}.type")
     if not items:
         raise invalid(f"'{param}' holds no message or function call output", param)
     return items
@@ -120,14 +121,15 @@ def chat_messages(instructions: str | None, items: list[dict[str, Any]]) -> list
     for item in items:
         kind = item["type"]
         if kind == "message":
-            messages.append({"role": item["role"], "content": "".join(part.get("text", "") for part in item["content"])})
+            text = "".join(part.get("text", "") for part in item["content"])
+            messages.append({"role": item["role"], "content": text})
         elif kind == "function_call":
             last = messages[-1] if messages else None
             if last is None or last["role"] != "assistant":
                 last = {"role": "assistant", "content": ""}
                 messages.append(last)
-            last.setdefault("tool_calls", []).append(
-                {"id": item["call_id"], "type": "function", "function": {"name": item["name"], "arguments": item["arguments"]}})
+            function = {"name": item["name"], "arguments": item["arguments"]}
+            last.setdefault("tool_calls", []).append({"id": item["call_id"], "type": "function", "function": function})
         elif kind == "function_call_output":
             messages.append({"role": "tool", "tool_call_id": item["call_id"], "content": item["output"]})
         elif kind == "item_reference":

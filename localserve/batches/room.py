@@ -8,9 +8,9 @@ rows at finalize. So create asks for the input plus twice the worst-case output,
 
 The worst case of one line is what its own fields allow, not a typical answer: a refused create
 costs a user one retry, a batch that cannot be written costs them its wait. Chat, completions and
-Responses may generate `max_tokens` (`max_output_tokens`; left out, the whole context) per choice; embeddings one vector per
-input. A finalize that still finds too little room keeps its results (runner.py), so this is the
-early answer, not the only guard.
+Responses may generate `max_tokens` (`max_output_tokens`; left out, the whole context) per choice;
+embeddings one vector per input. A finalize that still finds too little room keeps its results
+(runner.py), so this is the early answer, not the only guard.
 """
 
 from __future__ import annotations
