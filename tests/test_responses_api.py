@@ -553,6 +553,17 @@ def test_thinking_streams_as_a_reasoning_item_and_matches_the_whole_answer(step)
         [{k: v for k, v in item.items() if k != "id"} for item in final["output"]]
 
 
+@pytest.mark.parametrize("step", [1, 4, 100])
+def test_a_think_block_the_template_opened_is_reasoning_up_to_its_end(step):
+    conv = _conversation()
+    conv.thinking_open = True  # as prepare finds it when the prompt ends with <think>
+    events, final = _streamed(conv, "Greeting.\n</think>\n\nHi!", step)
+    assert [(i["type"], i["content"][0]["text"]) for i in final["output"]] == [
+        ("reasoning", "Greeting.\n"), ("message", "Hi!")]
+    whole, _ = finished_output(conv, "Greeting.\n</think>\n\nHi!", "stop", None)
+    assert [i["content"][0]["text"] for i in whole] == ["Greeting.\n", "Hi!"]
+
+
 @pytest.mark.parametrize("step", [1, 5, 100])
 def test_tool_calls_stream_as_function_call_items(step):
     conv = _conversation(tools=[WEATHER_TOOL], parallel_tool_calls=False)

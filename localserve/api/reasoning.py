@@ -6,7 +6,9 @@ without it. `ThinkSplit` reads the text delta by delta and says which piece is w
 only what may still turn out to be a tag (`<thi` at the start, `</thi` inside), so thinking
 streams as it comes; a whole answer goes through the same object (`split_thinking`), so a
 streamed and a collected answer split alike. An answer that does not start with `<think>` is all
-answer, unchanged; a think block never closed (cut by max tokens) is all thinking.
+answer, unchanged; a think block never closed (cut by max tokens) is all thinking. Templates that
+open the block themselves (DeepSeek-R1 distills end the prompt with `<think>`) start it inside
+(`inside=True`): the answer's text is thinking up to `</think>`.
 """
 
 from __future__ import annotations
@@ -26,10 +28,10 @@ def _partial_suffix(text: str, tag: str) -> int:
 
 
 class ThinkSplit:
-    def __init__(self) -> None:
-        self.state: Literal["start", "think", "after", "answer"] = "start"
+    def __init__(self, inside: bool = False) -> None:
+        self.state: Literal["start", "think", "after", "answer"] = "think" if inside else "start"
         self.held = ""
-        self.thought = False  # the answer began with <think>
+        self.thought = inside  # the answer is in a think block (began with <think>, or the prompt opened it)
 
     def feed(self, delta: str) -> list[Piece]:
         out: list[Piece] = []
@@ -71,9 +73,9 @@ class ThinkSplit:
         return [("reasoning", held)] if self.state == "think" else [("text", held)]
 
 
-def split_thinking(text: str) -> tuple[str | None, str]:
-    """(thinking, answer) of a whole answer; thinking None when it did not start with <think>."""
-    split = ThinkSplit()
+def split_thinking(text: str, inside: bool = False) -> tuple[str | None, str]:
+    """(thinking, answer) of a whole answer; thinking None when it was not in a think block."""
+    split = ThinkSplit(inside)
     pieces = split.feed(text) + split.finish()
     thinking = "".join(p for kind, p in pieces if kind == "reasoning")
     answer = "".join(p for kind, p in pieces if kind == "text")

@@ -32,7 +32,7 @@ from ..protocol.engine import ModelEngine, TextEngine
 from ..protocol.requests import GenerationRequest, SamplingParams, Usage
 from .tools import ToolCall, parse_tool_calls
 from .generation import Choice, Run, collect, generation
-from .reasoning import split_thinking
+from .reasoning import OPEN as THINK_OPEN, split_thinking
 from .openai import ApiEnv, ChatCall, observe, parse_chat
 from .response_store import ResponseStore
 from .responses_items import chat_messages, new_id, parse_input
@@ -51,6 +51,7 @@ UNSUPPORTED = {
 }
 REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh")
 REASONING_SUMMARIES = ("auto", "concise", "detailed", "none")  # "none": Codex's config offers it
+_THINK_TAIL_TOKENS = 8  # prompt tokens read back to see whether the template opened a <think> block
 MAX_METADATA = 16  # OpenAI's limits: 16 pairs, keys up to 64 characters, values up to 512
 
 
@@ -178,6 +179,7 @@ class Conversation:
     call: ResponsesCall
     chat: ChatCall
     context: list[dict[str, Any]]  # every item before the answer (stored with it, for continuations)
+    thinking_open: bool = False  # the template's prompt ends inside a <think> block (set by prepare)
 
     async def prepare(self, engine: ModelEngine) -> list[GenerationRequest]:
         with responses_params():
@@ -185,6 +187,9 @@ class Conversation:
         for request in requests:  # what the engine's grammar errors name, mid-stream too
             sampling = request.sampling
             sampling.constraint_param = RENAMED.get(sampling.constraint_param, sampling.constraint_param)
+        if requests and requests[0].prompt_tokens and not isinstance(engine, TextEngine):
+            tail = engine.detokenize(requests[0].prompt_tokens[-_THINK_TAIL_TOKENS:])
+            self.thinking_open = tail.rstrip().endswith(THINK_OPEN)
         return requests
 
 
@@ -274,7 +279,7 @@ def finished_output(conv: Conversation, text: str, finish_reason: str | None,
                     engine: ModelEngine | None) -> tuple[list[dict[str, Any]], int]:
     """(output items, reasoning tokens) of a whole answer: reasoning, message, function calls."""
     status, _ = status_of(finish_reason)
-    thinking, text = split_thinking(text)
+    thinking, text = split_thinking(text, conv.thinking_open)
     output: list[dict[str, Any]] = []
     reasoning_tokens = 0
     if thinking is not None:

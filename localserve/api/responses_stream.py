@@ -49,7 +49,7 @@ class ResponseEvents:
         self.output: list[dict[str, Any]] = []  # items, the open one last
         self.open: dict[str, Any] | None = None  # the item receiving deltas
         self.open_text = ""
-        self.think = ThinkSplit()
+        self.think = ThinkSplit(inside=conv.thinking_open)
         self.tools = ToolCallStream(conv.chat.tools) if conv.chat.tools else None
         self.reasoning_tokens = 0
 
