@@ -353,12 +353,16 @@ def test_retrieve_and_delete(client):
 
 
 @pytest.mark.model
-def test_stored_responses_outlive_the_server_and_expire(tmp_path, smollm2_gguf):
+def test_stored_responses_are_in_the_data_directory_and_expire(tmp_path, smollm2_gguf):
     home = tmp_path / "home"
+    database = home / "responses" / "responses.sqlite3"
     with model_server(home, smollm2_gguf) as live:
         c = openai.OpenAI(base_url=live.url + "/v1", api_key="x", max_retries=0, timeout=120)
         kept = c.responses.create(model=MODEL, input="Hi", max_output_tokens=2, **GREEDY)
-    with LiveServer(server_settings(home)) as live:  # a new daemon on the same data directory
+    with sqlite3.connect(database) as db:  # committed to the file, read by a connection of its own
+        (data,) = db.execute("SELECT data FROM responses WHERE id=?", (kept.id,)).fetchone()
+    assert json.loads(data)["output"][0]["content"][0]["text"] == kept.output_text
+    with LiveServer(server_settings(home)) as live:  # a new app on the same data directory
         c = openai.OpenAI(base_url=live.url + "/v1", api_key="x", max_retries=0, timeout=120)
         assert c.responses.retrieve(kept.id).output_text == kept.output_text
     with LiveServer(server_settings(home, responses_retention_days=1e-9)) as live:
@@ -366,7 +370,7 @@ def test_stored_responses_outlive_the_server_and_expire(tmp_path, smollm2_gguf):
         with pytest.raises(openai.NotFoundError):
             c.responses.retrieve(kept.id)  # past the retention: gone, before any write pruned it
         c.responses.create(model=MODEL, input="Hi", max_output_tokens=1, **GREEDY)  # a write prunes
-    with sqlite3.connect(home / "responses" / "responses.sqlite3") as db:
+    with sqlite3.connect(database) as db:
         assert db.execute("SELECT COUNT(*) FROM responses WHERE id=?", (kept.id,)).fetchone()[0] == 0
 
 
