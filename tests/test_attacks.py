@@ -98,6 +98,10 @@ def message_body(**extra: object) -> dict:
     return {"model": "smol", "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}], **extra}
 
 
+def responses_body(**extra: object) -> dict:
+    return {"model": "smol", "input": "hi", "max_output_tokens": 4, **extra}
+
+
 def schema_format(schema: dict) -> dict:
     return {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}}
 
@@ -136,6 +140,21 @@ ATTACKS: list[tuple[str, str, bytes, int]] = [
     ("5,000-digit integer (Ollama)", "/api/chat",
      b'{"model": "smol", "messages": [{"role": "user", "content": "hi"}], "options": {"num_predict": '
      + b"9" * 5000 + b"}}", 400),
+    # The Responses API takes the chat path: the same bounds, named by its own fields.
+    ("Responses text.format maxLength 1e6", "/v1/responses",
+     _json(responses_body(text={"format": {"type": "json_schema", "name": "x",
+                                           "schema": {"type": "string", "maxLength": 1_000_000}}})), 400),
+    ("Responses forced tool maxItems 1e6", "/v1/responses",
+     _json(responses_body(tools=[{"type": "function", "name": "f", "parameters": {"type": "object", "properties": {
+         "xs": {"type": "array", "items": {"type": "integer"}, "maxItems": 1_000_000}}}}],
+         tool_choice={"type": "function", "name": "f"})), 400),
+    ("Responses schema nested 600 deep", "/v1/responses",
+     b'{"model": "smol", "input": "hi", "max_output_tokens": 4, "text": {"format": {"type": "json_schema", '
+     b'"name": "x", "schema": ' + deep_schema_text(600).encode() + b"}}}", 400),
+    ("5,000-digit integer (Responses)", "/v1/responses",
+     b'{"model": "smol", "input": "hi", "max_output_tokens": ' + b"9" * 5000 + b"}", 400),
+    ("Responses input of 5,000 items", "/v1/responses",
+     _json(responses_body(input=[{"role": "user", "content": "x"}] * 5000)), 400),
     ("embeddings past max_embed_tokens", "/v1/embeddings",
      _json({"model": "smol", "input": [" ".join(["word"] * 2000)] * 200}), 400),
     # Anthropic's Messages route: the same bounds on its own field names.
@@ -178,13 +197,13 @@ def test_every_attack_gets_its_4xx_and_the_daemon_lives(daemon: tuple[str, int])
     assert greedy_chat(url) == before
 
 
-@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/messages"])
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/messages", "/v1/responses"])
 def test_declared_terabyte_body_is_refused_before_reading(daemon: tuple[str, int], path: str) -> None:
     url, _ = daemon
     with socket.create_connection(_split(url), timeout=5) as sock:
         t0 = time.monotonic()
-        sock.sendall(f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n".encode()
-                     + b"Content-Length: 1000000000000\r\n\r\n{")
+        sock.sendall(f"POST {path} HTTP/1.1\r\n".encode() + b"Host: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: 1000000000000\r\n\r\n{")
         head = sock.recv(4096)
         took = time.monotonic() - t0
     assert head.startswith(b"HTTP/1.1 413"), head[:200]

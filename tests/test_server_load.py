@@ -121,11 +121,15 @@ def test_disconnect_mid_stream_frees_the_slot(server):
 
 
 def test_disconnect_without_streaming_frees_the_slot(server):
-    # Nothing is written to a non-streaming client until the end: the server must notice the
-    # closed connection by itself.
-    payload = json.dumps(long_completion(False)).encode()
+    assert_silent_disconnect_frees_the_slot(server, "/v1/completions", long_completion(False))
+
+
+def assert_silent_disconnect_frees_the_slot(server: LiveServer, path: str, body: dict) -> None:
+    """Nothing is written to a non-streaming client until the end: the server must notice the
+    closed connection by itself, and free the sequence within slot_deadline."""
+    payload = json.dumps(body).encode()
     s = socket.create_connection(("127.0.0.1", server.port))
-    s.sendall(f"POST /v1/completions HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
+    s.sendall(f"POST {path} HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
               f"Content-Length: {len(payload)}\r\n\r\n".encode() + payload)
     deadline = time.monotonic() + 30
     while server.engine_stats().get("running", 0) == 0:

@@ -33,6 +33,7 @@ from ..api.openai import (
     parse_completion,
     parse_embeddings,
 )
+from ..api.responses import create_response, parse_responses
 from ..api.validation import THREAD_PARSE_BYTES, Body
 
 log = logging.getLogger(__name__)
@@ -57,6 +58,7 @@ ENDPOINTS: dict[str, Endpoint] = {
     "/v1/completions": Endpoint(parse_completion, completion, lambda call: call.opts.model),
     "/v1/embeddings": Endpoint(parse_embeddings, embeddings, lambda call: call.model),
     "/v1/messages": Endpoint(parse_messages, create_message, lambda call: call.chat.opts.model, anthropic_exception_body),
+    "/v1/responses": Endpoint(parse_responses, create_response, lambda call: call.chat.opts.model),
 }
 
 

@@ -7,10 +7,10 @@ rows at finalize. So create asks for the input plus twice the worst-case output,
 `batch_min_free_disk` that every batch write keeps free.
 
 The worst case of one line is what its own fields allow, not a typical answer: a refused create
-costs a user one retry, a batch that cannot be written costs them its wait. Chat and completions
-may generate `max_tokens` (or, left out, the whole context) per choice; embeddings one vector per
-input. A finalize that still finds too little room keeps its results (runner.py), so this is the
-early answer, not the only guard.
+costs a user one retry, a batch that cannot be written costs them its wait. Chat, completions and
+Responses may generate `max_tokens` (`max_output_tokens`; left out, the whole context) per choice;
+embeddings one vector per input. A finalize that still finds too little room keeps its results
+(runner.py), so this is the early answer, not the only guard.
 """
 
 from __future__ import annotations
@@ -44,7 +44,8 @@ def _count(value: Any, default: int, cap: int) -> int:
 
 
 def _generated(body: dict[str, Any], context: int) -> int:
-    tokens = _count(body.get("max_completion_tokens", body.get("max_tokens")), context, context)
+    asked = body.get("max_completion_tokens", body.get("max_tokens", body.get("max_output_tokens")))
+    tokens = _count(asked, context, context)
     choices = _count(body.get("n"), 1, 128)
     logprobs = body.get("top_logprobs", body.get("logprobs"))
     alternatives = 0 if logprobs in (None, False) else 1 + _count(logprobs, 0, 20)

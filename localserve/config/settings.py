@@ -127,6 +127,9 @@ class Settings:
     batch_completion_window: float = 86_400.0
     batch_in_flight: int = 0
     batch_min_free_disk: int = 64 * 1024 * 1024
+    # Responses API (api/response_store.py): stored responses (`store`, the default) older than
+    # this many days are deleted, lazily on the next write; 0 = keep them until deleted.
+    responses_retention_days: float = 30.0
     log_level: str = "info"
     # OpenAI-compatible engines whose models are served here too ([[upstreams]] tables, JSON in the
     # environment; upstream/config.py). Their keys come from the file or api_key_env, never shown.

@@ -1,0 +1,137 @@
+"""Responses API input items, read and turned into the chat path's messages.
+
+A Responses `input` is a string or a list of items: messages (roles user, system, developer,
+assistant; content a string or `input_text` / `output_text` parts), `function_call`s the model
+made, the client's `function_call_output`s, and `item_reference`s to items of stored responses.
+Each item is checked here with its own `input[i]` param and kept in one canonical shape with an
+id (what is stored, listed by input_items, and continued by `previous_response_id`);
+`chat_messages` then turns a whole item list into the messages /v1/chat/completions would get for
+the same conversation: consecutive function calls join the assistant message before them as its
+`tool_calls`, an output becomes a `tool` message.
+Reasoning items (Codex sends its earlier ones back) carry nothing the model here can use: they are
+accepted and left out.
+"""
+
+from __future__ import annotations
+
+import uuid
+from typing import Any
+
+from .validation import MAX_MESSAGES, invalid, type_name
+
+MESSAGE_ROLES = ("user", "system", "developer", "assistant")
+TEXT_PARTS = ("input_text", "output_text", "text")
+MAX_CALL_ID = 512
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}_{uuid.uuid4().hex}"
+
+
+def _text_of(value: Any, param: str) -> str:
+    """A message's content: a string, or text parts joined."""
+    if isinstance(value, str):
+        return value
+    if not isinstance(value, list):
+        raise invalid(f"'{param}' must be a string or an array of content parts", param)
+    texts = []
+    for j, part in enumerate(value):
+        p = f"{param}[{j}]"
+        kind = part.get("type") if isinstance(part, dict) else type_name(part)
+        if kind == "refusal" and isinstance(part.get("refusal"), str):
+            texts.append(part["refusal"])
+            continue
+        if kind not in TEXT_PARTS:
+            raise invalid(f"'{p}': only text content is supported (got {str(kind)[:30]!r}); this server "
+                          "serves no images, files or audio", p)
+        if not isinstance(part.get("text"), str):
+            raise invalid(f"'{p}.text' must be a string", f"{p}.text")
+        texts.append(part["text"])
+    return "".join(texts)
+
+
+def _string(item: dict[str, Any], key: str, param: str, max_len: int = 1 << 24) -> str:
+    value = item.get(key)
+    if not isinstance(value, str) or not value or len(value) > max_len:
+        raise invalid(f"'{param}.{key}' must be a non-empty string of at most {max_len} characters", f"{param}.{key}")
+    return value
+
+
+def parse_input(value: Any, param: str = "input") -> list[dict[str, Any]]:
+    """The request's input as canonical items (a string is one user message)."""
+    if isinstance(value, str):
+        value = [{"type": "message", "role": "user", "content": value}]
+    if not isinstance(value, list) or not value:
+        raise invalid(f"'{param}' must be a string or a non-empty array of items", param)
+    if len(value) > MAX_MESSAGES:
+        raise invalid(f"'{param}' has more than {MAX_MESSAGES} items", param)
+    items = []
+    for i, item in enumerate(value):
+        p = f"{param}[{i}]"
+        if not isinstance(item, dict):
+            raise invalid(f"'{p}' must be an object", p)
+        kind = item.get("type", "message")
+        if kind == "message":
+            role = item.get("role")
+            if role not in MESSAGE_ROLES:
+                raise invalid(f"'{p}.role' must be one of {', '.join(MESSAGE_ROLES)}", f"{p}.role")
+            text = _text_of(item.get("content"), f"{p}.content")
+            part = "output_text" if role == "assistant" else "input_text"
+            content: dict[str, Any] = {"type": part, "text": text}
+            if role == "assistant":
+                content["annotations"] = []
+            items.append({"id": _own_id(item, "msg"), "type": "message", "role": role, "content": [content],
+                          "status": "completed"})
+        elif kind == "function_call":
+            if not isinstance(item.get("arguments"), str):
+                raise invalid(f"'{p}.arguments' must be a string (the call's arguments as JSON)", f"{p}.arguments")
+            call = {"id": _own_id(item, "fc"), "type": "function_call", "status": "completed",
+                    "call_id": _string(item, "call_id", p, MAX_CALL_ID), "name": _string(item, "name", p, 256),
+                    "arguments": item["arguments"]}
+            if isinstance(item.get("namespace"), str):
+                call["namespace"] = item["namespace"]  # a namespace tool's function (responses_tools.py)
+            items.append(call)
+        elif kind == "function_call_output":
+            items.append({"id": _own_id(item, "fco"), "type": "function_call_output", "status": "completed",
+                          "call_id": _string(item, "call_id", p, MAX_CALL_ID),
+                          "output": _text_of(item.get("output"), f"{p}.output")})
+        elif kind == "item_reference":
+            # An item of a stored response, by id: api/responses.py reads it before the answer.
+            items.append({"type": "item_reference", "id": _string(item, "id", p, 256), "_param": f"{p}.id"})
+        elif kind == "reasoning":
+            continue  # an earlier turn's reasoning: nothing here can read it back
+        else:
+            raise invalid(f"'{p}.type' must be message, function_call, function_call_output, item_reference or "
+                          f"reasoning (got {str(kind)[:40]!r})", f"{p}.type")
+    if not items:
+        raise invalid(f"'{param}' holds no message or function call output", param)
+    return items
+
+
+def _own_id(item: dict[str, Any], prefix: str) -> str:
+    given = item.get("id")
+    return given if isinstance(given, str) and 0 < len(given) <= 256 else new_id(prefix)
+
+
+def chat_messages(instructions: str | None, items: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The chat messages of a conversation of canonical items (input or output ones); an
+    unresolved item_reference counts as an empty user turn (parse_responses checks the other
+    fields with it before the store is read)."""
+    messages: list[dict[str, Any]] = [{"role": "system", "content": instructions}] if instructions else []
+    for item in items:
+        kind = item["type"]
+        if kind == "message":
+            text = "".join(part.get("text", "") for part in item["content"])
+            messages.append({"role": item["role"], "content": text})
+        elif kind == "function_call":
+            last = messages[-1] if messages else None
+            if last is None or last["role"] != "assistant":
+                last = {"role": "assistant", "content": ""}
+                messages.append(last)
+            function = {"name": item["name"], "arguments": item["arguments"]}
+            last.setdefault("tool_calls", []).append({"id": item["call_id"], "type": "function", "function": function})
+        elif kind == "function_call_output":
+            messages.append({"role": "tool", "tool_call_id": item["call_id"], "content": item["output"]})
+        elif kind == "item_reference":
+            messages.append({"role": "user", "content": ""})
+    return messages

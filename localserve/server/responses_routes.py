@@ -1,0 +1,117 @@
+"""OpenAI Responses routes: POST /v1/responses, GET and DELETE /v1/responses/{id}, and
+GET /v1/responses/{id}/input_items.
+
+Only what is HTTP lives here: reading the body, SSE with `event:` lines (the Responses stream
+names each event, as OpenAI sends it), and the connection watch (guard_disconnect: a client that
+leaves cancels its generation). Parsing, the conversation, the response objects, the events and
+the stored responses are api/responses*.py's, shared with the Batch API.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+
+from aiohttp import web
+
+from ..api.errors import ClientGone, json_dumps
+from ..api.generation import Run, merge, raise_if_failed
+from ..api.openai import ApiEnv, observe
+from ..api.responses import (
+    Conversation,
+    conversation,
+    create_response,
+    delete_response,
+    get_response,
+    input_items,
+    keep,
+    parse_responses,
+    start,
+)
+from ..api.responses_stream import Event, ResponseEvents
+from ..api.validation import Body
+from ..errors import LocalserveError
+from .body import read_json
+from .disconnect import guard_disconnect
+from .openai_routes import api_env
+from .sse import open_sse
+from .state import METRICS_KEY
+
+routes = web.RouteTableDef()
+log = logging.getLogger("localserve.server")
+
+
+@routes.post("/v1/responses")
+async def create(request: web.Request) -> web.StreamResponse:
+    env = api_env(request)
+    call = parse_responses(await read_json(request), env)
+    if not call.chat.opts.stream:
+        return web.json_response(await guard_disconnect(request, create_response(call, env)), dumps=json_dumps)
+    conv = await guard_disconnect(request, conversation(call, env))  # an unknown previous id: a 404, not a stream
+    async with start(conv, env) as run:
+        return await _stream(request, env, conv, run)
+
+
+async def _stream(request: web.Request, env: ApiEnv, conv: Conversation, run: Run) -> web.StreamResponse:
+    events = ResponseEvents(conv, run.model, run.engine)
+    response = await open_sse(request)
+    try:
+        await guard_disconnect(request, _write_events(request, response, env, events, run))
+    except (ClientGone, ConnectionResetError):
+        pass  # the client left; the caller's `start` cancels the stream
+    except LocalserveError as e:
+        with contextlib.suppress(ConnectionResetError):
+            await _send(response, events.failure(e))
+    except Exception:  # noqa: BLE001 - headers are out: the error middleware can no longer answer
+        log.exception("stream of %s failed", conv.call.id)
+        with contextlib.suppress(ConnectionResetError):
+            await _send(response, events.failure(LocalserveError("internal server error")))
+    return response
+
+
+async def _write_events(request: web.Request, response: web.StreamResponse, env: ApiEnv, events: ResponseEvents,
+                        run: Run) -> None:
+    timer = request.app[METRICS_KEY].token_timer(run.model)
+    await _send(response, events.opening())
+    async for _, event in merge(run.streams):
+        raise_if_failed(event)
+        timer.tokens(len(event.token_ids))
+        await _send(response, events.feed(event))
+        if event.finish_reason is not None:
+            closing, final = events.finish(event)
+            observe(env, run.model, [event.usage])
+            await keep(events.conv, final, env)  # stored before the client hears it is done
+            await _send(response, closing)
+
+
+async def _send(response: web.StreamResponse, events: list[Event]) -> None:
+    if events:
+        await response.write("".join(f"event: {e['type']}\ndata: {json_dumps(e)}\n\n" for e in events).encode("utf-8"))
+
+
+@routes.get("/v1/responses/{response_id}")
+async def retrieve(request: web.Request) -> web.Response:
+    return web.json_response(await get_response(api_env(request), request.match_info["response_id"]),
+                             dumps=json_dumps)
+
+
+@routes.delete("/v1/responses/{response_id}")
+async def delete(request: web.Request) -> web.Response:
+    return web.json_response(await delete_response(api_env(request), request.match_info["response_id"]))
+
+
+@routes.get("/v1/responses/{response_id}/input_items")
+async def list_input_items(request: web.Request) -> web.Response:
+    query = Body(dict(request.query))
+    if "limit" in request.query:
+        query.data["limit"] = _int(request.query["limit"])
+    return web.json_response(await input_items(api_env(request), request.match_info["response_id"], query),
+                             dumps=json_dumps)
+
+
+def _int(text: str) -> int | str:
+    """A query string's number as a number (the Body check then says what is wrong with it)."""
+    try:
+        return int(text)
+    except ValueError:
+        return text
