@@ -140,3 +140,19 @@ def test_the_openai_sdk_reads_through_pings(server) -> None:
     text = "".join(chunk.choices[0].delta.content or "" for chunk in stream if chunk.choices)
     first.join(120)
     assert text
+
+
+def test_an_anthropic_stream_that_waits_gets_anthropics_ping_events(server) -> None:
+    first = threading.Thread(target=sse_lines, args=(server, "/completion", {
+        "model": MODEL, "prompt": COUNTING, "n_predict": 300, "temperature": 0, "stream": True,
+        "ignore_eos": True}))
+    first.start()
+    time.sleep(0.3)
+    lines = sse_lines(server, "/v1/messages", {"model": MODEL, "max_tokens": 4, "stream": True,
+                                               "messages": [{"role": "user", "content": "Hi"}]})
+    first.join(120)
+    events = [line[len(b"event: "):] for line in lines if line.startswith(b"event: ")]
+    waited = events[:events.index(b"content_block_start")]
+    assert waited[0] == b"message_start" and waited.count(b"ping") >= 2
+    assert b": ping" not in lines  # Anthropic's own ping event, not the comment
+    assert events[-1] == b"message_stop"
