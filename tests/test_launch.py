@@ -146,3 +146,24 @@ def test_claude_code_shows_our_error_when_its_prompt_does_not_fit(daemon: dict[s
     result = launch(daemon, "claude", "-p", "Say hello")
     assert "Claude Code sends about" in result.stderr  # launch's warning, before the agent starts
     assert "this model's context is 8192 tokens" in result.stdout + result.stderr  # our 400, shown by Claude Code
+
+
+# Codex's default tools and instructions are 9127 tokens (0.171.0); without its sub-agent, goal and
+# image tools and web search they are about 5,500, which SmolLM2's 8192 holds.
+CODEX_SMALL = ["--disable", "multi_agent", "--disable", "goals", "--disable", "image_generation",
+               "--disable", "view_image", "-c", "web_search=disabled"]
+
+
+def test_codex_answers_from_the_local_model_over_the_responses_api(daemon: dict[str, str]) -> None:
+    result = launch(daemon, "codex", "exec", "--skip-git-repo-check", *CODEX_SMALL, "Say hello", timeout=600)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "tokens used" in result.stdout + result.stderr
+    log = (Path(daemon["LOCALSERVE_HOME"]) / "logs" / "localserve.log").read_text()
+    assert '"POST /v1/responses HTTP/1.1" 200' in log
+
+
+def test_codex_reads_our_context_error_as_its_own(daemon: dict[str, str]) -> None:
+    result = launch(daemon, "codex", "exec", "--skip-git-repo-check", "Say hello")
+    assert "Codex CLI sends about" in result.stderr
+    # Our 400's code (context_length_exceeded) is the one Codex knows: it says so in its own words.
+    assert "ran out of room in the model's context window" in result.stdout + result.stderr

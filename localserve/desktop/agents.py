@@ -121,7 +121,7 @@ AGENTS: dict[str, Agent] = {
               prompt_tokens=20249, measured_with="2.1.197",
               environment=_claude_environment, arguments=lambda t: []),
         Agent("codex", "Codex CLI", "codex", "npm install -g @openai/codex",
-              prompt_tokens=0, measured_with="",
+              prompt_tokens=9127, measured_with="0.171.0",
               environment=lambda t: {CODEX_TOKEN_VAR: t.token}, arguments=_codex_arguments),
         Agent("copilot", "Copilot CLI", "copilot", "npm install -g @github/copilot",
               prompt_tokens=12275, measured_with="1.0.102",
