@@ -9,7 +9,7 @@ connection, as llama.vscode's abort does). Each server runs it alone and while 4
 beside it, in alternating passes (localserve, llama-server, localserve, llama-server), one server at
 a time on the same cores. Printed per pass: FIM TTFT p50 / p95 of the requests that got a first
 token, how many were dropped before it, and the share of prompt tokens the cache served
-(`tokens_cached` / `tokens_evaluated` of the requests that finished).
+(`timings.cache_n` over `cache_n + prompt_n` of the requests that finished).
 
 The model must name FIM tokens. SmolLM2 names none, so with --add-fim-tokens (the default for a
 GGUF without them) the benchmark copies it with llama.cpp's FIM metadata keys pointing at special
@@ -99,8 +99,11 @@ async def infill(session: aiohttp.ClientSession, url: str, model: str, prefix: s
                     first = time.perf_counter() - start
                     result.ttfts.append(first)
                 if frame.get("stop"):
-                    result.cached += int(frame.get("tokens_cached", 0))
-                    result.evaluated += int(frame.get("tokens_evaluated", 0))
+                    # From `timings`, as both servers count them alike (cache_n served, prompt_n
+                    # computed); llama-server's tokens_cached also counts the last answer's tokens.
+                    timings = frame.get("timings") or {}
+                    result.cached += int(timings.get("cache_n", 0))
+                    result.evaluated += int(timings.get("cache_n", 0)) + int(timings.get("prompt_n", 0))
     except asyncio.CancelledError:
         if first is None:
             result.dropped += 1
