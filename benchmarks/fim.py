@@ -13,7 +13,7 @@ token, how many were dropped before it, and the share of prompt tokens the cache
 
 The model must name FIM tokens. SmolLM2 names none, so with --add-fim-tokens (the default for a
 GGUF without them) the benchmark copies it with llama.cpp's FIM metadata keys pointing at special
-tokens it has, exactly as tests/test_fim.py does: both servers then build the same FIM prompts; the
+tokens it has, with tests/fim_model.py as tests/test_fim.py does: both servers then build the same FIM prompts; the
 completions are whatever SmolLM2 makes of them, and the timings are what is measured.
 
 Figures, not assertions: tests never time anything (docs/architecture.md).
@@ -37,8 +37,10 @@ import aiohttp
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from serve import REPO, percentile, start_llama_server, start_localserve, stop, wait_ready  # noqa: E402
 
+sys.path.insert(0, str(REPO / "tests"))
+from fim_model import with_fim_tokens  # noqa: E402  (the FIM copy of SmolLM2 the tests use)
+
 SOURCE = REPO / "localserve" / "api" / "fim.py"  # the file being "typed"
-FIM_IDS = {"pre": 11, "suf": 12, "mid": 13, "rep": 4, "sep": 5}  # SmolLM2's special tokens (test_fim.py)
 SUFFIX_LINES = 12
 CHAT_PROMPT = "Explain in a few sentences how a hash map handles collisions."
 
@@ -50,21 +52,6 @@ class Pass:
     cached: int = 0
     evaluated: int = 0
     errors: int = 0
-
-
-def with_fim_tokens(gguf_path: Path, out: Path) -> Path:
-    import gguf
-    from gguf.scripts.gguf_new_metadata import MetadataDetails, copy_with_new_metadata
-
-    reader = gguf.GGUFReader(gguf_path, "r")
-    if reader.get_field("tokenizer.ggml.fim_pre_token_id") is not None:
-        return gguf_path
-    arch = reader.get_field(gguf.Keys.General.ARCHITECTURE).contents()
-    writer = gguf.GGUFWriter(out, arch=arch, endianess=reader.endianess)
-    new = {f"tokenizer.ggml.fim_{role}_token_id": MetadataDetails(gguf.GGUFValueType.UINT32, token)
-           for role, token in FIM_IDS.items()}
-    copy_with_new_metadata(reader, writer, new, [])
-    return out
 
 
 def keystrokes(text: str, start: int, n: int, chars_per_key: int) -> list[tuple[str, str]]:

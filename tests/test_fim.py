@@ -14,27 +14,17 @@ from pathlib import Path
 
 import pytest
 
+from fim_model import FIM_IDS, with_fim_tokens
 from server_harness import MODEL, model_server
 
 pytestmark = pytest.mark.model
-FIM_IDS = {"pre": 11, "suf": 12, "mid": 13, "rep": 4, "sep": 5}  # <jupyter_start> ... <reponame> <file_sep>
 PREFIX = "def add(a, b):\n    "
 SUFFIX = "\n\nprint(add(1, 2))\n"
 
 
 @pytest.fixture(scope="module")
 def fim_gguf(smollm2_gguf: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    import gguf
-    from gguf.scripts.gguf_new_metadata import MetadataDetails, copy_with_new_metadata
-
-    out = tmp_path_factory.mktemp("fim") / "smollm2-fim.gguf"
-    reader = gguf.GGUFReader(smollm2_gguf, "r")
-    arch = reader.get_field(gguf.Keys.General.ARCHITECTURE).contents()
-    writer = gguf.GGUFWriter(out, arch=arch, endianess=reader.endianess)
-    new = {f"tokenizer.ggml.fim_{role}_token_id": MetadataDetails(gguf.GGUFValueType.UINT32, token)
-           for role, token in FIM_IDS.items()}
-    copy_with_new_metadata(reader, writer, new, [])
-    return out
+    return with_fim_tokens(smollm2_gguf, tmp_path_factory.mktemp("fim") / "smollm2-fim.gguf")
 
 
 @pytest.fixture(scope="module")
