@@ -40,8 +40,10 @@ BATCH_LINES = 24  # a batch that takes several seconds: its progress is seen mov
 LIVE_S = 60  # liveness bounds only: a 135M model answers in seconds even on a shared 2-core machine
 
 
-def call(url: str, key: str | None, body: dict[str, Any] | None = None, timeout: float = 120) -> dict[str, Any]:
+def call(url: str, key: str | None, body: dict[str, Any] | None = None, timeout: float = 120,
+         lane: str | None = None) -> dict[str, Any]:
     headers = {"Content-Type": "application/json"} | ({"Authorization": f"Bearer {key}"} if key else {})
+    headers |= {"X-Priority": lane} if lane else {}
     data = None if body is None else json.dumps(body).encode()
     with urllib.request.urlopen(urllib.request.Request(url, data=data, headers=headers), timeout=timeout) as r:
         return json.loads(r.read())
@@ -299,8 +301,11 @@ def test_scheduler_view_moves_under_load(page, daemon, clean_console):
     assert idle["lane-default"] == "0" and idle["running"].startswith("0 /"), idle
 
     def chat(i: int) -> None:
-        call(url + "/v1/chat/completions", key, {"model": MODEL, "max_tokens": 128, "temperature": 0.8, "seed": i,
-                                                 "messages": [{"role": "user", "content": f"Tell story number {i}"}]})
+        # Of different lengths, so some finish (and show their TTFT) while the others run; the
+        # last one in the batch lane.
+        call(url + "/v1/chat/completions", key, {"model": MODEL, "max_tokens": 48 + 24 * i, "temperature": 0.8, "seed": i,
+                                                 "messages": [{"role": "user", "content": f"Tell story number {i}"}]},
+             lane="batch" if i == CHATS - 1 else None)
 
     threads = [threading.Thread(target=chat, args=(i,), daemon=True) for i in range(CHATS)]
     for t in threads:
@@ -314,8 +319,10 @@ def test_scheduler_view_moves_under_load(page, daemon, clean_console):
         later = until(wait, figures, lambda f: int(f["steps"]) > int(loaded["steps"]))
         assert float(later["tps"]) > 0
         if key is None:
-            # A few seconds of chart history make a picture worth looking at.
+            # A few seconds of chart history, and some answers' latencies while the rest still run,
+            # make a picture worth looking at.
             wait.until(lambda d: d.execute_script(HISTORY, MODEL) >= 8)
+            until(wait, lambda d: [figures(d), d.execute_script(ROWS)], lambda v: v[0]["ttft"] != "– / –" and len(v[1]) >= 2)
             save_screenshot(page)
     finally:
         for t in threads:

@@ -144,3 +144,38 @@ def test_a_reader_that_stops_is_dropped_without_buffering(tmp_path: Path, monkey
         s.close()
         status, _ = server.json("GET", "/api/dashboard/state")
         assert status == 200  # the server carries on
+
+
+def test_latency_windows_are_exact_and_per_lane():
+    """The rings answer from the samples themselves: each window holds exactly the samples of its
+    span, per lane and all together, and the percentiles interpolate as numpy's default does."""
+    import statistics
+
+    from localserve.api.live import LatencyRings, percentile
+
+    rings = LatencyRings(size=1000)
+    now = 10_000.0
+    recent = [0.010, 0.020, 0.030, 0.040, 0.100]
+    rings.add("m", "itl", "batch", 9.0, at=now - 1000)  # in neither window
+    rings.add("m", "itl", "default", 0.5, at=now - 120)  # in the 15-minute window only
+    for i, v in enumerate(recent):
+        rings.add("m", "itl", "interactive", v, at=now - 30 + i)
+    itl = rings.summary("m", now)["itl"]
+    assert itl["1m"]["all"]["n"] == 5 and itl["1m"]["interactive"]["n"] == 5 and itl["1m"]["default"]["n"] == 0
+    assert itl["15m"]["all"]["n"] == 6 and itl["15m"]["default"]["p50"] == 0.5 and itl["15m"]["batch"]["n"] == 0
+    assert itl["1m"]["all"]["p50"] == 0.030
+    assert itl["1m"]["all"]["p95"] == pytest.approx(statistics.quantiles(recent, n=20, method="inclusive")[18])
+    assert itl["1m"]["default"]["p50"] is None and percentile([], 0.5) is None
+    # Bounded: the oldest samples go first.
+    for i in range(2000):
+        rings.add("m", "ttft", "default", float(i), at=now - 1)
+    assert rings.summary("m", now)["ttft"]["1m"]["all"]["n"] == 1000
+
+
+def test_summary_line_is_the_trays():
+    from localserve.api.dashboard_feed import summary_line
+
+    models = [{"state": "loaded", "running_by_lane": {"interactive": 1, "default": 3, "batch": 0}},
+              {"state": "loading"}]
+    assert summary_line(models) == "1 model loaded · running: interactive 1, default 3, batch 0"
+    assert summary_line([], pulls=2) == "0 models loaded · running: interactive 0, default 0, batch 0 · 2 pulls"

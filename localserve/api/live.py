@@ -105,6 +105,7 @@ class LatencyRings:
         self._rings: dict[tuple[str, str], deque[tuple[float, str, float]]] = {}
 
     def add(self, model: str, figure: str, lane: str, seconds: float, at: float | None = None) -> None:
+        """Samples of one figure arrive in time order (`summary` stops at the first one too old)."""
         ring = self._rings.get((model, figure))
         if ring is None:
             ring = self._rings[(model, figure)] = deque(maxlen=self.size)

@@ -168,7 +168,8 @@ function onSnapshot(snap) {
     for (const lane of LANES) set("lane-" + lane, String(m.waiting[lane] || 0));
     set("hit", (100 * m.prefix_cache_hit_rate).toFixed(0) + " %"); set("steps", String(m.steps));
     const now = m.latency.ttft["1m"].all, itl = m.latency.itl["1m"].all;
-    set("ttft", `${ms(now.p50)} / ${ms(now.p95)}`); set("itl", `${ms(itl.p50)} / ${ms(itl.p95)}`);
+    const pair = (f) => (f.n ? `${ms(f.p50).replace(" ms", "")} / ${ms(f.p95)}` : "– / –");
+    set("ttft", pair(now)); set("itl", pair(itl));
     if (m.kv) {
       const part = (n) => (m.kv.total ? (100 * n) / m.kv.total : 0) + "%";
       c.querySelector(".kv-running").style.width = part(m.kv.running);

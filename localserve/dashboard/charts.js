@@ -21,15 +21,16 @@ const Charts = {
     }
     ctx.fillStyle = "#656d76"; ctx.font = "10px system-ui"; ctx.fillText(Charts.short(top), 2, 10);
   },
-  // Stacked bars, one per point: `series` stacked from the bottom; `overlay` (optional) as a line.
-  stacked(canvas, series, overlay) {
+  // Stacked bars, one per point (at least `slots` wide, so a young history is thin bars on the
+  // right, not a few wide blocks): `series` stacked from the bottom; `overlay` (optional) as a line.
+  stacked(canvas, series, overlay, slots = 60) {
     const ratio = window.devicePixelRatio || 1;
     const w = canvas.clientWidth, h = canvas.clientHeight;
     if (canvas.width !== w * ratio) { canvas.width = w * ratio; canvas.height = h * ratio; }
     const ctx = canvas.getContext("2d");
     ctx.setTransform(ratio, 0, 0, ratio, 0, 0);
     ctx.clearRect(0, 0, w, h);
-    const n = Math.max(2, ...series.map((s) => s.values.length));
+    const n = Math.max(slots, ...series.map((s) => s.values.length));
     const totals = Array.from({ length: n }, (_, i) => series.reduce((sum, s) => sum + (s.values[i - (n - s.values.length)] || 0), 0));
     const top = Math.max(1e-9, ...totals, ...(overlay ? overlay.values : []));
     const bar = w / n;

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import time
 from importlib import resources
 from typing import Any
 
