@@ -222,7 +222,7 @@ def test_exact_latencies_and_live_rows(page, daemon, clean_console):
     # The client's TTFT also holds its request's way in (connect, send, the event loop serving 4
     # streams before it reads the headers): up to a few % of a 2-second TTFT on the shared 2 cores.
     # A gap between two chunks carries only jitter, both ways.
-    for name, samples, allowance in (("ttft", ttfts, lambda v: max(15.0, 0.05 * v)), ("itl", gaps, lambda v: 3.0)):
+    for name, samples, allowance in (("ttft", ttfts, lambda v: max(60.0, 0.05 * v)), ("itl", gaps, lambda v: 3.0)):
         for q, p in (("p50", 0.5), ("p95", 0.95)):
             client_ms = percentile(samples, p) * 1000
             server_ms = shown_ms(shown[f"{name}.1m.all.{q}"])

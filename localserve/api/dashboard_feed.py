@@ -25,6 +25,7 @@ if TYPE_CHECKING:
     from ..runtime.manager import ModelManager
 
 BUSY = ("prefilling", "decoding")
+NO_STEPS = {"seconds": 0.0, "steps": 0, "decode_rows": 0, "prompt_rows": 0, "interrupted": 0}
 
 
 class DashboardFeed:
@@ -37,18 +38,26 @@ class DashboardFeed:
         self._last_step: dict[str, float] = {}  # model -> the end of the last step already counted
         self._last_interrupted: dict[str, int] = {}
         self._last_tick: dict[str, float] = {}
+        self._mix: dict[str, dict[str, Any]] = {}  # model -> the last shared snapshot's step mix
+        self._pending: dict[str, list[int]] = {}  # model -> [steps, decode rows, prompt rows] since it
 
-    def snapshot(self, pulls: int = 0, api_key: bool = False, interval_s: float | None = None) -> dict[str, Any]:
-        """The shared snapshot, recomputed when the last one is an interval old."""
+    def snapshot(self, pulls: int = 0, api_key: bool = False, interval_s: float | None = None,
+                 fresh: bool = False) -> dict[str, Any]:
+        """The shared snapshot, recomputed when the last one is an interval old. `fresh`: one made
+        now for a single read (the tray, right after it unloaded a model, must see it gone); it
+        shows the last shared snapshot's step mix, whose steps stay counted for the next one."""
         interval = self.interval_s if interval_s is None else interval_s
         now = time.monotonic()
-        if self._cached is None or now - self._cached_at >= interval * 0.95:
-            self._cached = self._compute(now)
-            self._cached_at = now
-        return {**self._cached, "pulls": pulls, "api_key": api_key,
-                "summary": summary_line(self._cached["models"], pulls)}
+        if fresh:
+            snap = self._compute(now, advance=False)
+        else:
+            if self._cached is None or now - self._cached_at >= interval * 0.95:
+                self._cached = self._compute(now, advance=True)
+                self._cached_at = now
+            snap = self._cached
+        return {**snap, "pulls": pulls, "api_key": api_key, "summary": summary_line(snap["models"], pulls)}
 
-    def _compute(self, now: float) -> dict[str, Any]:
+    def _compute(self, now: float, advance: bool) -> dict[str, Any]:
         engines = self.manager.engines()
         live = self.metrics.live
         models = []
@@ -72,13 +81,13 @@ class DashboardFeed:
             }
             engine = engines.get(name)
             if engine is not None:
-                model.update(self._engine_view(name, engine, stats, now))
+                model.update(self._engine_view(name, engine, stats, now, advance))
             model["latency"] = self.metrics.rings.summary(name, now)
             models.append(model)
         return {"time": time.time(), "models": models, "traffic": live.traffic_rows(),
                 "lane_tokens": {lane: live.lane_tokens.get(lane, 0) for lane in LANES}}
 
-    def _engine_view(self, name: str, engine: Any, stats: dict[str, Any], now: float) -> dict[str, Any]:
+    def _engine_view(self, name: str, engine: Any, stats: dict[str, Any], now: float, advance: bool) -> dict[str, Any]:
         progress = engine_live.sequences(engine)
         rows = []
         for request_id, tracked in self.metrics.live.of_model(name).items():
@@ -88,22 +97,8 @@ class DashboardFeed:
             rows.append({"id": request_id, "lane": tracked.origin.lane, "dialect": tracked.origin.dialect,
                          "route": tracked.origin.route, **p.to_dict()})
         rows.sort(key=lambda r: -r["age_s"])
-        # The steps since the previous snapshot: their times go to the step ring, their rows to the
-        # composition chart.
-        steps = engine_live.steps_since(engine, self._last_step.get(name, 0.0))
-        if steps:
-            self._last_step[name] = steps[-1][0]
-        for end, seconds, _, _ in steps:
-            self.metrics.rings.add(name, "step", "", seconds, end)
-        interrupted = int(stats.get("interrupted_steps", 0))
-        since = self._last_tick.get(name)
-        self._last_tick[name] = now
-        composition = {
-            "seconds": round(now - since, 3) if since is not None else 0.0,
-            "steps": len(steps), "decode_rows": sum(s[2] for s in steps), "prompt_rows": sum(s[3] for s in steps),
-            "interrupted": interrupted - self._last_interrupted.get(name, interrupted),
-        }
-        self._last_interrupted[name] = interrupted
+        self._take_steps(name, engine)
+        composition = self._step_mix(name, stats, now) if advance else self._mix.get(name, NO_STEPS)
         used, total = int(stats.get("kv_used", 0)), int(stats.get("kv_total", 0))
         parked = min(used, engine_live.parked_cells(engine))
         return {
@@ -111,6 +106,34 @@ class DashboardFeed:
             "kv": {"total": total, "running": used - parked, "parked": parked, "free": max(0, total - used)},
             "running_by_lane": {lane: sum(1 for r in rows if r["lane"] == lane and r["state"] in BUSY) for lane in LANES},
         }
+
+
+    def _take_steps(self, name: str, engine: Any) -> None:
+        """The steps ended since the last read: their times go to the step ring, their rows to the
+        next shared snapshot's step mix."""
+        steps = engine_live.steps_since(engine, self._last_step.get(name, 0.0))
+        if not steps:
+            return
+        self._last_step[name] = steps[-1][0]
+        for end, seconds, _, _ in steps:
+            self.metrics.rings.add(name, "step", "", seconds, end)
+        pending = self._pending.setdefault(name, [0, 0, 0])
+        pending[0] += len(steps)
+        pending[1] += sum(s[2] for s in steps)
+        pending[2] += sum(s[3] for s in steps)
+
+    def _step_mix(self, name: str, stats: dict[str, Any], now: float) -> dict[str, Any]:
+        """What the steps since the previous shared snapshot were made of."""
+        n_steps, decode_rows, prompt_rows = self._pending.pop(name, [0, 0, 0])
+        interrupted = int(stats.get("interrupted_steps", 0))
+        since = self._last_tick.get(name)
+        self._last_tick[name] = now
+        mix = {"seconds": round(now - since, 3) if since is not None else 0.0, "steps": n_steps,
+               "decode_rows": decode_rows, "prompt_rows": prompt_rows,
+               "interrupted": interrupted - self._last_interrupted.get(name, interrupted)}
+        self._last_interrupted[name] = interrupted
+        self._mix[name] = mix
+        return mix
 
 
 def summary_line(models: list[dict[str, Any]], pulls: int = 0) -> str:

@@ -34,7 +34,8 @@ FIGURES = ("ttft", "itl", "queue", "step")
 # 72,000; a ring of this size covers the last minute of any load this machine serves and the 15
 # minutes of a moderate one (the snapshot says how many samples each window holds).
 RING_SIZE = 16_384
-LONG_REFRESH_S = 15.0  # the 15-minute percentiles are recomputed this often
+LONG_REFRESH_S = 15.0  # the 15-minute percentiles of a large ring are recomputed this often
+ALWAYS_FRESH_SAMPLES = 8_192  # a figure with at most this many samples is recomputed at every snapshot
 QUANTILES = {"p50": 0.5, "p95": 0.95, "p99": 0.99}
 
 # The generating routes and the dialect each speaks (the dashboard's "where traffic comes from").
@@ -115,8 +116,8 @@ class _Ring:
 
 class LatencyRings:
     """Per model, figure and lane, the last `size` samples. The last minute's percentiles are
-    computed at every snapshot; the 15 minutes', which move slowly, every LONG_REFRESH_S, one
-    figure per snapshot: sorting up to 3 x RING_SIZE samples is the one costly part, and spread so
+    computed at every snapshot; the 15 minutes', which move slowly, too while a figure holds few
+    samples, else every LONG_REFRESH_S, one figure per snapshot: sorting up to 3 x RING_SIZE samples is the one costly part, and spread so
     it never stalls the event loop for all four figures at once."""
 
     def __init__(self, size: int = RING_SIZE) -> None:
@@ -132,6 +133,9 @@ class LatencyRings:
         ring.times.append(time.monotonic() if at is None else at)
         ring.values.append(seconds)
 
+    def _count(self, model: str, figure: str) -> int:
+        return sum(len(ring.values) for (m, f, _), ring in self._rings.items() if m == model and f == figure)
+
     def _window(self, model: str, figure: str, start: float) -> dict[str, Any]:
         by_lane = {lane: ring.since(start) for (m, f, lane), ring in self._rings.items() if m == model and f == figure}
         for values in by_lane.values():
@@ -145,7 +149,9 @@ class LatencyRings:
         """{figure: {window: {"all" | lane: {p50, p95, p99, n}}}} for this model."""
         now = time.monotonic() if now is None else now
         long = {figure: self._long.get((model, figure)) for figure in FIGURES}
-        missing = [figure for figure, cached in long.items() if cached is None]
+        # Small rings cost nothing to sort: always fresh. Large ones wait their turn.
+        missing = [figure for figure, cached in long.items()
+                   if cached is None or self._count(model, figure) <= ALWAYS_FRESH_SAMPLES]
         stale = sorted((cached[0], figure) for figure, cached in long.items()
                        if cached is not None and now - cached[0] >= LONG_REFRESH_S)
         # At most one figure's 15 minutes are sorted again per snapshot (all of them the first time).

@@ -113,8 +113,8 @@ function latencyRows(latency) {
   const rows = [];
   for (const figure of Object.keys(FIGURE_NAMES)) {
     const windows = latency[figure];
-    // A lane's row once it has samples in the long window; "all" always (step time has no lane: a step serves every lane).
-    const lanes = ["all", ...LANES.filter((lane) => windows["15m"][lane].n > 0)];
+    // A lane's row once it has samples; "all" always (step time has no lane: a step serves every lane).
+    const lanes = ["all", ...LANES.filter((lane) => windows["15m"][lane].n > 0 || windows["1m"][lane].n > 0)];
     for (const lane of lanes) {
       const cells = WINDOWS.flatMap((w) => [...QS.map((q) => el("td", { "data-lat": `${figure}.${w}.${lane}.${q}` }, ms(windows[w][lane][q]))),
         el("td", { "data-lat": `${figure}.${w}.${lane}.n` }, String(windows[w][lane].n))]);

@@ -4,8 +4,8 @@
   running" for everything else, since Ollama clients probe `/` to see whether a server is up.
 - `GET /dashboard/{file}`: the page's own files, from the package (a fixed list: no path from the
   request ever reaches the filesystem).
-- `GET /api/dashboard/state[?model=NAME]`: one snapshot (the tray polls it);
-  `GET /api/dashboard/stats[?model=NAME]`: the same snapshot as server-sent events, once a second.
+- `GET /api/dashboard/state[?model=NAME]`: one snapshot, made now (the tray polls it);
+  `GET /api/dashboard/stats[?model=NAME]`: the shared snapshot as server-sent events, once a second.
   A model that is not installed is a 404.
 - `POST /api/dashboard/requests/{id}/cancel`: end that request's stream (the page's row button).
 - `GET /api/dashboard/hardware`: what `localserve hw` reports and where each installed model runs.
@@ -103,10 +103,11 @@ async def asset(request: web.Request) -> web.Response:
     return web.Response(body=_asset(name), content_type=ASSETS[name], headers=PAGE_HEADERS)
 
 
-def snapshot(app: web.Application, only: str | None = None) -> dict[str, Any]:
-    """The shared snapshot (api/dashboard_feed.py), narrowed to one model when asked."""
+def snapshot(app: web.Application, only: str | None = None, fresh: bool = False) -> dict[str, Any]:
+    """The shared snapshot (api/dashboard_feed.py), narrowed to one model when asked; `fresh`: made
+    now, for a one-off read."""
     pulls = app[PULLS_KEY].active if PULLS_KEY in app else 0
-    snap = app[FEED_KEY].snapshot(pulls, bool(app[SETTINGS_KEY].api_key), STATS_INTERVAL_S)
+    snap = app[FEED_KEY].snapshot(pulls, bool(app[SETTINGS_KEY].api_key), STATS_INTERVAL_S, fresh)
     if only is not None:
         snap = {**snap, "models": [m for m in snap["models"] if m["name"] == only]}
     return snap
@@ -122,7 +123,8 @@ async def _model_filter(request: web.Request) -> str | None:
 
 @routes.get("/api/dashboard/state")
 async def state(request: web.Request) -> web.Response:
-    return web.json_response(snapshot(request.app, await _model_filter(request)))
+    # Made now: the tray reads it right after a click (unload) and must see the result.
+    return web.json_response(snapshot(request.app, await _model_filter(request), fresh=True))
 
 
 @routes.get("/api/dashboard/stats")
