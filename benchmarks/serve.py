@@ -12,6 +12,9 @@
     python benchmarks/serve.py --launch --load A --model-path .test-cache/home/models/smollm2-135m/Q4_1/SmolLM2-135M-Instruct.Q4_1.gguf
     # interactive TTFT while 16 batch-lane requests saturate each server, idle vs under the flood
     python benchmarks/serve.py --launch --flood --model-path ...
+    # what open dashboards cost: localserve alone, then with 4 pages' SSE streams open
+    # (/api/dashboard/stats, read as a page reads them), in alternating passes
+    python benchmarks/serve.py --launch --servers localserve,localserve+dashboards --dashboards 4 --load B --no-ceiling ...
 
 Loads (--load), as issue 8 defines them: A prompts of 5-300 words, 64 tokens out; B 5-40 words,
 128 out; C the same ~1,000-token system prompt on every request, 5-40-word questions, 64 out.
@@ -325,11 +328,14 @@ def start_llama_cpp_server(model_path: Path, threads: int, n_ctx: int, work: Pat
 
 
 SERVERS = ("localserve", "llama-server", "llama_cpp.server")
-READY = {"localserve": "/health", "llama-server": "/health", "llama_cpp.server": "/v1/models"}
+# localserve again, with --dashboards pages' live streams open during the load (not in the default set)
+WITH_DASHBOARDS = "localserve+dashboards"
+READY = {"localserve": "/health", "localserve+dashboards": "/health", "llama-server": "/health",
+         "llama_cpp.server": "/v1/models"}
 
 
 def launch(name: str, args: argparse.Namespace, model_path: Path, work: Path) -> tuple[subprocess.Popen[bytes], str, str]:
-    if name == "localserve":
+    if name in ("localserve", WITH_DASHBOARDS):
         return start_localserve(model_path, args.threads, args.concurrency, work, dict(args.localserve_env))
     if name == "llama-server":
         return start_llama_server(model_path, args.threads, args.concurrency, work)
@@ -374,15 +380,32 @@ async def bench_one(name: str, args: argparse.Namespace, model_path: Path, work:
               f"({url}) ...", file=sys.stderr)
         if args.flood:
             return await flood(url, model, args)
-        results, duration = await run_load(
-            url, model, prompts, concurrency=args.concurrency, request_rate=args.request_rate,
-            max_tokens=args.max_tokens, seed=args.seed, api_key=None, extra=args.extra)
+        pages = [asyncio.create_task(read_dashboard(url)) for _ in range(args.dashboards)] \
+            if name == WITH_DASHBOARDS else []
+        try:
+            results, duration = await run_load(
+                url, model, prompts, concurrency=args.concurrency, request_rate=args.request_rate,
+                max_tokens=args.max_tokens, seed=args.seed, api_key=None, extra=args.extra)
+        finally:
+            for page in pages:
+                page.cancel()
         report_errors(name, results)
         summary = summarize(results, duration)
+        if pages:
+            print(f"{len(pages)} dashboard streams were open during the load", file=sys.stderr)
         summary["idle_cpu_percent"] = await idle_cpu_percent(proc.pid)
         return summary
     finally:
         stop(proc)
+
+
+async def read_dashboard(url: str) -> None:
+    """One open dashboard page's live feed: the SSE stream of snapshots, parsed as the page does."""
+    async with aiohttp.ClientSession() as session:
+        async with session.get(url + "/api/dashboard/stats") as response:
+            async for line in response.content:
+                if line.startswith(b"data:"):
+                    json.loads(line[5:])
 
 
 PASS_KEYS = ("output_tokens_per_s", "ttft_ms_p50", "ttft_ms_p95", "flood_over_idle_p95", "flood_tokens_per_s")
@@ -535,6 +558,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--load", choices=sorted(LOADS), help="issue 8's workloads (sets prompts and --max-tokens)")
     p.add_argument("--flood", action="store_true", help="interactive TTFT idle vs under a batch-lane flood")
     p.add_argument("--model-path", help="GGUF file for --launch")
+    p.add_argument("--dashboards", type=int, default=4,
+                   help="dashboard SSE streams open during the load of the localserve+dashboards server (default 4)")
     p.add_argument("--threads", type=int, default=os.cpu_count() or 2, help="llama.cpp threads of every server")
     p.add_argument("--n-ctx", type=int, default=2048, help="llama_cpp.server context")
     p.add_argument("--num-requests", type=int, default=32)
@@ -552,7 +577,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     # llama_cpp.server decodes one request at a time: a 16-request flood would only time its queue.
     args.servers = args.servers or (SERVERS[:2] if args.flood else SERVERS)
-    if unknown := set(args.servers) - set(SERVERS):
+    if unknown := set(args.servers) - set(SERVERS) - {WITH_DASHBOARDS}:
         p.error(f"unknown server(s): {', '.join(sorted(unknown))}")
     return args
 

@@ -1,10 +1,13 @@
 """The dashboard in a real headless Chromium against the real daemon and the real model, with and
-without an API key: the scheduler view moves while concurrent chats run, the chat playground streams
-and stops, a pull from a local server shows its progress, and the console stays clean. The no-key
-run saves the README's screenshot (docs/dashboard.png) while the load runs."""
+without an API key: the exact latencies it shows equal the ones the streaming clients measured
+themselves, the batch's rows appear, progress and go with the requests, a row's Cancel ends that
+stream, the scheduler view moves while concurrent chats run, the chat playground streams and stops,
+a pull from a local server shows its progress, and the console stays clean. The no-key run saves
+the README's screenshot (docs/dashboard.png) while the load runs."""
 
 from __future__ import annotations
 
+import http.client
 import io
 import json
 import threading
@@ -15,6 +18,9 @@ from pathlib import Path
 from typing import Any, Callable, Iterator
 
 import pytest
+
+from localserve.api.live import percentile
+from localserve.store.gguf_facts import read_gguf_facts
 
 from browser_util import CHROMEDRIVER, CHROMIUM, MISSING, chromium, console_errors
 from daemon_util import cli_env, free_port, register_model, serving, stop_quietly, wait_published
@@ -34,8 +40,10 @@ BATCH_LINES = 24  # a batch that takes several seconds: its progress is seen mov
 LIVE_S = 60  # liveness bounds only: a 135M model answers in seconds even on a shared 2-core machine
 
 
-def call(url: str, key: str | None, body: dict[str, Any] | None = None, timeout: float = 120) -> dict[str, Any]:
+def call(url: str, key: str | None, body: dict[str, Any] | None = None, timeout: float = 120,
+         lane: str | None = None) -> dict[str, Any]:
     headers = {"Content-Type": "application/json"} | ({"Authorization": f"Bearer {key}"} if key else {})
+    headers |= {"X-Priority": lane} if lane else {}
     data = None if body is None else json.dumps(body).encode()
     with urllib.request.urlopen(urllib.request.Request(url, data=data, headers=headers), timeout=timeout) as r:
         return json.loads(r.read())
@@ -50,6 +58,13 @@ def files(tmp_path_factory) -> Iterator[LocalServer]:
     server.files["dash-pull.gguf"] = Served(gguf + bytes(4 << 20), delay=0.02)  # GGUF readers ignore the tail
     yield server
     server.stop()
+
+
+@pytest.fixture(scope="module")
+def no_eog(smollm2_gguf) -> dict[str, float]:
+    """logit_bias banning the model's end-of-generation tokens: a stream runs to its max_tokens."""
+    facts = read_gguf_facts(smollm2_gguf)
+    return {str(t): -100 for t in {facts.eos_token_id, 0} if t is not None}
 
 
 @pytest.fixture(scope="module", params=[None, API_KEY], ids=["no-key", "api-key"])
@@ -77,7 +92,7 @@ def page(daemon) -> Iterator[Any]:
     from selenium.webdriver.support.ui import WebDriverWait
 
     url, key = daemon
-    with chromium(window=(1100, 820)) as driver:
+    with chromium(window=(1100, 1280)) as driver:
         driver.get(url + "/")
         form = driver.find_element(By.ID, "key-form")
         assert form.is_displayed() is bool(key)
@@ -102,6 +117,148 @@ def clean_console(page) -> Iterator[None]:
     page.get_log("browser")  # what earlier tests left
     yield
     assert console_errors(page) == []
+
+
+class TimedStream:
+    """One streamed chat completion over a plain HTTP connection, timed by the client itself: when
+    it sent the request and when each chunk with content arrived; and how the stream ended."""
+
+    def __init__(self, url: str, key: str | None, body: dict[str, Any]):
+        self.url, self.key, self.body = url, key, body
+        self.sent = 0.0
+        self.arrivals: list[float] = []
+        self.frames: list[dict[str, Any]] = []
+        self.thread = threading.Thread(target=self._run, daemon=True)
+
+    def start(self) -> "TimedStream":
+        self.thread.start()
+        return self
+
+    def _run(self) -> None:
+        host, port = self.url.removeprefix("http://").split(":")
+        conn = http.client.HTTPConnection(host, int(port), timeout=LIVE_S * 2)
+        headers = {"Content-Type": "application/json"} | ({"Authorization": f"Bearer {self.key}"} if self.key else {})
+        payload = json.dumps({**self.body, "stream": True}).encode()
+        conn.connect()
+        self.sent = time.perf_counter()
+        conn.request("POST", "/v1/chat/completions", payload, headers)
+        response = conn.getresponse()
+        assert response.status == 200, response.read()
+        while line := response.readline():
+            if not line.startswith(b"data: ") or line.strip() == b"data: [DONE]":
+                continue
+            frame = json.loads(line[6:])
+            self.frames.append(frame)
+            if any((c.get("delta") or {}).get("content") for c in frame.get("choices", [])):
+                self.arrivals.append(time.perf_counter())
+        conn.close()
+
+    @property
+    def ttft(self) -> float:
+        return self.arrivals[0] - self.sent
+
+    @property
+    def gaps(self) -> list[float]:
+        return [b - a for a, b in zip(self.arrivals, self.arrivals[1:])]
+
+
+LATENCY = """
+const m = window.__dashboard.last && window.__dashboard.last.models.find((m) => m.name.startsWith(arguments[0]));
+if (!m) return null;
+const out = {};
+for (const e of document.querySelectorAll(`.card[data-model="${m.name}"] [data-lat]`)) out[e.dataset.lat] = e.textContent;
+return out;"""
+
+ROWS = """
+return [...document.querySelectorAll(".seqs tbody tr")].map((r) => ({id: r.dataset.request, state: r.dataset.state,
+  generated: Number(r.dataset.generated), text: r.textContent}));"""
+
+
+def shown_ms(text: str) -> float:
+    assert text.endswith(" ms"), text
+    return float(text[:-3])
+
+
+STREAMS = 4  # the daemon's max sequences: every stream decodes in the same batch
+
+
+def test_exact_latencies_and_live_rows(page, daemon, clean_console):
+    """First on a fresh daemon, so the last minute holds these streams' samples only (the sample
+    counts shown prove it). TTFT and ITL shown equal the clients' own timings' percentiles: the
+    server times from the request's arrival and between the events it writes, the client from its
+    send and between the chunks it reads; what separates them is loopback transport and the
+    display's rounding to 1 ms."""
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    url, key = daemon
+    page.get(url + "/#scheduler")
+    wait = WebDriverWait(page, LIVE_S, poll_frequency=0.1)
+    wait.until(lambda d: d.execute_script(LATENCY, MODEL))
+    streams = [TimedStream(url, key, {"model": MODEL, "max_tokens": 48, "temperature": 0.8, "seed": i,
+                                      "messages": [{"role": "user", "content": f"Tell story number {i}"}]}).start()
+               for i in range(STREAMS)]
+    rows = lambda d: d.execute_script(ROWS)  # noqa: E731
+    # The rows appear with the requests: one per stream, lane (a streamed chat is interactive) and
+    # client shown, never the prompt.
+    first = until(wait, rows, lambda r: len(r) == STREAMS and all(x["state"] == "decoding" for x in r))
+    assert all("interactive" in r["text"] and "openai /v1/chat/completions" in r["text"] for r in first), first
+    assert not any("Tell story" in r["text"] for r in first)
+    # ...progress while they run...
+    before = {r["id"]: r["generated"] for r in first}
+    until(wait, rows, lambda r: any(x["id"] in before and x["generated"] > before[x["id"]] for x in r))
+    for s in streams:
+        s.thread.join(LIVE_S * 2)
+    assert not any(s.thread.is_alive() for s in streams)
+    # ...and go with them.
+    until(wait, lambda d: [d.execute_script(ROWS)], lambda r: r[0] == [])
+
+    ttfts = sorted(s.ttft for s in streams)
+    gaps = sorted(g for s in streams for g in s.gaps)
+    shown = until(wait, lambda d: d.execute_script(LATENCY, MODEL),
+                  lambda f: f["ttft.1m.all.n"] == str(STREAMS) and int(f["itl.1m.all.n"]) >= len(gaps) - STREAMS)
+    # Every token the clients got is one sample (a chunk the detokenizer held back for a split
+    # character would be two gaps on the server's side and one on the client's: a few at most).
+    assert abs(int(shown["itl.1m.all.n"]) - len(gaps)) <= STREAMS, (shown, len(gaps))
+    # The client's TTFT also holds its request's way in (connect, send, the event loop serving 4
+    # streams before it reads the headers): up to a few % of a 2-second TTFT on the shared 2 cores.
+    # A gap between two chunks carries only jitter, both ways.
+    for name, samples, allowance in (("ttft", ttfts, lambda v: max(60.0, 0.05 * v)), ("itl", gaps, lambda v: 3.0)):
+        for q, p in (("p50", 0.5), ("p95", 0.95)):
+            client_ms = percentile(samples, p) * 1000
+            server_ms = shown_ms(shown[f"{name}.1m.all.{q}"])
+            print(f"{name} {q}: shown {server_ms} ms, clients' {client_ms:.2f} ms")
+            assert abs(server_ms - client_ms) <= 0.5 + allowance(client_ms), (name, q, server_ms, client_ms)
+    # Per lane: an interactive row, none for lanes without samples.
+    assert shown["ttft.1m.interactive.n"] == str(STREAMS) and "ttft.1m.default.n" not in shown
+    assert shown["step.1m.all.n"] != "0" and shown["queue.1m.all.n"] == str(STREAMS)
+    traffic = page.execute_script("return window.__dashboard.last.traffic")
+    assert {"dialect": "openai", "route": "/v1/chat/completions", "requests": STREAMS} in traffic, traffic
+
+
+def test_cancelling_a_row_ends_its_stream(page, daemon, no_eog, clean_console):
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    url, key = daemon
+    page.get(url + "/#scheduler")
+    wait = WebDriverWait(page, LIVE_S, poll_frequency=0.1)
+    stream = TimedStream(url, key, {"model": MODEL, "max_tokens": 700, "logit_bias": no_eog,
+                                    "messages": [{"role": "user", "content": "Write a very long story."}]}).start()
+    row = until(wait, lambda d: d.execute_script(ROWS), lambda r: len(r) == 1 and r[0]["generated"] > 2)[0]
+    page.find_element(By.CSS_SELECTOR, f'.seqs tr[data-request="{row["id"]}"] button.cancel').click()
+    stream.thread.join(LIVE_S)
+    assert not stream.thread.is_alive()
+    # OpenAI's way to end a stream the server stopped: an error frame, here saying who stopped it.
+    last = stream.frames[-1]
+    assert last["error"]["code"] == "request_cancelled" and "dashboard" in last["error"]["message"], last
+    assert len(stream.arrivals) < 700
+    until(wait, lambda d: [d.execute_script(ROWS)], lambda r: r[0] == [])
+    # A request that is not running: a 404 in the page's own dialect, nothing cancelled.
+    request = urllib.request.Request(url + "/api/dashboard/requests/req-nope/cancel", data=b"", method="POST",
+                                     headers={"Authorization": f"Bearer {key}"} if key else {})
+    with pytest.raises(urllib.error.HTTPError) as e:
+        urllib.request.urlopen(request, timeout=LIVE_S)
+    assert e.value.code == 404 and "req-nope" in json.loads(e.value.read())["error"]
 
 
 FIGURES = """
@@ -144,8 +301,11 @@ def test_scheduler_view_moves_under_load(page, daemon, clean_console):
     assert idle["lane-default"] == "0" and idle["running"].startswith("0 /"), idle
 
     def chat(i: int) -> None:
-        call(url + "/v1/chat/completions", key, {"model": MODEL, "max_tokens": 128, "temperature": 0.8, "seed": i,
-                                                 "messages": [{"role": "user", "content": f"Tell story number {i}"}]})
+        # Of different lengths, so some finish (and show their TTFT) while the others run; the
+        # last one in the batch lane.
+        call(url + "/v1/chat/completions", key, {"model": MODEL, "max_tokens": 48 + 24 * i, "temperature": 0.8, "seed": i,
+                                                 "messages": [{"role": "user", "content": f"Tell story number {i}"}]},
+             lane="batch" if i == CHATS - 1 else None)
 
     threads = [threading.Thread(target=chat, args=(i,), daemon=True) for i in range(CHATS)]
     for t in threads:
@@ -159,8 +319,10 @@ def test_scheduler_view_moves_under_load(page, daemon, clean_console):
         later = until(wait, figures, lambda f: int(f["steps"]) > int(loaded["steps"]))
         assert float(later["tps"]) > 0
         if key is None:
-            # A few seconds of chart history make a picture worth looking at.
+            # A few seconds of chart history, and some answers' latencies while the rest still run,
+            # make a picture worth looking at.
             wait.until(lambda d: d.execute_script(HISTORY, MODEL) >= 8)
+            until(wait, lambda d: [figures(d), d.execute_script(ROWS)], lambda v: v[0]["ttft"] != "– / –" and len(v[1]) >= 2)
             save_screenshot(page)
     finally:
         for t in threads:

@@ -14,7 +14,7 @@ import pytest
 
 from localserve.server import dashboard_routes
 
-from server_harness import LiveServer, install_model, raw_http, server_settings
+from server_harness import MODEL, LiveServer, install_model, model_server, raw_http, server_settings
 
 HTML = {"Accept": "text/html,application/xhtml+xml,application/xml;q=0.9,*/*;q=0.8"}  # Chromium's
 KEY = "dash-key"
@@ -144,3 +144,75 @@ def test_a_reader_that_stops_is_dropped_without_buffering(tmp_path: Path, monkey
         s.close()
         status, _ = server.json("GET", "/api/dashboard/state")
         assert status == 200  # the server carries on
+
+
+def test_latency_windows_are_exact_and_per_lane():
+    """The rings answer from the samples themselves: each window holds exactly the samples of its
+    span, per lane and all together, and the percentiles interpolate as numpy's default does."""
+    import statistics
+
+    from localserve.api.live import LatencyRings, percentile
+
+    rings = LatencyRings(size=1000)
+    now = 10_000.0
+    recent = [0.010, 0.020, 0.030, 0.040, 0.100]
+    rings.add("m", "itl", "batch", 9.0, at=now - 1000)  # in neither window
+    rings.add("m", "itl", "default", 0.5, at=now - 120)  # in the 15-minute window only
+    for i, v in enumerate(recent):
+        rings.add("m", "itl", "interactive", v, at=now - 30 + i)
+    itl = rings.summary("m", now)["itl"]
+    assert itl["1m"]["all"]["n"] == 5 and itl["1m"]["interactive"]["n"] == 5 and itl["1m"]["default"]["n"] == 0
+    assert itl["15m"]["all"]["n"] == 6 and itl["15m"]["default"]["p50"] == 0.5 and itl["15m"]["batch"]["n"] == 0
+    assert itl["1m"]["all"]["p50"] == 0.030
+    assert itl["1m"]["all"]["p95"] == pytest.approx(statistics.quantiles(recent, n=20, method="inclusive")[18])
+    assert itl["1m"]["default"]["p50"] is None and percentile([], 0.5) is None
+    # Bounded: the oldest samples go first.
+    for i in range(2000):
+        rings.add("m", "ttft", "default", float(i), at=now - 1)
+    assert rings.summary("m", now)["ttft"]["1m"]["all"]["n"] == 1000
+
+
+def test_summary_line_is_the_trays():
+    from localserve.api.dashboard_feed import summary_line
+
+    models = [{"state": "loaded", "running_by_lane": {"interactive": 1, "default": 3, "batch": 0}},
+              {"state": "loading"}]
+    assert summary_line(models) == "1 model loaded · running: interactive 1, default 3, batch 0"
+    assert summary_line([], pulls=2) == "0 models loaded · running: interactive 0, default 0, batch 0 · 2 pulls"
+
+
+def test_traffic_per_dialect_and_route(tmp_path: Path, smollm2_gguf: Path):
+    """One short request in each dialect shows up under its dialect and route: the editor's FIM
+    (a `suffix` on /v1/completions, /infill), the agent's Anthropic and Responses calls, chats;
+    the snapshot's one-line state is the tray's; a request that is not running cannot be cancelled.
+    SmolLM2 has no FIM tokens: its FIM requests are refused (400), and counted all the same, as
+    every answered request is."""
+    from localserve.api.dashboard_feed import summary_line
+
+    chat = [{"role": "user", "content": "Hi"}]
+    calls = [
+        ("/v1/chat/completions", {"model": MODEL, "messages": chat, "max_tokens": 2}, 200),
+        ("/v1/completions", {"model": MODEL, "prompt": "def add(a, b):", "suffix": "\n", "max_tokens": 2}, 400),
+        ("/v1/completions", {"model": MODEL, "prompt": "Once", "max_tokens": 2}, 200),
+        ("/api/chat", {"model": MODEL, "messages": chat, "stream": False, "options": {"num_predict": 2}}, 200),
+        ("/v1/messages", {"model": MODEL, "messages": chat, "max_tokens": 2}, 200),
+        ("/v1/responses", {"model": MODEL, "input": "Hi", "max_output_tokens": 2}, 200),
+        ("/infill", {"model": MODEL, "input_prefix": "def add(a, b):", "input_suffix": "\n", "n_predict": 2}, 400),
+    ]
+    with model_server(tmp_path / "home", smollm2_gguf) as server:
+        for path, body, expected in calls:
+            status, answer = server.json("POST", path, body)
+            assert status == expected, (path, answer)
+        status, state = server.json("GET", "/api/dashboard/state")
+        traffic = {(t["dialect"], t["route"]): t["requests"] for t in state["traffic"]}
+        assert traffic == {("openai", "/v1/chat/completions"): 1, ("fim", "/v1/completions"): 1,
+                           ("openai", "/v1/completions"): 1, ("ollama", "/api/chat"): 1,
+                           ("anthropic", "/v1/messages"): 1, ("responses", "/v1/responses"): 1,
+                           ("fim", "/infill"): 1}, traffic
+        model = state["models"][0]
+        assert model["sequences"] == [] and model["running_by_lane"] == {"interactive": 0, "default": 0, "batch": 0}
+        assert model["kv"]["total"] == model["kv_total"] and model["kv"]["running"] + model["kv"]["parked"] == model["kv_used"]
+        assert model["latency"]["queue"]["1m"]["all"]["n"] >= 5 and model["latency"]["step"]["1m"]["all"]["n"] > 0
+        assert state["summary"] == summary_line(state["models"]) == "1 model loaded · running: interactive 0, default 0, batch 0"
+        status, body = server.json("POST", "/api/dashboard/requests/req-999999/cancel")
+        assert status == 404 and "req-999999" in body["error"]

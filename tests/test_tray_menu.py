@@ -13,7 +13,9 @@ LOADED = {"name": "smollm2-135m:Q4_1", "state": "loaded", "running": 0, "busy": 
           "waiting": {"interactive": 0, "default": 0, "batch": 0}}
 IDLE = {"time": 1.0, "models": [LOADED], "pulls": 0, "api_key": False}
 BUSY = {"time": 1.0, "pulls": 0, "api_key": False, "models": [
-    dict(LOADED, running=4, busy=True, tokens_per_s=181.5, waiting={"interactive": 1, "default": 3, "batch": 7})]}
+    dict(LOADED, running=4, busy=True, tokens_per_s=181.5, waiting={"interactive": 1, "default": 3, "batch": 7},
+         running_by_lane={"interactive": 1, "default": 3, "batch": 0})],
+    "summary": "1 model loaded · running: interactive 1, default 3, batch 0"}
 PULLING = {"time": 1.0, "models": [], "pulls": 1, "api_key": False}
 KEYED = dict(IDLE, api_key=True)
 
@@ -60,6 +62,9 @@ def test_busy():
     assert state.status == "generating" and state.tokens_per_s == 181.5
     menu = build_menu(state)
     assert "Queue: interactive 1, default 3, batch 7" in texts(menu)
+    # The daemon's one line, as the dashboard's header shows it, right under the queue.
+    line = find(menu, "1 model loaded · running: interactive 1, default 3, batch 0")
+    assert not line.enabled and texts(menu).index(line.text) == texts(menu).index("Queue: interactive 1, default 3, batch 7") + 1
     assert find(menu, "Start at login").checked is True
     assert "181.5 tok/s" in tooltip(state)
     assert icon_image(state.status).getpixel((2, 32))[:3] == COLOURS["generating"]

@@ -146,6 +146,9 @@ def test_real_tray_docks_and_its_menu_drives_the_daemon(desktop, daemon, tmp_pat
         click(app, "Models", MODEL)
         assert [n.split(":")[0] for n in loaded()] == [MODEL]
         assert by_text(by_text(app.icon.menu, "Models").submenu, MODEL).checked is True
+        # The daemon's one line, the dashboard header's, in the real menu.
+        summary = client.request_json("GET", "/api/dashboard/state")["summary"]
+        assert summary.startswith("1 model loaded · running: interactive 0") and by_text(app.icon.menu, summary).enabled is False
         shot(desktop.display)
         click(app, "Models", MODEL)
         assert loaded() == []

@@ -26,6 +26,7 @@ from ..errors import (ContextLengthExceededError, GenerationError, InvalidReques
                       SwapPreemptedError)
 from ..protocol.requests import GenerationEvent, GenerationRequest, Lane, TokenLogprob, Usage
 from .errors import ClientGone
+from .live import ORIGIN, cancelled_by
 from .templates import ChatTemplate
 
 if TYPE_CHECKING:
@@ -160,6 +161,11 @@ async def generation(manager: "ModelManager", model: str, keep_alive: float | No
         requests = await prepare(lease.engine)
         streams = await submit_all(lease.engine, requests)
         lease.attach(streams)  # so a swap can end batch-lane work at a step boundary
+        origin = ORIGIN.get()
+        tracked: list[str] = []
+        if origin is not None and origin.tracker is not None and requests:
+            origin.lane = requests[0].lane  # the latency figures are kept per lane
+            tracked = origin.tracker.track(origin, lease.name, lease.engine, streams)  # the dashboard's rows
         try:
             yield Run(lease.name, lease.engine, requests, streams)
         except RequestCancelledError:
@@ -168,6 +174,8 @@ async def generation(manager: "ModelManager", model: str, keep_alive: float | No
             raise
         finally:
             cancel_all(streams)
+            if tracked:
+                origin.tracker.untrack(tracked)
 
 
 def with_seed_offset(request: GenerationRequest, offset: int) -> GenerationRequest:
@@ -230,6 +238,8 @@ def raise_if_failed(event: GenerationEvent) -> None:
     if event.finish_reason == "error":
         raise event.error or GenerationError("generation failed")
     if event.finish_reason == "cancelled":
+        if cancelled_by() == "dashboard":
+            raise RequestCancelledError("the request was cancelled from the localserve dashboard")
         raise RequestCancelledError()
 
 

@@ -17,6 +17,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from ..protocol.requests import LANES, Usage
+from .live import ORIGIN, LatencyRings, LiveRequests
 
 
 class EngineCollector(Collector):
@@ -108,6 +109,9 @@ class Metrics:
         self.queue_time = Histogram("localserve_queue_seconds", "Submit to first scheduled step", ["model"],
                                     buckets=LATENCY_BUCKETS, registry=r)
         r.register(EngineCollector(status))
+        # The dashboard's exact recent figures and the requests in flight (live.py).
+        self.rings = LatencyRings()
+        self.live = LiveRequests()
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
@@ -121,26 +125,50 @@ class Metrics:
         if usage.completion_tokens:
             self.ttft.labels(model).observe(usage.ttft_s)
         self.queue_time.labels(model).observe(usage.queue_s)
+        origin = ORIGIN.get()
+        lane = origin.lane if origin else "default"
+        self.rings.add(model, "queue", lane, usage.queue_s)
+        streamed = origin is not None and origin.first_token
+        self.live.lane_tokens[lane] += usage.prompt_tokens + (0 if streamed else usage.completion_tokens)
+        if usage.completion_tokens and not streamed:
+            # Not streamed: the first token's time at the edge is the answer's end less the engine's
+            # time from first token to finish (usage.total_s - usage.ttft_s, both from submit).
+            ttft = usage.ttft_s
+            if origin is not None:
+                ttft = max(0.0, time.perf_counter() - origin.started - (usage.total_s - usage.ttft_s))
+            self.rings.add(model, "ttft", lane, ttft)
 
     def token_timer(self, model: str) -> "TokenTimer":
-        return TokenTimer(self.itl.labels(model))
+        return TokenTimer(self, model)
 
 
 class TokenTimer:
-    """Inter-token latency as a streaming client sees it: time between events, per token."""
+    """Latency as a streaming client sees it: the first token's time since the request arrived
+    (TTFT), and the time between events, per token (ITL)."""
 
-    def __init__(self, histogram: Any):
-        self.histogram = histogram
+    def __init__(self, metrics: Metrics, model: str):
+        self.histogram = metrics.itl.labels(model)
+        self.rings = metrics.rings
+        self.lane_tokens = metrics.live.lane_tokens
+        self.model = model
+        self.origin = ORIGIN.get()
+        self.lane = self.origin.lane if self.origin else "default"
         self.last: float | None = None
 
     def tokens(self, n: int) -> None:
         if n <= 0:
             return
         now = time.perf_counter()
+        at = time.monotonic()
+        self.lane_tokens[self.lane] += n
         if self.last is not None:
             gap = (now - self.last) / n
             for _ in range(n):
                 self.histogram.observe(gap)
+                self.rings.add(self.model, "itl", self.lane, gap, at)
+        elif self.origin is not None and not self.origin.first_token:
+            self.origin.first_token = True
+            self.rings.add(self.model, "ttft", self.lane, now - self.origin.started, at)
         self.last = now
 
 

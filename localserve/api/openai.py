@@ -27,6 +27,7 @@ from ..config.settings import Settings
 from ..protocol.engine import ModelEngine, TextEngine
 from ..protocol.requests import MAX_LOGPROBS, GenerationRequest, Lane, TextPrompt, TokenLogprob, Usage
 from ..backends.common.schema_bounds import check_schema
+from .live import mark_fim
 from .generation import (
     Choice,
     Run,
@@ -362,6 +363,8 @@ def parse_completion(body: Body, env: ApiEnv) -> CompletionCall:
     suffix = body.get_str("suffix", None, max_len=MAX_FIM_CHARS) if body.raw("suffix") is not None else None
     if suffix is not None and any(not isinstance(p, str) for p in prompts):
         raise invalid("fill-in-the-middle ('suffix') takes a text prompt", "prompt")
+    if suffix is not None:
+        mark_fim()
     best_of = body.get_int("best_of", None, lo=1, hi=opts.n)
     if best_of is not None and best_of != opts.n:
         raise invalid("'best_of' must equal 'n' (server-side ranking is not supported)", "best_of")

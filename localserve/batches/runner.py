@@ -43,6 +43,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..config.settings import Settings
 from ..errors import DiskFullError, InvalidRequestError, NotFoundError, OverloadedError, QueueFullError, SwapPreemptedError
+from ..api.live import ORIGIN, Origin
 from ..api.openai import ApiEnv
 from .files import FileStorage, dumps, file_object, new_id
 from .jsonl import read_input
@@ -276,9 +277,15 @@ class BatchRunner:
         endpoint = batch["endpoint"]
         while queue:
             idx, custom_id, raw = queue.popleft()
+            live = self.env.metrics.live if self.env.metrics is not None else None
             while True:
+                # The dashboard shows the line's stream as batch traffic, timed from this attempt.
+                origin = Origin("batch", endpoint, tracker=live)
+                ORIGIN.set(origin)
                 try:
                     outcome = await run_line(raw, endpoint, self.env, pin.__call__)
+                    if live is not None:
+                        live.count(origin)
                     break
                 except SwapPreemptedError:
                     # Ended unanswered for a better-lane request's model: run it again now; it waits

@@ -6,7 +6,7 @@ const LANES = ["interactive", "default", "batch"];
 const HISTORY = 300; // chart points: five minutes at one snapshot a second
 const KEY_ITEM = "localserve-api-key";
 const $ = (sel) => document.querySelector(sel);
-const app = { key: sessionStorage.getItem(KEY_ITEM), history: {}, chat: [], abort: null, pullSeen: [], batchSeen: {}, last: null };
+const app = { key: sessionStorage.getItem(KEY_ITEM), history: {}, chat: [], abort: null, pullSeen: [], batchSeen: {}, last: null, laneTokens: null, share: null };
 window.__dashboard = app; // tests and curious users read the last snapshot and the pull and batch progress here
 const keyRequired = $('meta[name="localserve-key-required"]').content === "1";
 
@@ -76,50 +76,136 @@ function showTab() {
 window.addEventListener("hashchange", showTab);
 
 // --- live scheduler view -----------------------------------------------------------------------
+const LANE_COLORS = { interactive: "#1a7f37", default: "#1f6feb", batch: "#8250df" };
+const FIGURE_NAMES = { ttft: "TTFT", itl: "ITL", queue: "queue wait", step: "step time" };
+const WINDOWS = ["1m", "15m"];
+const QS = ["p50", "p95", "p99"];
+
 function card(name) {
   let c = document.querySelector(`.card[data-model="${CSS.escape(name)}"]`);
   if (c) return c;
   const fig = (field, label) => el("div", { class: "figure" }, el("b", { "data-field": field }, "–"), label);
   const chart = (field, label) => el("div", { class: "chart" }, el("canvas", { "data-chart": field }), el("span", {}, label));
+  const head = (...names) => el("thead", {}, el("tr", {}, ...names.map((n) => el("th", {}, n))));
   c = el("div", { class: "card", "data-model": name }, el("h3", {}, name),
     el("div", { class: "figures" },
       fig("tps", "tok/s (decode)"), fig("prompt_tps", "tok/s (prompt)"), fig("running", "running"), fig("kv", "KV cells used"),
       ...LANES.map((lane) => fig("lane-" + lane, "queued: " + lane)),
-      fig("hit", "prefix-cache hits"), fig("ttft", "TTFT p50 / p95"), fig("itl", "ITL p50 / p95"), fig("steps", "steps")),
+      fig("hit", "prefix-cache hits"), fig("ttft", "TTFT p50 / p95 (1 min)"), fig("itl", "ITL p50 / p95 (1 min)"), fig("steps", "steps")),
+    el("div", { class: "kvbar", title: "KV cells: running sequences, parked prefix cache, free" },
+      el("span", { class: "kv-running" }), el("span", { class: "kv-parked" }), el("span", { class: "kv-free" })),
+    el("div", { class: "muted kvtext", "data-field": "kvsplit" }, ""),
     el("div", { class: "charts" },
       chart("tokens", "tok/s: decode (blue), prompt (orange)"), chart("queue", "running (blue), queued (red)"),
-      chart("kv", "KV cells used"), chart("hit", "prefix-cache hit rate")));
+      chart("mix", "step rows/s: decode (blue), prompt (orange); interrupted steps (red)"), chart("hit", "prefix-cache hit rate")),
+    el("h4", {}, "Latency, exact over the last minute and 15 minutes"),
+    el("table", { class: "latency" }, head("", "lane", ...WINDOWS.flatMap((w) => [...QS.map((q) => `${w} ${q}`), `${w} n`])), el("tbody")),
+    el("h4", {}, "Requests in the batch"),
+    el("table", { class: "seqs" }, head("lane", "client", "prompt", "generated", "cached", "age", "state", ""), el("tbody")),
+    el("p", { class: "muted no-seqs" }, "Nothing running."));
   $("#model-cards").append(c);
   return c;
 }
 
 function push(list, value) { list.push(value); if (list.length > HISTORY) list.shift(); }
 
+function latencyRows(latency) {
+  const rows = [];
+  for (const figure of Object.keys(FIGURE_NAMES)) {
+    const windows = latency[figure];
+    // A lane's row once it has samples; "all" always (step time has no lane: a step serves every lane).
+    const lanes = ["all", ...LANES.filter((lane) => windows["15m"][lane].n > 0 || windows["1m"][lane].n > 0)];
+    for (const lane of lanes) {
+      const cells = WINDOWS.flatMap((w) => [...QS.map((q) => el("td", { "data-lat": `${figure}.${w}.${lane}.${q}` }, ms(windows[w][lane][q]))),
+        el("td", { "data-lat": `${figure}.${w}.${lane}.n` }, String(windows[w][lane].n))]);
+      rows.push(el("tr", {}, el("th", {}, lane === "all" ? FIGURE_NAMES[figure] : ""), el("td", {}, laneTag(lane)), ...cells));
+    }
+  }
+  return rows;
+}
+
+function laneTag(lane) {
+  return el("span", { class: "lane" }, el("i", { "data-lane": lane }), lane);
+}
+
+function sequenceRow(m, r) {
+  const prompt = el("td", {}, el("progress", { max: String(r.prompt_tokens || 1), value: String(r.prompt_done) }),
+    ` ${r.prompt_done} / ${r.prompt_tokens}`);
+  return el("tr", { "data-request": r.id, "data-state": r.state, "data-generated": String(r.generated) },
+    el("td", {}, laneTag(r.lane)), el("td", {}, `${r.dialect} ${r.route}`), prompt,
+    el("td", { class: "num" }, String(r.generated)), el("td", { class: "num" }, String(r.cached)),
+    el("td", { class: "num" }, r.age_s.toFixed(1) + " s"), el("td", { class: "state" }, r.state),
+    el("td", {}, el("button", { class: "cancel", onclick: () => cancelRequest(r.id) }, "Cancel")));
+}
+
+async function cancelRequest(id) {
+  const response = await api(`/api/dashboard/requests/${encodeURIComponent(id)}/cancel`, { method: "POST" });
+  // 404: it finished meanwhile; the next snapshot drops its row.
+  if (!response.ok && response.status !== 404) alert(await errorText(response));
+}
+
 function onSnapshot(snap) {
   app.last = snap;
+  $("#summary").textContent = snap.summary;
   const names = new Set(snap.models.filter((m) => m.state === "loaded").map((m) => m.name));
   for (const c of document.querySelectorAll(".card")) if (!names.has(c.dataset.model)) c.remove();
   $("#no-models").hidden = names.size > 0;
   for (const m of snap.models) {
     if (m.state !== "loaded") continue;
-    const h = app.history[m.name] || (app.history[m.name] = { tps: [], ptps: [], running: [], queued: [], kv: [], hit: [] });
+    const h = app.history[m.name] || (app.history[m.name] = { tps: [], ptps: [], running: [], queued: [], hit: [], decode: [], prompt: [], interrupted: [] });
     const queued = LANES.reduce((sum, lane) => sum + (m.waiting[lane] || 0), 0);
     push(h.tps, m.tokens_per_s); push(h.ptps, m.prompt_tokens_per_s); push(h.running, m.running);
-    push(h.queued, queued); push(h.kv, m.kv_used); push(h.hit, m.prefix_cache_hit_rate);
+    push(h.queued, queued); push(h.hit, m.prefix_cache_hit_rate);
+    const mix = m.step_mix || { seconds: 0 };
+    if (mix.seconds > 0) {
+      push(h.decode, mix.decode_rows / mix.seconds); push(h.prompt, mix.prompt_rows / mix.seconds);
+      push(h.interrupted, mix.interrupted / mix.seconds);
+    }
     const c = card(m.name);
     const set = (field, text) => { c.querySelector(`[data-field="${field}"]`).textContent = text; };
     set("tps", m.tokens_per_s.toFixed(1)); set("prompt_tps", m.prompt_tokens_per_s.toFixed(1));
     set("running", `${m.running} / ${m.max_sequences}`); set("kv", `${m.kv_used} / ${m.kv_total}`);
     for (const lane of LANES) set("lane-" + lane, String(m.waiting[lane] || 0));
     set("hit", (100 * m.prefix_cache_hit_rate).toFixed(0) + " %"); set("steps", String(m.steps));
-    set("ttft", `${ms(m.ttft_s.p50)} / ${ms(m.ttft_s.p95)}`); set("itl", `${ms(m.itl_s.p50)} / ${ms(m.itl_s.p95)}`);
+    const now = m.latency.ttft["1m"].all, itl = m.latency.itl["1m"].all;
+    const pair = (f) => (f.n ? `${ms(f.p50).replace(" ms", "")} / ${ms(f.p95)}` : "– / –");
+    set("ttft", pair(now)); set("itl", pair(itl));
+    if (m.kv) {
+      const part = (n) => (m.kv.total ? (100 * n) / m.kv.total : 0) + "%";
+      c.querySelector(".kv-running").style.width = part(m.kv.running);
+      c.querySelector(".kv-parked").style.width = part(m.kv.parked);
+      c.querySelector(".kv-free").style.width = part(m.kv.free);
+      set("kvsplit", `KV cells: ${m.kv.running} running, ${m.kv.parked} parked prefix cache, ${m.kv.free} free of ${m.kv.total}`);
+    }
+    c.querySelector(".latency tbody").replaceChildren(...latencyRows(m.latency));
+    const seqs = m.sequences || [];
+    c.querySelector(".seqs tbody").replaceChildren(...seqs.map((r) => sequenceRow(m, r)));
+    c.querySelector(".no-seqs").hidden = seqs.length > 0;
     const draw = (name, series) => Charts.draw(c.querySelector(`[data-chart="${name}"]`), series);
     draw("tokens", [{ values: h.tps, color: "#1f6feb" }, { values: h.ptps, color: "#e16f24" }]);
     draw("queue", [{ values: h.running, color: "#1f6feb" }, { values: h.queued, color: "#cf222e" }]);
-    draw("kv", [{ values: h.kv, color: "#8250df" }]);
+    Charts.stacked(c.querySelector('[data-chart="mix"]'), [{ values: h.decode, color: "#1f6feb" }, { values: h.prompt, color: "#e16f24" }],
+      { values: h.interrupted, color: "#cf222e" });
     draw("hit", [{ values: h.hit, color: "#1a7f37" }]);
   }
+  renderTraffic(snap);
   renderLoaded(snap.models);
+}
+
+// Where traffic comes from: requests per dialect and route, and each lane's share of the tokens
+// processed in each second.
+function renderTraffic(snap) {
+  $("#traffic tbody").replaceChildren(...snap.traffic.map((t) => el("tr", { "data-route": t.route, "data-dialect": t.dialect },
+    el("td", {}, t.dialect), el("td", {}, el("code", {}, t.route)), el("td", { class: "num" }, String(t.requests)))));
+  $("#no-traffic").hidden = snap.traffic.length > 0;
+  const previous = app.laneTokens;
+  app.laneTokens = snap.lane_tokens;
+  if (!previous) return;
+  const share = app.share || (app.share = Object.fromEntries(LANES.map((lane) => [lane, []])));
+  const deltas = LANES.map((lane) => Math.max(0, snap.lane_tokens[lane] - previous[lane]));
+  const total = deltas.reduce((a, b) => a + b, 0);
+  LANES.forEach((lane, i) => push(share[lane], total ? deltas[i] / total : 0));
+  Charts.stacked($('#lane-share'), LANES.map((lane) => ({ values: share[lane], color: LANE_COLORS[lane] })));
 }
 
 async function streamStats() {

@@ -119,6 +119,10 @@ class ModelManager:
         finally:
             self._release(lease, keep_alive)
 
+    def engines(self) -> dict[str, ModelEngine]:
+        """The loaded models' engines by name (the dashboard reads their live views, engine/live.py)."""
+        return {m.name: m.engine for m in self._loaded.values()}
+
     def status(self) -> list[dict[str, Any]]:
         now = time.time()
         waiting = {row["name"]: row for row in self._queues.rows()}

@@ -26,11 +26,12 @@ from . import (anthropic_routes, batch_routes, dashboard_routes, llamacpp_routes
                responses_routes)
 from .body import body_limits_middleware
 from .errors import error_middleware
+from ..api.dashboard_feed import DashboardFeed
 from .metrics import handle_metrics, metrics_middleware
 from ..api.metrics import Metrics, UpstreamCollector
 from .security import WILDCARD_HOSTS, add_cors_headers, security_middleware
 from .sse import sse_pinger_middleware
-from .state import MANAGER_KEY, METRICS_KEY, SETTINGS_KEY, STARTED_KEY, STORE_KEY
+from .state import FEED_KEY, MANAGER_KEY, METRICS_KEY, SETTINGS_KEY, STARTED_KEY, STORE_KEY
 
 if TYPE_CHECKING:
     from ..runtime.manager import ModelManager
@@ -73,6 +74,7 @@ def create_app(settings: Settings, manager: "ModelManager") -> web.Application:
     app[STORE_KEY] = ModelStore(settings)
     app[METRICS_KEY] = metrics
     app[STARTED_KEY] = time.time()
+    app[FEED_KEY] = DashboardFeed(manager, metrics)  # the dashboard's one snapshot a second
     app.on_response_prepare.append(add_cors_headers)
     app.router.add_get("/health", health)
     app.router.add_get("/metrics", handle_metrics)

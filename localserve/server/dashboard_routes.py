@@ -4,14 +4,16 @@
   running" for everything else, since Ollama clients probe `/` to see whether a server is up.
 - `GET /dashboard/{file}`: the page's own files, from the package (a fixed list: no path from the
   request ever reaches the filesystem).
-- `GET /api/dashboard/state[?model=NAME]`: one snapshot (the tray polls it);
-  `GET /api/dashboard/stats[?model=NAME]`: the same snapshot as server-sent events, once a second.
+- `GET /api/dashboard/state[?model=NAME]`: one snapshot, made now (the tray polls it);
+  `GET /api/dashboard/stats[?model=NAME]`: the shared snapshot as server-sent events, once a second.
   A model that is not installed is a 404.
+- `POST /api/dashboard/requests/{id}/cancel`: end that request's stream (the page's row button).
 - `GET /api/dashboard/hardware`: what `localserve hw` reports and where each installed model runs.
 
-Snapshots come from ModelManager.status() (each engine's stats() copy: counters read without locks
-on the event loop) and the metrics histograms, never from backend internals, so a connected
-dashboard costs the engine thread nothing. Each stream writes one event and waits for it to drain
+Snapshots come from api/dashboard_feed.py: ModelManager.status() (each engine's stats() copy), the
+exact latency rings and the requests in flight (api/live.py), read without locks on the event loop
+and computed once a second however many pages are open, so a connected dashboard costs the engine
+thread nothing. Each stream writes one event and waits for it to drain
 before the next, so a client that stops reading holds at most one event; guard_disconnect drops it
 after stream_write_timeout.
 """
@@ -20,17 +22,16 @@ from __future__ import annotations
 
 import asyncio
 import json
-import time
 from importlib import resources
 from typing import Any
 
 from aiohttp import web
 
-from ..protocol.requests import LANES
+from ..errors import NotFoundError
 from .disconnect import guard_disconnect
 from ..api.errors import ClientGone
 from .pull_routes import PULLS_KEY
-from .state import MANAGER_KEY, METRICS_KEY, SETTINGS_KEY, STORE_KEY
+from .state import FEED_KEY, METRICS_KEY, SETTINGS_KEY, STORE_KEY
 
 routes = web.RouteTableDef()
 
@@ -102,47 +103,14 @@ async def asset(request: web.Request) -> web.Response:
     return web.Response(body=_asset(name), content_type=ASSETS[name], headers=PAGE_HEADERS)
 
 
-def percentiles(histogram: Any, model: str, qs: tuple[float, ...] = (0.5, 0.95)) -> dict[str, float | None]:
-    """Percentiles (bucket upper bounds) of one model's prometheus histogram since the start."""
-    buckets: list[tuple[float, float]] = []
-    for metric in histogram.collect():
-        for sample in metric.samples:
-            if sample.name.endswith("_bucket") and sample.labels.get("model") == model:
-                buckets.append((float(sample.labels["le"]), sample.value))
-    buckets.sort()
-    total = buckets[-1][1] if buckets else 0.0
-    out: dict[str, float | None] = {}
-    for q in qs:
-        key = f"p{round(q * 100)}"
-        out[key] = next((le for le, count in buckets if count >= q * total), None) if total else None
-    return out
-
-
-def snapshot(app: web.Application, only: str | None = None) -> dict[str, Any]:
-    metrics = app[METRICS_KEY]
-    models = []
-    for row in app[MANAGER_KEY].status():
-        if only is not None and row["name"] != only:
-            continue
-        stats = row.get("stats") or {}
-        waiting = stats.get("waiting") or row.get("waiting") or {}
-        models.append({
-            "name": row["name"], "state": row.get("state", "loaded"),
-            "memory_bytes": row.get("memory_bytes", 0), "device": row.get("device"),
-            "expires_in": row.get("expires_in"), "pinned": row.get("pinned", 0),
-            # Requests waiting for it to load (or to admit them again) and why: which model must drain.
-            "waiting_for_load": row.get("waiting_for_load", 0), "reason": row.get("reason", ""),
-            "running": stats.get("running", 0), "waiting": {lane: waiting.get(lane, 0) for lane in LANES},
-            "max_sequences": stats.get("max_sequences", 0),
-            "kv_used": stats.get("kv_used", 0), "kv_total": stats.get("kv_total", 0),
-            "tokens_per_s": stats.get("tokens_per_s", 0.0),
-            "prompt_tokens_per_s": stats.get("prompt_tokens_per_s", 0.0),
-            "prefix_cache_hit_rate": stats.get("prefix_cache_hit_rate", 0.0),
-            "steps": stats.get("steps", 0), "busy": stats.get("busy", False),
-            "ttft_s": percentiles(metrics.ttft, row["name"]), "itl_s": percentiles(metrics.itl, row["name"]),
-        })
+def snapshot(app: web.Application, only: str | None = None, fresh: bool = False) -> dict[str, Any]:
+    """The shared snapshot (api/dashboard_feed.py), narrowed to one model when asked; `fresh`: made
+    now, for a one-off read."""
     pulls = app[PULLS_KEY].active if PULLS_KEY in app else 0
-    return {"time": time.time(), "models": models, "pulls": pulls, "api_key": bool(app[SETTINGS_KEY].api_key)}
+    snap = app[FEED_KEY].snapshot(pulls, bool(app[SETTINGS_KEY].api_key), STATS_INTERVAL_S, fresh)
+    if only is not None:
+        snap = {**snap, "models": [m for m in snap["models"] if m["name"] == only]}
+    return snap
 
 
 async def _model_filter(request: web.Request) -> str | None:
@@ -155,7 +123,8 @@ async def _model_filter(request: web.Request) -> str | None:
 
 @routes.get("/api/dashboard/state")
 async def state(request: web.Request) -> web.Response:
-    return web.json_response(snapshot(request.app, await _model_filter(request)))
+    # Made now: the tray reads it right after a click (unload) and must see the result.
+    return web.json_response(snapshot(request.app, await _model_filter(request), fresh=True))
 
 
 @routes.get("/api/dashboard/stats")
@@ -175,6 +144,17 @@ async def stats(request: web.Request) -> web.StreamResponse:
     except (ClientGone, ConnectionResetError):
         pass
     return response
+
+
+@routes.post("/api/dashboard/requests/{request_id}/cancel")
+async def cancel(request: web.Request) -> web.Response:
+    """End one running request's stream, as its client leaving would: the engine drops it at its
+    next step and the stream ends in its dialect's way (an OpenAI error frame with code
+    request_cancelled, Anthropic's error event, Ollama's error line, a failed batch line)."""
+    request_id = request.match_info["request_id"]
+    if not request.app[METRICS_KEY].live.cancel(request_id):
+        raise NotFoundError(f"no request {request_id[:64]!r} is running")
+    return web.json_response({"cancelled": request_id})
 
 
 @routes.get("/api/dashboard/hardware")

@@ -8,6 +8,7 @@ import time
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST
 
+from ..api.live import ORIGIN, origin_for
 from ..api.metrics import Metrics
 from .errors import Handler
 from .state import METRICS_KEY
@@ -20,6 +21,10 @@ def metrics_middleware(metrics: Metrics):
         start = time.perf_counter()
         metrics.in_flight.inc()
         status = 500
+        # Who asked, for the dashboard: generation() lists the streams under it, the latency rings
+        # time TTFT from here, and the request counts once per dialect and route when answered.
+        origin = origin_for(route, metrics.live)
+        token = ORIGIN.set(origin)
         try:
             response = await handler(request)
             status = response.status
@@ -28,6 +33,9 @@ def metrics_middleware(metrics: Metrics):
             status = e.status
             raise
         finally:
+            ORIGIN.reset(token)
+            if origin is not None:
+                metrics.live.count(origin)
             metrics.in_flight.dec()
             metrics.requests.labels(route, str(status)).inc()
             metrics.duration.labels(route).observe(time.perf_counter() - start)

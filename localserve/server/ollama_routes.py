@@ -22,6 +22,7 @@ from ..protocol.engine import EventStream, ModelEngine
 from ..errors import LocalserveError
 from ..protocol.requests import GenerationEvent, GenerationRequest, Usage
 from ..api.errors import ClientGone, json_dumps, safe_message
+from ..api.live import mark_fim
 from ..api.generation import Clock, chat_template, check_tokens, collect, embed_texts, generation, is_token_list, merge, raise_if_failed, tokenize_async
 from .disconnect import guard_disconnect
 from .ndjson import open_ndjson, send_line
@@ -103,6 +104,8 @@ async def generate(request: web.Request) -> web.StreamResponse:
         return await load_only(request, model, keep_alive, {"response": ""})
     if suffix is not None and context:
         raise invalid("'suffix' (fill-in-the-middle) cannot continue a 'context'", "suffix")
+    if suffix is not None:
+        mark_fim()
     if context and not is_token_list(context):
         raise invalid("'context' must be an array of token ids", "context")
     # Bad options fail before any model load; the lane is also the one a wait for the load takes.

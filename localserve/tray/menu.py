@@ -40,6 +40,7 @@ def build_menu(state: DaemonState) -> tuple[Item, ...]:
              enabled=up),
         Item("Pull a model…", "open", "/#pull", enabled=up),
         Item(queue_line(state) if up else "Server stopped", enabled=False),
+        *([Item(state.summary, enabled=False)] if up and state.summary else []),
         SEPARATOR,
         Item("Copy API endpoint", "copy_endpoint"),
     ]

@@ -27,6 +27,8 @@ class DaemonState:
     autostart: bool = False
     pulls: int = 0
     error: str | None = None
+    # The daemon's own one-line state (models loaded, requests running per lane), as the dashboard's header shows it.
+    summary: str = ""
 
 
 def from_snapshot(url: str, snapshot: dict[str, Any], tags: dict[str, Any], autostart: bool) -> DaemonState:
@@ -42,6 +44,7 @@ def from_snapshot(url: str, snapshot: dict[str, Any], tags: dict[str, Any], auto
         loaded=tuple(m["name"] for m in models), queued=queued,
         tokens_per_s=round(sum(float(m.get("tokens_per_s", 0.0)) for m in models), 1),
         api_key_set=bool(snapshot.get("api_key")), autostart=autostart, pulls=pulls,
+        summary=str(snapshot.get("summary", ""))[:120],
     )
 
 
