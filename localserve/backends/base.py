@@ -48,7 +48,8 @@ class Capabilities:
     prefix_sharing: PrefixSharing
     # True: sequences are computed in one pass only when their ids are consecutive (llama.cpp's
     # splitter with per-sequence streams), so the scheduler keeps the running ones on a block of
-    # consecutive ids and moves stragglers in with kv_move (batching/kvpool.py).
+    # consecutive ids and moves stragglers in with kv_move (batching/kvpool.py); the same splitter
+    # makes batch rows beside a prompt chunk cost it micro-batches, so they sit that step out.
     consecutive_ids: bool
     # The backend computes a decode in micro-batches of this many tokens (max_batch_tokens: one).
     micro_batch: int
@@ -117,6 +118,14 @@ class Sampler(ABC):
 
     def close(self) -> None:
         """Release native resources; idempotent."""
+
+
+def declared_capabilities(backend: "Backend") -> Capabilities:
+    """The backend's Capabilities, checked: what the scheduler is built from (engine/local.py)."""
+    caps = backend.capabilities
+    if not isinstance(caps, Capabilities):
+        raise TypeError(f"{type(backend).__name__}.capabilities must be a Capabilities, not {type(caps).__name__}")
+    return caps
 
 
 class Backend(ABC):
