@@ -4,9 +4,14 @@ default; tests/test_scheduler_backends.py runs the same harness over llama.cpp a
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
+import sys
 from dataclasses import dataclass, field
+from typing import Iterator
 
-from localserve.backends.base import Backend
+from localserve.backends.base import Backend, declared_capabilities
+from localserve.batching.kv_ops import KVCopy, KVMove, KVOp, KVRemove
 from localserve.batching.limits import EngineLimits
 from localserve.protocol.requests import GenerationRequest, SamplingParams
 from localserve.batching.scheduler import Scheduler
@@ -46,6 +51,45 @@ def live_seq_ids(backend: Backend) -> set[int]:
     return {i for i in range(backend.capabilities.max_seqs) if backend.kv_pos_max(i) >= 0}
 
 
+_SPIED = ("decode", "kv_remove", "kv_copy", "kv_move")
+_OP_METHOD = {KVRemove: "kv_remove", KVCopy: "kv_copy", KVMove: "kv_move"}
+
+
+def as_call(op: KVOp) -> tuple[str, tuple]:
+    """The backend call an operation stands for, as backend_calls records it."""
+    return _OP_METHOD[type(op)], dataclasses.astuple(op)
+
+
+@contextlib.contextmanager
+def backend_calls(backend: Backend) -> Iterator[list[tuple[str, tuple, str]]]:
+    """Record the backend's decode and KV calls as (method, args, module of the caller), the
+    outermost only (a kv_move made of a copy and a remove is one move), while the block runs."""
+    calls: list[tuple[str, tuple, str]] = []
+    depth = 0
+
+    def spying(name: str):
+        real = getattr(backend, name)
+
+        def spy(*args, **kwargs):
+            nonlocal depth
+            if depth == 0:
+                calls.append((name, args, sys._getframe(1).f_globals.get("__name__", "?")))
+            depth += 1
+            try:
+                return real(*args, **kwargs)
+            finally:
+                depth -= 1
+        return spy
+
+    for name in _SPIED:
+        setattr(backend, name, spying(name))
+    try:
+        yield calls
+    finally:
+        for name in _SPIED:
+            delattr(backend, name)
+
+
 class Harness:
     def __init__(self, backend: Backend | None = None, foreign: frozenset[int] = frozenset(), **limits):
         """`foreign`: sequence ids a test fills behind the scheduler's back (cells the scheduler
@@ -57,8 +101,9 @@ class Harness:
                         n_ctx_seq=caps.kv_cells_per_seq, queue_size=1000)
         defaults.update(limits)
         self.limits = EngineLimits(**defaults)
-        self.sched = Scheduler(self.backend, self.limits)
+        self.sched = Scheduler(declared_capabilities(self.backend), self.limits)
         self.results: dict[str, Result] = {}
+        self.flushed: list[KVOp] = []  # the KV operations the last step's postprocess recorded
 
     def foreign_cells(self) -> int:
         return sum(self.backend.kv_pos_max(i) + 1 for i in self.foreign)
@@ -83,8 +128,11 @@ class Harness:
         ids = sorted(q.seq_id for q in s.running)
         if ids and s.caps.consecutive_ids:
             assert ids == list(range(ids[0], ids[0] + len(ids))), ids
-        if plan.batch:
-            s.postprocess(plan, step.run(s.backend, plan))
+        s.postprocess(plan, step.run(self.backend, plan))
+        # What postprocess released goes to the backend with the next plan in the engine; applied
+        # now, the cache can be checked against the books after every step.
+        self.flushed = s.take_kv_ops()
+        step.apply_kv_ops(self.backend, self.flushed)
         for seq in self.sched.updates:
             event = seq.take_event()
             if event is None:
@@ -133,6 +181,7 @@ class Harness:
         for r in self.results.values():
             assert r.finishes == 1, (r.seq.request_id, r.finishes)
         self.sched.cache.clear()
+        step.apply_kv_ops(self.backend, self.sched.take_kv_ops())
         assert self.sched.pool.used == 0 and used_cells(self.backend) == self.foreign_cells()
         assert self.sched.pool.free_ids == self.backend.capabilities.max_seqs
         assert not live_seq_ids(self.backend) - self.foreign

@@ -8,7 +8,7 @@ import random
 import pytest
 
 from fake_backend import FakeBackend
-from localserve.backends.base import Backend, Capabilities
+from localserve.backends.base import Backend, Capabilities, declared_capabilities
 from localserve.batching.limits import EngineLimits
 from localserve.batching.scheduler import Scheduler
 from scheduler_harness import Harness, alone
@@ -39,7 +39,9 @@ def test_the_scheduler_refuses_capabilities_that_are_not_a_capabilities_object()
     # llama.cpp-shaped members in a dict are not a declaration the scheduler plans by.
     backend = _backend_class(capabilities={"n_batch": 64, "n_ubatch": 64, "kv_unified": True})()
     with pytest.raises(TypeError, match="Partial.capabilities must be a Capabilities, not dict"):
-        Scheduler(backend, _LIMITS)
+        Scheduler(declared_capabilities(backend), _LIMITS)
+    with pytest.raises(TypeError, match="the scheduler plans by a Capabilities, not dict"):
+        Scheduler(backend.capabilities, _LIMITS)
 
 
 @pytest.mark.parametrize("bad, message", [

@@ -22,7 +22,8 @@ from localserve.batching.limits import EngineLimits
 from localserve.engine.local import Engine
 from localserve.protocol.engine import EngineStats, EventStream, ModelEngine, ModelInfo
 from localserve.errors import ContextLengthExceededError, InvalidRequestError
-from localserve.protocol.requests import LANES, GenerationEvent, GenerationRequest, Usage
+from localserve.protocol.requests import LANES, GenerationEvent, GenerationRequest, SamplingParams, Usage
+from scheduler_harness import backend_calls
 from server_harness import MODEL, LiveServer, install_model, server_settings
 
 # The last message's content is the whole prompt, so the echo is predictable.
@@ -150,6 +151,39 @@ def test_both_engines_satisfy_the_protocol():
     engine = Engine(FakeBackend(n_ctx=256, n_batch=64), EngineLimits(max_sequences=4, batch_tokens=64, n_ctx=256, n_ctx_seq=256))
     assert isinstance(engine, ModelEngine) and isinstance(EchoEngine("x"), ModelEngine)
     assert engine.detokenize(engine.tokenize("abc", add_special=False)) == "abc"
+
+
+async def test_the_local_engine_reaches_its_backend_only_through_the_step():
+    """Behind the protocol, our engine's scheduler plans KV operations as data (a prefix copy, a
+    parked entry moved out of the running ids) and its thread calls the backend's decode and KV
+    methods only from engine/step.py; by the time a request's last event arrives, the cells it gave
+    back are gone from the cache too (not at some later step), so an idle engine's cache holds
+    what its books say. (The OGA and upstream engines have no Backend or plan: the tests above
+    serve them.)"""
+    system = [3, 4, 5, 6] * 10
+    for prefix_cache in (True, False):
+        backend = FakeBackend(n_ctx=1024, n_batch=64, n_seq_max=8, step_time=0.001)
+        engine = Engine(backend, EngineLimits(max_sequences=2, batch_tokens=64, n_ctx=1024, n_ctx_seq=1024,
+                                              prefix_cache=prefix_cache))
+        with backend_calls(backend) as calls:
+            engine.start()
+            try:
+                streams = [await engine.generate(GenerationRequest(prompt_tokens=system + [7 + i, 8], max_tokens=8,
+                                                                   sampling=SamplingParams(temperature=0)))
+                           for i in range(4)]
+                last = [[event async for event in stream][-1] for stream in streams]
+                kv_used, cells = engine.stats().kv_used, backend.used_cells
+            finally:
+                engine.shutdown()
+        assert [e.finish_reason for e in last] == ["length"] * 4
+        assert {caller for *_, caller in calls} == {"localserve.engine.step"}
+        names = {name for name, *_ in calls}
+        if prefix_cache:  # finished requests parked: the later ones copy the system prompt
+            assert sum(e.usage.cached_tokens for e in last) > 0 and {"decode", "kv_copy", "kv_move"} <= names
+            assert cells == kv_used > 0
+        else:  # each finished request's cells were removed before its last event was sent
+            assert "kv_copy" not in names and "kv_remove" in names
+            assert cells == kv_used == 0
 
 
 def test_bad_sampling_fields_are_refused_before_any_load(echo):

@@ -165,3 +165,38 @@ def test_exactness_is_a_setting():
 def test_unknown_kv_settings_are_a_config_error(name, value):
     with pytest.raises(ConfigError, match=name):
         _auto(SMOLLM2, 24, 2, Settings(**{name: value}))
+
+
+# --- each backend sizes its own cache (Backend.plan_kv) --------------------------------------------
+def test_llamacpp_rules_are_the_llamacpp_backends_own():
+    from localserve.backends.llamacpp.backend import LlamaCppBackend
+
+    # What a load is sized by when the caller names no backend is llama.cpp's plan, rule for rule.
+    for settings in (Settings(), UNIFIED, Settings(kv_layout="streams"), Settings(kv_cache_type="f16"),
+                     Settings(kv_layout="streams", max_sequences=200, prefix_cache=False)):
+        for facts, ram_gib, cores in ((LLAMA_8B, 16, 8), (SMOLLM2, 24, 2), (QWEN_1_5B, 8, 4)):
+            kw = dict(n_ctx_train=facts.context_length, model_bytes=facts.weights_bytes,
+                      kv_bytes_per_token=kv_cache_bytes(facts, 1), cores=cores, ram_bytes=ram_gib * GIB)
+            assert (EngineLimits.from_settings(settings, plan_kv=LlamaCppBackend.plan_kv, **kw)
+                    == EngineLimits.from_settings(settings, **kw))
+
+
+def test_a_backend_without_layout_rules_gets_one_unpadded_pool():
+    from localserve.backends.base import Backend
+
+    # The base rule: one shared pool for every running request at full length, within the budget;
+    # no 256-cell padding, no q8_0 switch, no cap at llama.cpp's 128 running ids.
+    settings = Settings(context_length=1000, max_sequences=200, batch_tokens=512)
+    plain = EngineLimits.from_settings(settings, n_ctx_train=8192, model_bytes=0, kv_bytes_per_token=1000,
+                                       cores=2, ram_bytes=64 * GIB, plan_kv=Backend.plan_kv)
+    assert plain.kv_unified and plain.kv_type == "f16" and not plain.flash_attention
+    assert plain.max_sequences == 200 and plain.n_seq_max == 400
+    assert plain.n_ctx == 200 * 1000 and plain.n_ctx_seq == 1000
+    llama = EngineLimits.from_settings(settings, n_ctx_train=8192, model_bytes=0, kv_bytes_per_token=1000,
+                                       cores=2, ram_bytes=64 * GIB)
+    assert llama.max_sequences == 128 and llama.n_seq_max == 256 and llama.n_ctx % 256 == 0
+    # Tight memory: the budget's cells exactly, never below one request's context.
+    tight = EngineLimits.from_settings(Settings(context_length=1000, max_sequences=4), n_ctx_train=8192,
+                                       model_bytes=0, kv_bytes_per_token=1000, cores=2, ram_bytes=10_000_000,
+                                       plan_kv=Backend.plan_kv)
+    assert tight.n_ctx == 2500 and tight.max_sequences == 4

@@ -426,7 +426,7 @@ def test_per_sequence_streams_copy_prefixes_and_cap_each_sequence():
 
 
 def test_kv_pool_block_is_the_cheapest_consecutive_window():
-    pool = KVPool(FakeBackend(n_ctx=4096, n_seq_max=16), 4096, 16, n_running=8)
+    pool = KVPool(FakeBackend(n_ctx=4096, n_seq_max=16).capabilities, 4096, 16, n_running=8)
     assert pool.block([3, 4, 5], [0, 1]) == range(3, 6)  # already consecutive: nothing moves
     assert pool.block([0, 1, 5], [2]) == range(0, 3)  # one move in, one parked entry out
     assert pool.block([0, 6, 7], [1, 2, 3, 4]) == range(5, 8)  # one move, no entry disturbed

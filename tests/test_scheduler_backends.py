@@ -16,9 +16,10 @@ import pytest
 
 from fake_backend import FakeBackend
 from localserve.backends.base import Backend, BatchToken
+from localserve.batching.kv_ops import KVCopy, KVMove
 from localserve.batching.prefix_cache import common_prefix
 from onnx_helpers import smollm2_onnx  # noqa: F401  (a fixture)
-from scheduler_harness import Harness, used_cells
+from scheduler_harness import Harness, as_call, backend_calls, used_cells
 
 N_CTX = 512  # KV cells of the shared pools (fake, ONNX)
 N_SEQ = 8
@@ -100,6 +101,31 @@ def test_shared_prefix_is_served_from_the_cache_with_the_uncached_answer(backend
     assert second.usage.cached_tokens == shared and h.sched.cache.hits == shared
     h.assert_drained()
     assert second.tokens == alone(backend, second_prompt, 8)
+
+
+def test_only_the_engine_step_calls_the_backend_and_it_applies_what_the_plans_say(backend):
+    # Four requests with one system prompt, two at a time: prefix copies, finished requests parked
+    # on running ids and moved out of the way for the next, the cache cleared at the end.
+    prompts = [tokens(backend, PREFIX * 2 + q) for q in QUESTIONS[:4]]
+    h = Harness(backend, max_sequences=2)
+    kinds = set()
+    with backend_calls(backend) as calls:
+        results = [h.submit(p, max_tokens=6, ignore_eos=True) for p in prompts]
+        while h.sched.has_work():
+            before = len(calls)
+            plan = h.step()
+            made = calls[before:]
+            # Planning and postprocess never reach the backend: everything came from engine/step.py...
+            assert {caller for *_, caller in made} <= {"localserve.engine.step"}, made
+            # ...and it did the plan's KV operations (then what postprocess released), in order.
+            ops = plan.kv_ops + h.flushed
+            assert [(name, args) for name, args, _ in made if name != "decode"] == list(map(as_call, ops))
+            assert sum(name == "decode" for name, *_ in made) == (1 if plan.batch else 0)
+            kinds.update(type(op) for op in ops)
+        h.assert_drained()  # clearing the cache is removes too, applied by the same function
+    assert {caller for *_, caller in calls} == {"localserve.engine.step"}
+    assert {KVCopy, KVMove} <= kinds and any(name == "kv_remove" for name, *_ in calls)
+    assert all(r.finish_reason == "length" for r in results) and results[3].usage.cached_tokens > 0
 
 
 def test_preempted_requests_are_refed_and_answer_as_alone(backend):

@@ -8,10 +8,15 @@ because backends (llama.cpp) keep the logits of the last call only.
 Everything the scheduler must know about a backend's limits and rules is declared in its
 `Capabilities` (docs/architecture.md, "The Backend contract"): the scheduler reads that object and
 no other member, so a second backend states its own rules instead of inheriting llama.cpp's.
+
+Before a load, a backend class also sizes its own cache: `Backend.plan_kv` turns the engine's
+backend-neutral demand (`KVRequest`, batching/limits.py) into how its context is made (`KVSizing`),
+so llama.cpp's layout, padding and id rules live with llama.cpp (backends/llamacpp/sizing.py).
 """
 
 from __future__ import annotations
 
+import math
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Generator, Literal, Sequence
@@ -31,6 +36,47 @@ class DecodeInterrupted(BackendError):
     was kept, and the scheduler plans the step again (with whatever arrived meanwhile)."""
 
 
+# Bytes per K/V element of the cache types a KV request may name (q8_0: blocks of 32 values in 34
+# bytes); runtime/memory.KV_BYTES has these and the types no request names.
+KV_ELEMENT_BYTES = {"f16": 2.0, "q8_0": 34 / 32}
+
+
+def seq_ids_for(max_sequences: int, prefix_cache: bool) -> int:
+    """Sequence ids an engine of `max_sequences` needs: the running ones plus, with the prefix
+    cache, as many parked entries (a finished request's KV stays resident under its own id)."""
+    return max_sequences * (2 if prefix_cache else 1)
+
+
+@dataclass(frozen=True, slots=True)
+class KVRequest:
+    """What the engine wants of a backend's KV cache, before the backend's own rules."""
+
+    n_ctx_seq: int  # tokens one request may hold (prompt + answer)
+    max_sequences: int  # requests running at once (within the step budget already)
+    prefix_cache: bool  # parked prefix-cache entries need ids and cells of their own
+    kv_budget_bytes: int  # memory the cache may take
+    kv_bytes_per_token: int  # K+V of one token in f16
+    layout: str  # the kv_layout setting: "auto", "streams" or "unified"
+    kv_type: str  # the kv_cache_type setting: "auto", "f16" or "q8_0"
+    flash_attention: bool  # the flash_attention setting
+
+    @property
+    def seq_ids(self) -> int:
+        return seq_ids_for(self.max_sequences, self.prefix_cache)
+
+
+@dataclass(frozen=True, slots=True)
+class KVSizing:
+    """How a backend will make its context for a KVRequest (EngineLimits holds the same fields)."""
+
+    n_ctx: int  # KV cells of all sequences together
+    n_ctx_seq: int  # tokens one request may hold
+    max_sequences: int
+    kv_unified: bool  # one pool shared by every sequence (else a stream per sequence id)
+    kv_type: str  # "f16" or "q8_0"
+    flash_attention: bool
+
+
 PrefixSharing = Literal["share", "copy"]
 PREFIX_SHARING: tuple[PrefixSharing, ...] = ("share", "copy")
 
@@ -48,7 +94,8 @@ class Capabilities:
     prefix_sharing: PrefixSharing
     # True: sequences are computed in one pass only when their ids are consecutive (llama.cpp's
     # splitter with per-sequence streams), so the scheduler keeps the running ones on a block of
-    # consecutive ids and moves stragglers in with kv_move (batching/kvpool.py).
+    # consecutive ids and moves stragglers in with kv_move (batching/kvpool.py); the same splitter
+    # makes batch rows beside a prompt chunk cost it micro-batches, so they sit that step out.
     consecutive_ids: bool
     # The backend computes a decode in micro-batches of this many tokens (max_batch_tokens: one).
     micro_batch: int
@@ -119,6 +166,14 @@ class Sampler(ABC):
         """Release native resources; idempotent."""
 
 
+def declared_capabilities(backend: "Backend") -> Capabilities:
+    """The backend's Capabilities, checked: what the scheduler is built from (engine/local.py)."""
+    caps = backend.capabilities
+    if not isinstance(caps, Capabilities):
+        raise TypeError(f"{type(backend).__name__}.capabilities must be a Capabilities, not {type(caps).__name__}")
+    return caps
+
+
 class Backend(ABC):
     # llama.cpp reports no count of used cells, so the scheduler keeps the books from the declared
     # capabilities: one cell per token decoded for a sequence, cells shared through kv_copy count
@@ -130,6 +185,17 @@ class Backend(ABC):
     def capabilities(self) -> Capabilities:
         """The limits and rules the scheduler plans by. Abstract, so a backend that declares none
         cannot be instantiated rather than run under some other backend's defaults."""
+
+    @classmethod
+    def plan_kv(cls, want: KVRequest) -> KVSizing:
+        """Size this backend's cache for `want`, before a load. The rule of a backend with one
+        shared pool and no layout of its own: room for every running request at full length
+        within the budget, never less than one, cells as the budget gives them (no padding)."""
+        kv_type = "f16" if want.kv_type == "auto" else want.kv_type
+        cell_bytes = max(1, math.ceil(want.kv_bytes_per_token * KV_ELEMENT_BYTES[kv_type] / 2))
+        n_ctx = max(want.n_ctx_seq, min(want.max_sequences * want.n_ctx_seq, want.kv_budget_bytes // cell_bytes))
+        return KVSizing(n_ctx=n_ctx, n_ctx_seq=want.n_ctx_seq, max_sequences=want.max_sequences, kv_unified=True,
+                        kv_type=kv_type, flash_attention=want.flash_attention)
 
     # --- compute -------------------------------------------------------------------------
     @abstractmethod

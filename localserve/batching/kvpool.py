@@ -22,6 +22,10 @@ picks where, `gather` moves the stragglers in. A finished sequence is
 parked where it is, so a follow-up request (the next chat turn) can take its id over without
 copying anything; it is moved above the running range only when its id is needed
 (`move_to_parked`).
+
+The pool only keeps books: every change to the backend's cache it implies (a prefix copied, a
+tail or a whole sequence removed, a sequence moved) is appended to `ops` as data (kv_ops.py), and
+the scheduler hands them to the engine with the next plan (engine/step.py applies them in order).
 """
 
 from __future__ import annotations
@@ -30,7 +34,8 @@ import heapq
 import itertools
 from typing import Protocol
 
-from ..backends.base import Backend
+from ..backends.base import Capabilities
+from .kv_ops import KVCopy, KVMove, KVOp, KVRemove
 
 
 class KVHolder(Protocol):
@@ -39,9 +44,7 @@ class KVHolder(Protocol):
 
 
 class KVPool:
-    def __init__(self, backend: Backend, n_cells: int, n_seq_ids: int, n_running: int | None = None):
-        caps = backend.capabilities
-        self.backend = backend
+    def __init__(self, caps: Capabilities, n_cells: int, n_seq_ids: int, n_running: int | None = None):
         self.n_cells = n_cells
         self.shared = caps.prefix_sharing == "share"  # kv_copy shares cells (one pool)
         # Cells one sequence may hold: the whole pool, or its own stream.
@@ -53,6 +56,12 @@ class KVPool:
         self._refs: dict[int, int] = {}
         self._cell_ids = itertools.count()
         self.moves = 0  # KV moves to keep running ids consecutive (each a stream copy with streams)
+        self.ops: list[KVOp] = []  # what the backend's cache must do to match these books, in order
+
+    def take_ops(self) -> list[KVOp]:
+        """The operations recorded since the last call, oldest first (for the next plan)."""
+        ops, self.ops = self.ops, []
+        return ops
 
     @property
     def used(self) -> int:
@@ -134,7 +143,7 @@ class KVPool:
     def adopt(self, src: KVHolder, dst: KVHolder, n: int) -> None:
         """dst takes over src's sequence id and its first n positions (no copy); src is left empty."""
         if n < len(src.cells):
-            self.backend.kv_remove(src.seq_id, n, -1)
+            self.ops.append(KVRemove(src.seq_id, n, -1))
             self.uncount(src, n)
         dst.seq_id, dst.cells = src.seq_id, src.cells
         src.seq_id, src.cells = -1, []
@@ -142,7 +151,7 @@ class KVPool:
     def _move(self, holder: KVHolder, dst: int) -> None:
         """Move the holder to `dst`, an id the caller has already taken off the free lists."""
         src = holder.seq_id
-        self.backend.kv_move(src, dst)  # cells and their counts go along unchanged
+        self.ops.append(KVMove(src, dst))  # cells and their counts go along unchanged
         self.moves += 1
         holder.seq_id = dst
         self._give_back(src)
@@ -170,7 +179,7 @@ class KVPool:
     def share_prefix(self, src: KVHolder, dst: KVHolder, n: int) -> None:
         """dst (fresh, empty) gets src's first n positions: shared cells in one pool, a copy (new
         cells) with per-sequence streams."""
-        self.backend.kv_copy(src.seq_id, dst.seq_id, 0, n)
+        self.ops.append(KVCopy(src.seq_id, dst.seq_id, 0, n))
         if not self.shared:  # a copy into dst's own stream: new cells
             dst.cells = []
             self.grow(dst, n)
@@ -185,7 +194,7 @@ class KVPool:
         """Drop all of the holder's KV and give its id back."""
         if holder.seq_id < 0:
             return
-        self.backend.kv_remove(holder.seq_id, 0, -1)
+        self.ops.append(KVRemove(holder.seq_id))
         self.uncount(holder, 0)
         self._give_back(holder.seq_id)
         holder.seq_id = -1

@@ -3,17 +3,23 @@
 Settings of 0 mean "size it for me": the defaults come from the machine (physical cores, RAM via
 psutil) and the model's memory needs, so a laptop and a workstation both get a sane engine
 without anyone tuning it. The same numbers size the backend's context (n_ctx, n_seq_max, n_batch),
-so the scheduler's accounting and llama.cpp's cache always agree.
+so the scheduler's accounting and the backend's cache always agree.
+
+This module is the backend-neutral arithmetic: context per request, sequences, step budget, the
+memory the cache may take. How that memory becomes a cache (llama.cpp's streams or unified pool,
+its 256-cell padding, its 256 sequence ids) is the backend's to say: Backend.plan_kv, for
+llama.cpp backends/llamacpp/sizing.py.
 """
 
 from __future__ import annotations
 
-import math
 import os
 from dataclasses import dataclass
+from typing import Callable
 
 import psutil
 
+from ..backends.base import KV_ELEMENT_BYTES, KVRequest, KVSizing, seq_ids_for
 from ..config.settings import Settings
 from ..errors import ConfigError
 from .step_clock import DEFAULT_TARGET_S
@@ -23,12 +29,8 @@ from .step_clock import DEFAULT_TARGET_S
 _DEFAULT_KV_BYTES_PER_TOKEN = 32 * 1024
 # Per request by default: editor plugins send 4-16k-token prompts, Ollama and LM Studio give 4,096.
 _MAX_AUTO_CONTEXT = 8192
-_MIN_AUTO_CONTEXT = 2048  # below this, run fewer sequences rather than cramp every request
 _KV_RAM_SHARE = 0.25  # at most this share of the RAM left after the weights goes to the KV cache
-_LLAMA_MAX_SEQ = 256  # llama.cpp refuses contexts with more sequence ids
-_KV_LAYOUTS = ("auto", "streams", "unified")
-# Bytes per K/V element (q8_0: blocks of 32 values in 34 bytes); memory.KV_BYTES has the same.
-_KV_ELEMENT_BYTES = {"f16": 2.0, "q8_0": 34 / 32}
+_KV_LAYOUTS = ("auto", "streams", "unified")  # the kv_layout setting's values (a backend reads it)
 
 
 @dataclass
@@ -50,8 +52,8 @@ class EngineLimits:
         for name in ("max_sequences", "batch_tokens", "queue_size", "n_ctx", "n_ctx_seq", "aging_steps"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"engine limit {name} must be at least 1 (got {getattr(self, name)})")
-        if self.kv_type not in _KV_ELEMENT_BYTES:
-            raise ConfigError(f"KV cache type must be one of {', '.join(_KV_ELEMENT_BYTES)} (got {self.kv_type!r})")
+        if self.kv_type not in KV_ELEMENT_BYTES:
+            raise ConfigError(f"KV cache type must be one of {', '.join(KV_ELEMENT_BYTES)} (got {self.kv_type!r})")
         self.max_sequences = _max_running(self.max_sequences, self.batch_tokens)
         self.n_ctx_seq = min(self.n_ctx_seq, self.n_ctx)
 
@@ -59,7 +61,7 @@ class EngineLimits:
     def n_seq_max(self) -> int:
         """Sequence ids the backend context needs: the running ones plus as many parked prefix-cache
         entries (a finished request's KV stays resident under its own id until evicted)."""
-        return _seq_ids(self.max_sequences, self.prefix_cache)
+        return seq_ids_for(self.max_sequences, self.prefix_cache)
 
     @property
     def full_length_requests(self) -> int:
@@ -86,17 +88,20 @@ class EngineLimits:
         kv_bytes_per_token: int = 0,
         cores: int | None = None,
         ram_bytes: int | None = None,
+        plan_kv: Callable[[KVRequest], KVSizing] | None = None,
     ) -> "EngineLimits":
         """Limits for one model. Settings win where they are non-zero; the rest is derived.
 
-        `kv_bytes_per_token` is the f16 cache's figure (memory.kv_cache_bytes(facts, 1))."""
+        `kv_bytes_per_token` is the f16 cache's figure (memory.kv_cache_bytes(facts, 1)). The
+        cache itself is sized by the backend's rules, `plan_kv` (a Backend class's plan_kv);
+        without one, llama.cpp's: the caller (runtime/manager.py) plans before it chooses the
+        backend, and every load was sized for llama.cpp so far."""
         if settings.kv_layout not in _KV_LAYOUTS:
             raise ConfigError(f"setting kv_layout must be one of {', '.join(_KV_LAYOUTS)} (got {settings.kv_layout!r})")
-        if settings.kv_cache_type not in ("auto", *_KV_ELEMENT_BYTES):
+        if settings.kv_cache_type not in ("auto", *KV_ELEMENT_BYTES):
             raise ConfigError(f"setting kv_cache_type must be auto, f16 or q8_0 (got {settings.kv_cache_type!r})")
         cores = cores or settings.threads or psutil.cpu_count(logical=False) or os.cpu_count() or 1
         ram = ram_bytes or psutil.virtual_memory().total
-        kv_token = kv_bytes_per_token or _DEFAULT_KV_BYTES_PER_TOKEN
 
         n_ctx_seq = settings.context_length or min(n_ctx_train or _MAX_AUTO_CONTEXT, _MAX_AUTO_CONTEXT)
         if n_ctx_train:
@@ -106,56 +111,28 @@ class EngineLimits:
         # A step of this many prompt tokens takes a few hundred ms on a small CPU: long enough to
         # amortise the per-step overhead, short enough that running streams do not visibly stall.
         batch_tokens = settings.batch_tokens or max(256, min(2048, 128 * cores))
-        # Clamped here, not only in __post_init__: the KV cache below is sized for this count.
-        max_sequences = _max_running(max_sequences, batch_tokens)
-        kv_budget = int(max(ram - model_bytes, 0) * _KV_RAM_SHARE)
+        want = KVRequest(
+            n_ctx_seq=n_ctx_seq,
+            # Clamped here, not only in __post_init__: the KV cache is sized for this count.
+            max_sequences=_max_running(max_sequences, batch_tokens),
+            prefix_cache=settings.prefix_cache,
+            kv_budget_bytes=int(max(ram - model_bytes, 0) * _KV_RAM_SHARE),
+            kv_bytes_per_token=kv_bytes_per_token or _DEFAULT_KV_BYTES_PER_TOKEN,
+            layout=settings.kv_layout, kv_type=settings.kv_cache_type, flash_attention=settings.flash_attention,
+        )
+        kv = (plan_kv or _llamacpp_plan_kv())(want)
+        return cls(max_sequences=kv.max_sequences, batch_tokens=batch_tokens, n_ctx=kv.n_ctx, n_ctx_seq=kv.n_ctx_seq,
+                   queue_size=settings.queue_size or 64, batch_step_s=settings.batch_step_ms / 1000,
+                   queue_timeout=settings.queue_timeout or 600.0, prefix_cache=settings.prefix_cache,
+                   kv_unified=kv.kv_unified, kv_type=kv.kv_type, flash_attention=kv.flash_attention)
 
-        layout = settings.kv_layout
-        if layout == "auto":
-            # Streams (exact answers) only when every id gets a full-length f16 stream: shrinking
-            # requests or concurrency to keep exactness is the wrong trade for a desktop (an 8B
-            # model on 16 GB would get 4 x 2,816 tokens), a unified q8_0 pool gives 8,192 x 5 there.
-            fits = _seq_ids(max_sequences, settings.prefix_cache) * n_ctx_seq * kv_token <= kv_budget
-            layout = "streams" if fits else "unified"
-        unified = layout == "unified"
-        kv_type = settings.kv_cache_type
-        if kv_type == "auto":
-            # q8_0 V needs flash attention, whose CPU kernel rounds by chunk size: only where the
-            # unified pool gave exactness up anyway. Half the bytes, so twice the cells.
-            kv_type = "q8_0" if unified else "f16"
-        kv_token = max(1, math.ceil(kv_token * _KV_ELEMENT_BYTES[kv_type] / 2))
-        kv_budget_cells = kv_budget // kv_token
-        common = dict(batch_tokens=batch_tokens, queue_size=settings.queue_size or 64,
-                      batch_step_s=settings.batch_step_ms / 1000,
-                      queue_timeout=settings.queue_timeout or 600.0, prefix_cache=settings.prefix_cache,
-                      kv_unified=unified, kv_type=kv_type,
-                      # In a unified pool flash attention is what keeps attention per sequence: its
-                      # CPU kernel skips the other sequences' masked cells, and its scratch does not
-                      # grow with the pool (without it, a micro-batch x pool x heads score matrix).
-                      flash_attention=settings.flash_attention or unified or kv_type != "f16")
-        if unified:
-            # Room for every running request at full length, within the budget, and never below one.
-            # llama.cpp pads its cache to 256 cells: round the budget down, the request up.
-            n_ctx = max(n_ctx_seq, min(max_sequences * n_ctx_seq, kv_budget_cells // 256 * 256))
-            n_ctx = -(-n_ctx // 256) * 256
-            return cls(max_sequences=max_sequences, n_ctx=n_ctx, n_ctx_seq=n_ctx_seq, **common)
-        # One stream of n_ctx_seq cells per sequence id: llama.cpp needs n_ctx = streams x cells.
-        floor = min(n_ctx_seq, _MIN_AUTO_CONTEXT)
-        while max_sequences > 1 and kv_budget_cells // _seq_ids(max_sequences, settings.prefix_cache) < floor:
-            max_sequences //= 2
-        per_stream = kv_budget_cells // _seq_ids(max_sequences, settings.prefix_cache)
-        n_ctx_seq = max(256, max(floor, min(n_ctx_seq, per_stream)) // 256 * 256)
-        n_ctx = n_ctx_seq * _seq_ids(max_sequences, settings.prefix_cache)
-        return cls(max_sequences=max_sequences, n_ctx=n_ctx, n_ctx_seq=n_ctx_seq, **common)
+
+def _llamacpp_plan_kv() -> Callable[[KVRequest], KVSizing]:
+    from ..backends.llamacpp.sizing import plan_kv  # rules only: no llama_cpp import
+
+    return plan_kv
 
 
 def _max_running(max_sequences: int, batch_tokens: int) -> int:
-    """Every running sequence decodes one token per step, so the budget must hold them all; and
-    with as many parked prefix-cache ids the total stays within llama.cpp's limit."""
-    return min(max_sequences, batch_tokens, _LLAMA_MAX_SEQ // 2)
-
-
-def _seq_ids(max_sequences: int, prefix_cache: bool) -> int:
-    """Sequence ids the backend context needs: the running ones plus as many parked prefix-cache
-    entries (a finished request's KV stays resident under its own id until evicted)."""
-    return min(_LLAMA_MAX_SEQ, max_sequences * (2 if prefix_cache else 1))
+    """Every running sequence decodes one token per step, so the budget must hold them all."""
+    return min(max_sequences, batch_tokens)

@@ -1,13 +1,16 @@
 """The continuous-batching scheduler: which tokens of which sequences go into the next step.
 
 Each step has one token budget (<= the backend's max_batch_tokens, so one backend.decode per step).
-Everything it knows about the backend comes from `backend.capabilities` (backends/base.py). Running
+Everything it knows about the backend comes from the backend's declared Capabilities
+(backends/base.py), and it never calls the backend: a StepPlan carries the batch and the KV-cache
+operations that go before it (kv_ops.py), engine/step.py runs it, and postprocess() reads the
+StepResult that comes back (failures included) and keeps the books. Running
 sequences with one pending token (decoding) go first, best lane first; then prompt chunks of
 admitted sequences fill the rest, so a 4k-token prompt is spread over several steps instead of
 freezing every stream for one long step. Waiting requests are admitted by KV capacity; when the
 cache is full the worst sequence (lowest effective lane, most recent) is preempted -- its KV is
 parked as prefix cache and dropped only if memory is really needed, and it is re-fed later --
-instead of failing anyone. Shape after nano-vllm: schedule() -> backend.decode -> postprocess().
+instead of failing anyone. Shape after nano-vllm and vLLM v1: schedule() -> step.run -> postprocess().
 """
 
 from __future__ import annotations
@@ -17,8 +20,9 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Literal
 
-from ..backends.base import Backend, BatchToken, Capabilities, SampledToken
+from ..backends.base import BatchToken, Capabilities, SampledToken
 from ..errors import GenerationError, LocalserveError, OverloadedError
+from .kv_ops import KVOp
 from .kvpool import KVPool
 from .lanes import LaneQueues, priority_key
 from .limits import EngineLimits
@@ -34,6 +38,9 @@ _WORSE_LANE_SHARE = 4
 
 @dataclass(slots=True)
 class StepPlan:
+    # Applied in order before the batch is decoded, whatever the decode's outcome: the books
+    # already count them (kv_ops.py).
+    kv_ops: list[KVOp] = field(default_factory=list)
     batch: list[BatchToken] = field(default_factory=list)
     scheduled: list[tuple[Sequence, int]] = field(default_factory=list)  # (sequence, tokens fed)
     outputs: list[tuple[Sequence, int]] = field(default_factory=list)  # (sequence, batch row to sample)
@@ -56,21 +63,19 @@ class StepResult:
 class Scheduler:
     def __init__(
         self,
-        backend: Backend,
+        caps: Capabilities,
         limits: EngineLimits,
         on_dequeue: Callable[[Sequence], None] | None = None,
     ):
-        caps = backend.capabilities
         if not isinstance(caps, Capabilities):
-            raise TypeError(f"{type(backend).__name__}.capabilities must be a Capabilities, not {type(caps).__name__}")
-        self.backend = backend
+            raise TypeError(f"the scheduler plans by a Capabilities, not {type(caps).__name__}")
         self.caps = caps
         self.budget = min(limits.batch_tokens, caps.max_batch_tokens)
         self.max_running = max(1, min(limits.max_sequences, caps.max_seqs, self.budget))
         self.worse_lane_share = _WORSE_LANE_SHARE  # benchmarks/engine.py compares it with 1 (no cap)
         # Batch-lane prompt chunks are cut to a time target from measured step costs (step_clock.py).
         self.clock = StepClock(limits.batch_step_s)
-        self.pool = KVPool(backend, min(limits.n_ctx, caps.kv_cells), caps.max_seqs, self.max_running)
+        self.pool = KVPool(caps, min(limits.n_ctx, caps.kv_cells), caps.max_seqs, self.max_running)
         self.n_ctx_seq = min(limits.n_ctx_seq, self.pool.n_cells_seq)
         self.cache = PrefixCache(self.pool, limits.prefix_cache, caps.min_recompute)
         self.lanes = LaneQueues(limits.aging_steps)
@@ -186,13 +191,16 @@ class Scheduler:
             n = self._reserve(seq, self.caps.chunk(seq.pending, budget), unscheduled, shrink=True)
             if n:
                 feeds.append((seq, n))
-        feeds = self._sit_out(feeds, {id(seq) for seq in decoders})
         if self.caps.consecutive_ids:
+            # Both rules come from llama.cpp's splitter with a KV stream per sequence (split_equal):
+            # batch rows riding along a prompt chunk cost it micro-batches, and only consecutive
+            # ids are computed in one pass. A backend without that splitter runs neither.
+            feeds = self._sit_out(feeds, {id(seq) for seq in decoders})
             # Ids are final only now (finishes, preemptions and adoptions leave holes).
             block = self.pool.block([q.seq_id for q in self.running], list(self.cache.parked))
             self.cache.vacate(block)
             self.pool.gather(self.running, block)
-        plan = StepPlan()
+        plan = StepPlan(kv_ops=self.pool.take_ops())
         for seq, n in feeds:
             if seq.status is Status.RUNNING:
                 self._feed(plan, seq, n)
@@ -202,6 +210,8 @@ class Scheduler:
     def postprocess(self, plan: StepPlan, result: StepResult) -> None:
         """Read a step's outcome (engine/step.py ran it): advance the fed sequences by their
         samples, or undo the step and make room, or fail its requests."""
+        if not plan.batch:  # a plan of KV operations alone, or nothing: no step to read
+            return
         if result.outcome == "kv_full":
             log.debug("KV cache full at step %d; freeing cells", self.step)
             self.on_kv_full(plan)
@@ -271,6 +281,12 @@ class Scheduler:
     def finish_all(self, reason="cancelled") -> None:
         for seq in [*self.running, *self.lanes]:
             self.finish(seq, reason)
+
+    def take_kv_ops(self) -> list[KVOp]:
+        """KV operations recorded since the last plan (releases of finished or failed requests):
+        the engine applies them at the end of the step, so the cache agrees with the books
+        between steps; what nobody takes goes with the next plan."""
+        return self.pool.take_ops()
 
     def fail_running(self, message: str) -> None:
         """After an unexpected error the running sequences' KV cannot be trusted: drop and fail them."""
@@ -383,7 +399,8 @@ class Scheduler:
             self.cache.take(entry)
             self.pool.adopt(entry, seq, n_hit)
         else:  # copy the prefix; the entry stays whole for the next request like this one
-            if not self.pool.acquire(seq, near=[q.seq_id for q in self.running]):
+            near = [q.seq_id for q in self.running] if self.caps.consecutive_ids else []
+            if not self.pool.acquire(seq, near=near):
                 return False
             if entry is not None:
                 self.cache.touch(entry)

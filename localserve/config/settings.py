@@ -74,7 +74,7 @@ class Settings:
     # but every id, parked prefix-cache ones too, holds a full-length stream. "unified": one shared
     # cell pool with flash attention, long contexts for the same memory, outputs may vary with load.
     # "auto": streams where they give every running request its full context within the KV budget
-    # (exact answers where that costs nothing), else unified (batching/limits.py).
+    # (exact answers where that costs nothing), else unified (backends/llamacpp/sizing.py).
     kv_layout: str = "auto"
     # KV cache element type: "f16", "q8_0" (half the memory; needs flash attention, so only where
     # exactness is given up anyway), or "auto" = f16 with streams, q8_0 in a unified pool.

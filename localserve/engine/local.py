@@ -2,6 +2,9 @@
 
     while running: plan = scheduler.schedule(); result = step.run(backend, plan); scheduler.postprocess(plan, result)
 
+The scheduler never calls the backend: its plan carries the KV-cache operations (batching/kv_ops.py)
+and the batch, and step.py is the one place a step touches the model.
+
 Requests enter through a thread-safe inbox; each step's output goes back to the asyncio loop that
 submitted it with one `call_soon_threadsafe` per loop per step (one per token per request would
 wake the loop up to 16x more often for nothing). The event loop never waits for model work:
@@ -20,7 +23,7 @@ from dataclasses import dataclass
 from typing import Callable, Generator
 
 from ..backends.common import sampler_thread
-from ..backends.base import Backend, Sampler
+from ..backends.base import Backend, Sampler, declared_capabilities
 from ..batching.limits import EngineLimits
 from ..protocol.requests import LANES, GenerationEvent, GenerationRequest, Lane, check_request
 from ..batching.scheduler import Scheduler
@@ -129,7 +132,7 @@ class Engine:
         self._backend = backend
         self.limits = limits
         self.name = name or backend.info.name
-        self.scheduler = Scheduler(backend, limits, on_dequeue=self._dequeued)
+        self.scheduler = Scheduler(declared_capabilities(backend), limits, on_dequeue=self._dequeued)
         self._cond = threading.Condition()
         self._inbox: collections.deque[Sequence] = collections.deque()
         self._jobs: collections.deque[tuple[Callable[[], object], concurrent.futures.Future]] = collections.deque()
@@ -190,7 +193,7 @@ class Engine:
         seq.stream = stream
         self._active[request.request_id] = seq
         self._inbox.append(seq)
-        if lane != "batch":  # a step of batch work alone stops for it (Scheduler.execute)
+        if lane != "batch":  # a step of batch work alone stops for it (engine/step.py)
             self._backend.interrupt()
         self._wake()
         return stream
@@ -323,17 +326,27 @@ class Engine:
         t0 = time.monotonic()
         plan = None
         try:
-            plan = self.scheduler.schedule()  # pure planning: which tokens of which sequences
-            if plan.batch:
-                result = step.run(self._backend, plan)  # decode + sample, failures as data
-                self.scheduler.postprocess(plan, result)  # advance, finish, or undo and make room
+            plan = self.scheduler.schedule()  # pure planning: KV operations, then which tokens
+            result = step.run(self._backend, plan)  # KV ops, decode, sample; failures as data
+            self.scheduler.postprocess(plan, result)  # advance, finish, or undo and make room
         except Exception:  # a scheduler bug must not kill the engine: fail this step's requests
             log.exception("engine step failed")
             self.scheduler.fail_running("internal error while scheduling this request")
+        self._release_kv()
         self._deliver()
         if plan is not None and plan.batch:
             t1 = time.monotonic()
             self._rates.step(t1, t1 - t0, plan.decode_tokens, plan.prompt_tokens)
+
+    def _release_kv(self) -> None:
+        """Apply the KV operations recorded after the plan was made (what finished or failed in
+        postprocess gives its cells back): now, not with the next plan, so an idle engine's cache
+        holds what its books say, and a backend handed to a fresh engine is as empty as its books."""
+        try:
+            step.apply_kv_ops(self._backend, self.scheduler.take_kv_ops())
+        except Exception:  # the next plan starts from books the cache may not match: fail what runs
+            log.exception("releasing KV cells failed")
+            self.scheduler.fail_running("internal error while freeing this request's memory")
 
     def _deliver(self) -> None:
         """Hand this step's events to their loops: one wakeup per loop per step."""
@@ -412,6 +425,7 @@ class Engine:
     def _drain_on_stop(self) -> None:
         self._take_inbox()
         self.scheduler.finish_all("cancelled")
+        self._release_kv()
         self._deliver()
         while self._jobs:
             _, future = self._jobs.popleft()

@@ -1,7 +1,10 @@
-"""One step's model work, as data: decode the plan's batch, then sample each row it asked for.
+"""One step's model work, as data: apply the plan's KV operations, decode its batch, then sample
+each row it asked for.
 
 The scheduler plans a step and reads its outcome; it never calls the model (as nano-vllm's
-scheduler never does, and vLLM v1's reads a ModelRunnerOutput). What can go wrong here is an
+scheduler never does, and vLLM v1's reads a ModelRunnerOutput). This is the one place a step calls
+the backend. The KV operations go first and stay done whatever the decode does: the scheduler's
+books counted them when it planned (batching/kv_ops.py). What can go wrong in the decode is an
 outcome, not an exception the scheduler has to catch: the KV cache was full, a better lane's request
 interrupted a batch-lane step, the decode failed, or one request's sampler did (a grammar dead end
 fails only that request, with its own error).
@@ -13,13 +16,32 @@ import logging
 import time
 
 from ..backends.base import Backend, DecodeInterrupted, KVFullError, SampledToken
+from ..batching.kv_ops import KVCopy, KVMove, KVOp, KVRemove
 from ..batching.scheduler import StepPlan, StepResult
 from ..errors import BackendError, GenerationError, LocalserveError
 
 log = logging.getLogger(__name__)
 
 
+def apply_kv_ops(backend: Backend, ops: list[KVOp]) -> None:
+    """Make the backend's cache what the scheduler's books say, in the order they were written.
+    A failure here is not a step outcome: the books are no longer the cache's, so it propagates
+    and the engine fails the running requests (Scheduler.fail_running)."""
+    for op in ops:
+        if isinstance(op, KVRemove):
+            backend.kv_remove(op.seq_id, op.p0, op.p1)
+        elif isinstance(op, KVCopy):
+            backend.kv_copy(op.src, op.dst, op.p0, op.p1)
+        elif isinstance(op, KVMove):
+            backend.kv_move(op.src, op.dst)
+        else:
+            raise TypeError(f"not a KV operation: {op!r}")
+
+
 def run(backend: Backend, plan: StepPlan) -> StepResult:
+    apply_kv_ops(backend, plan.kv_ops)
+    if not plan.batch:  # nothing to compute (a step that only released or moved KV)
+        return StepResult("done")
     started = time.perf_counter()
     try:
         backend.decode(plan.batch, interruptible=plan.interruptible)

@@ -29,7 +29,7 @@ import numpy as np
 
 from ...protocol.requests import SamplingParams
 from ...errors import BackendError, GGUFError, InvalidRequestError, ModelNotFoundError
-from ..base import Backend, BatchToken, Capabilities, DecodeInterrupted, KVFullError
+from ..base import Backend, BatchToken, Capabilities, DecodeInterrupted, KVFullError, KVRequest, KVSizing
 from .batch import PackedBatch, stream_groups
 from ..common.grammar import GRAMMAR_CONSTRAINTS
 from .embed import EmbeddingContext
@@ -38,6 +38,7 @@ from .interrupt import InterruptFlag, available as interrupt_available
 from .offload import OffloadFacts, parse_load_log
 from .runtime import captured_log, ensure_runtime, error_count, last_error_since
 from .sampling import LlamaCppSampler
+from . import sizing
 
 log = logging.getLogger(__name__)
 
@@ -107,6 +108,11 @@ class LlamaCppBackend(Backend):
     @property
     def capabilities(self) -> Capabilities:
         return self._capabilities
+
+    @classmethod
+    def plan_kv(cls, want: KVRequest) -> KVSizing:
+        """llama.cpp's streams-or-unified layout, 256-cell padding and id limit (sizing.py)."""
+        return sizing.plan_kv(want)
 
     def _read_capabilities(self) -> Capabilities:
         """The scheduler's rules for this context, from its parameters."""

@@ -1,0 +1,52 @@
+"""KV-cache operations as data: what the planner wants done to the backend's cache.
+
+The scheduler decides which sequence ids hold which positions (kvpool.py keeps the books) but never
+touches the cache itself: every change it makes to the books is written down here, in order, and
+travels with the next StepPlan. engine/step.py applies a plan's operations before its decode, the
+only place the backend is called during a step (as vLLM v1's SchedulerOutput carries the block
+copies and frees its workers apply). Applying them in order is all that keeps the two agreeing:
+an id released and handed out again in the same plan is removed before it is copied into.
+
+Operations recorded after a plan was made (a request that finished in postprocess, a failed batch
+dropped) are applied by the engine at the end of the same step (Engine._release_kv, through the
+same engine/step.py function), before the request's last event is sent: an idle engine's cache
+holds what its books say. Whatever is left over (a step that failed) goes with the next plan.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Union
+
+
+@dataclass(frozen=True, slots=True)
+class KVCopy:
+    """Make positions [p0, p1) of sequence `src` part of `dst` too (a prefix-cache hit): shared cells
+    in a unified pool, a copy into dst's own stream otherwise (Capabilities.prefix_sharing)."""
+
+    src: int
+    dst: int
+    p0: int
+    p1: int
+
+
+@dataclass(frozen=True, slots=True)
+class KVRemove:
+    """Drop positions [p0, p1) of `seq_id` (p1 = -1: to the end): a release, or an adopted entry's
+    tail past the shared prefix."""
+
+    seq_id: int
+    p0: int = 0
+    p1: int = -1
+
+
+@dataclass(frozen=True, slots=True)
+class KVMove:
+    """Move everything `src` holds to the empty id `dst` (keeping running ids consecutive, or a
+    parked entry out of their way); `src` is left empty."""
+
+    src: int
+    dst: int
+
+
+KVOp = Union[KVCopy, KVRemove, KVMove]
