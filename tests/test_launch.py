@@ -131,11 +131,12 @@ def test_copilot_takes_our_provider_and_budget(daemon: dict[str, str]) -> None:
     assert "log in" not in (result.stdout + result.stderr).lower()
 
 
+@pytest.mark.timeout(900)  # a real agent's session on a busy 2-core machine: minutes, not the suite's 300 s
 def test_claude_code_answers_from_the_local_model(daemon: dict[str, str]) -> None:
     # --bare, a short system prompt and no tools: Claude Code's default prompt (about 20k tokens)
     # does not fit SmolLM2's 8192, so the real answer comes from the smallest session it runs.
     result = launch(daemon, "claude", "--bare", "-p", "Say hello", "--system-prompt", "You are brief.",
-                    "--tools", "")
+                    "--tools", "", timeout=800)
     assert result.returncode == 0, result.stdout + result.stderr
     assert result.stdout.strip()
     log = (Path(daemon["LOCALSERVE_HOME"]) / "logs" / "localserve.log").read_text()
@@ -154,8 +155,9 @@ CODEX_SMALL = ["--disable", "multi_agent", "--disable", "goals", "--disable", "i
                "--disable", "view_image", "-c", "web_search=disabled"]
 
 
+@pytest.mark.timeout(900)  # a 5,500-token prefill on a busy 2-core machine
 def test_codex_answers_from_the_local_model_over_the_responses_api(daemon: dict[str, str]) -> None:
-    result = launch(daemon, "codex", "exec", "--skip-git-repo-check", *CODEX_SMALL, "Say hello", timeout=600)
+    result = launch(daemon, "codex", "exec", "--skip-git-repo-check", *CODEX_SMALL, "Say hello", timeout=800)
     assert result.returncode == 0, result.stdout + result.stderr
     assert "tokens used" in result.stdout + result.stderr
     log = (Path(daemon["LOCALSERVE_HOME"]) / "logs" / "localserve.log").read_text()

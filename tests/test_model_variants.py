@@ -13,6 +13,7 @@ import pytest
 from fixtures.hw.loader import fixture_env
 from localserve.store import model_dirs
 from localserve.runtime import manager as models
+from localserve.runtime import planning
 from localserve.runtime import registry
 from localserve.config.settings import load_settings
 from localserve.errors import BackendError, ConfigError, ModelDirError
@@ -258,7 +259,7 @@ def test_auto_prefers_the_npu_but_falls_back_when_onnxruntime_is_missing(tmp_pat
 
 def test_explicit_onnx_is_obeyed_and_its_load_says_what_is_missing(tmp_path, smollm2_gguf, monkeypatch):
     settings, model = both_variants(tmp_path, smollm2_gguf, LOCALSERVE_BACKEND="onnx")
-    monkeypatch.setattr(models, "hardware_report", strix_halo_with_vitisai)
+    monkeypatch.setattr(planning, "hardware_report", strix_halo_with_vitisai)  # where plan_model takes it
     plan = models.plan_model(model, settings)
     assert (plan.choice.backend, plan.choice.execution_provider) == ("onnx", "VitisAIExecutionProvider")
     assert "backend onnx requested by env LOCALSERVE_BACKEND" in plan.choice.reason

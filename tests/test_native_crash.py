@@ -29,12 +29,12 @@ def claims_amx(monkeypatch: pytest.MonkeyPatch):
 
     from localserve.backends.llamacpp import probe as llamacpp_probe
     from localserve.hardware import detect_hardware
-    from localserve.runtime import manager
+    from localserve.runtime import planning
 
     real = detect_hardware()
     amx = dataclasses.replace(real, cpu=dataclasses.replace(real.cpu, features=[*real.cpu.features, "AMX"]))
     monkeypatch.setattr(llamacpp_probe, "build_uses_amx", lambda: True)
-    monkeypatch.setattr(manager, "hardware_report", lambda: amx)
+    monkeypatch.setattr(planning, "hardware_report", lambda: amx)
     monkeypatch.setattr("localserve.hardware.detect_hardware", lambda *a, **k: amx)
     monkeypatch.setattr("localserve.commands.hw.detect_hardware", lambda *a, **k: amx)
     return amx.cpu

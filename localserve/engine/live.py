@@ -3,9 +3,7 @@ ran lately, and how its KV cells split between running sequences and the parked 
 
 Read from the event loop while the engine thread works: every read is a copy of a dict or deque
 (atomic under the GIL) or an int, so it can be a step stale, never torn, and costs the engine
-thread nothing. Two reads are of Engine members that have no public accessor yet (`_active`, the
-requests in flight, and `_rates`, the last ten seconds of steps); engine/local.py is being reworked
-elsewhere, so they are read here instead of adding methods there. An engine that batches by itself
+thread nothing (`Engine.in_flight`, `Engine.recent_steps`). An engine that batches by itself
 (onnxruntime-genai's, an upstream) has neither: it shows no sequence rows and no steps.
 """
 
@@ -54,7 +52,7 @@ def sequences(engine: ModelEngine) -> dict[str, SequenceProgress]:
         return {}
     now = time.monotonic()
     out = {}
-    for request_id, seq in engine._active.copy().items():
+    for request_id, seq in engine.in_flight().items():
         progress = progress_of(seq, now)
         if progress is not None:
             out[request_id] = progress
@@ -66,7 +64,7 @@ def steps_since(engine: ModelEngine, since: float) -> list[tuple[float, float, i
     at most the last ten seconds' (the engine's rate window)."""
     if not isinstance(engine, Engine):
         return []
-    return [s for s in engine._rates._steps.copy() if s[0] > since]
+    return engine.recent_steps(since)
 
 
 def parked_cells(engine: ModelEngine) -> int:

@@ -104,6 +104,10 @@ class _Rates:
         while self._finishes and self._finishes[0] < now - _RATE_WINDOW_S:
             self._finishes.popleft()
 
+    def steps_since(self, since: float) -> list[tuple[float, float, int, int]]:
+        """(end, busy seconds, decode rows, prompt rows) of the window's steps that ended after `since`."""
+        return [s for s in self._steps.copy() if s[0] > since]
+
     def tokens_per_s(self) -> tuple[float, float]:
         steps = list(self._steps)
         busy = sum(s[1] for s in steps)
@@ -255,6 +259,14 @@ class Engine:
 
     def detokenize(self, tokens: list[int]) -> str:
         return b"".join(self._token_bytes(t) for t in tokens).decode("utf-8", errors="replace")
+
+    def in_flight(self) -> dict[str, Sequence]:
+        """request id -> its sequence, for every request held (queued ones too): a copy, for
+        readers on other threads (the dashboard), a step stale at most."""
+        return self._active.copy()
+
+    def recent_steps(self, since: float) -> list[tuple[float, float, int, int]]:
+        return self._rates.steps_since(since)
 
     def stats(self) -> EngineStats:
         s = self.scheduler
