@@ -22,7 +22,7 @@ from ..engine.oga.engine import OgaEngine
 from ..engine.oga.vocab import OgaVocab
 
 if TYPE_CHECKING:
-    from .manager import ModelPlan
+    from .plan import ModelPlan
     from ..store.cache import InstalledModel, StoredVariant
 
 # 4 requests x 4096 tokens of SmolLM2's fp32 KV cache are 750 MB already; longer contexts on a

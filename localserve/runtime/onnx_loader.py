@@ -18,7 +18,7 @@ from ..errors import BackendError
 
 if TYPE_CHECKING:
     from ..protocol.engine import ModelEngine
-    from .manager import ModelPlan
+    from .plan import ModelPlan
     from ..store.cache import InstalledModel, StoredVariant
 
 log = logging.getLogger(__name__)

@@ -13,12 +13,12 @@ device and GPU layer count come from placement.choose_backend over the hardware 
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from ..config.settings import Settings
 from ..errors import BackendError, LocalserveError
 from ..store.cache import InstalledModel
+from .plan import ModelPlan
 
 if TYPE_CHECKING:  # the engine pulls in llama.cpp; planning must import without it
     from ..batching.limits import EngineLimits
@@ -27,18 +27,6 @@ if TYPE_CHECKING:  # the engine pulls in llama.cpp; planning must import without
     from .memory import MemoryEstimate
 
 BUDGET_FRACTION = 0.9  # of available RAM / free VRAM: leave room for the OS and the daemon itself
-
-
-@dataclass
-class ModelPlan:
-    """How a model will be loaded: engine limits (context, sequences, batch), device, memory cost."""
-
-    limits: "EngineLimits"
-    memory_bytes: int
-    n_gpu_layers: int = 0
-    device: str = "cpu"
-    vram_bytes: int = 0  # the part of memory_bytes expected on the GPU
-    choice: Any = None  # placement.BackendChoice: which backend the registry loads it with, and why
 
 
 @functools.lru_cache(maxsize=1)
@@ -70,7 +58,8 @@ def plan_model(installed: InstalledModel, settings: Settings) -> ModelPlan:
         limits = EngineLimits.from_settings(settings, n_ctx_train=int(folder.meta.get("context_length") or 0),
                                             model_bytes=folder.size)
         memory = folder.size
-    choice = registry.choose(installed, settings, hardware_report(), estimate)
+    report = hardware_report()
+    choice = registry.choose(installed, settings, report, estimate)
     vram = planned_vram(choice.n_gpu_layers, estimate, memory)
     return ModelPlan(
         limits=limits,
@@ -79,6 +68,7 @@ def plan_model(installed: InstalledModel, settings: Settings) -> ModelPlan:
         device=choice.device,
         vram_bytes=vram,
         choice=choice,
+        cpu=report.cpu,
     )
 
 

@@ -23,7 +23,7 @@ if TYPE_CHECKING:  # the engine pulls in llama.cpp; choosing a backend must impo
     from ..protocol.engine import ModelEngine
     from ..hardware import HardwareReport
     from .memory import MemoryEstimate
-    from .manager import ModelPlan
+    from .plan import ModelPlan
     from ..store.cache import InstalledModel, StoredVariant
 
 
@@ -46,10 +46,9 @@ def _load_llamacpp(installed: "InstalledModel", variant: "StoredVariant", plan: 
     from ..engine.local import Engine
     from ..backends.llamacpp.backend import LlamaCppBackend
     from ..backends.llamacpp.probe import extra_buffers_allowed
-    from .manager import hardware_report
 
     limits = plan.limits
-    cpu = hardware_report().cpu  # the report plan_model already took: probed once per process
+    cpu = plan.cpu  # the report plan_model took: probed once per process
     backend = LlamaCppBackend.load(
         variant.path,
         n_ctx=limits.n_ctx,
