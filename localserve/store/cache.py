@@ -10,7 +10,7 @@ Layout under `settings.models_dir`:
 
 A model is visible only once its manifest exists, and the manifest is written last (atomically), so
 a crash mid-pull never shows a half-written model. Every path built from a user-supplied name goes
-through `safe_component`: a name is the one thing a remote client (Ollama's /api/pull, /api/delete)
+through `safe_component` (names.py): a name is the one thing a remote client (Ollama's /api/pull, /api/delete)
 controls that becomes a path, so it is the door a traversal attack would use.
 
 A tag holds one variant per format. The manifest's top-level `file`, `sha256`, `size`, `facts` are
@@ -28,62 +28,19 @@ import logging
 import os
 import shutil
 import time
-import unicodedata
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator
 
 from ..config.settings import Settings
-from ..errors import InvalidNameError, LocalserveError, ModelNotFoundError, PullLockedError
+from ..errors import LocalserveError, ModelNotFoundError, PullLockedError
+from .names import name_to_dir, safe_component  # noqa: F401  (callers take them from the cache too)
 
 log = logging.getLogger(__name__)
 
 MANIFEST_NAME = "manifest.json"
 MANIFEST_SCHEMA = 2  # 2: `variants` for folder formats; schema-1 manifests read as one GGUF variant
 LOCKS_DIR = ".locks"
-MAX_COMPONENT_LENGTH = 128
-# Characters Windows refuses in file names; refusing them everywhere keeps a cache portable.
-_WINDOWS_FORBIDDEN = set('<>:"|?*')
-_WINDOWS_DEVICES = {"con", "prn", "aux", "nul", *(f"com{i}" for i in range(10)), *(f"lpt{i}" for i in range(10))}
-
-
-def safe_component(text: str, what: str = "name") -> str:
-    """Return `text` if it is safe as ONE path component under the cache, else raise InvalidNameError.
-
-    Rejects: empty, overlong, `.`/`..`, path separators, absolute paths and drive letters, control
-    characters, characters Windows forbids, leading dots (our own lock/partial files start with a
-    dot), trailing dots/spaces (Windows silently strips them, so two names would share a folder),
-    and DOS device names.
-    """
-    if not isinstance(text, str) or text == "":
-        raise InvalidNameError(f"model {what} must not be empty")
-    shown = text[:40].encode("unicode_escape").decode("ascii")
-    if len(text) > MAX_COMPONENT_LENGTH:
-        raise InvalidNameError(f"model {what} is longer than {MAX_COMPONENT_LENGTH} characters")
-    if any(unicodedata.category(ch) in ("Cc", "Cf", "Zl", "Zp") for ch in text):
-        raise InvalidNameError(f"model {what} {shown!r} contains control characters")
-    if "/" in text or "\\" in text or os.sep in text or (os.altsep and os.altsep in text):
-        raise InvalidNameError(f"model {what} {shown!r} must not contain path separators")
-    if text in (".", "..") or text.startswith("."):
-        raise InvalidNameError(f"model {what} {shown!r} must not start with a dot")
-    if _WINDOWS_FORBIDDEN & set(text):
-        raise InvalidNameError(f"model {what} {shown!r} contains a character not allowed in file names")
-    if text.endswith((" ", ".")) or text != text.strip():
-        raise InvalidNameError(f"model {what} {shown!r} must not start or end with spaces or dots")
-    if text.split(".")[0].lower() in _WINDOWS_DEVICES:
-        raise InvalidNameError(f"model {what} {shown!r} is a reserved device name")
-    return text
-
-
-def name_to_dir(name: str) -> str:
-    """Directory name for a model name. `hf.co/org/repo` names keep their readable form with `--`
-    in place of `/`; every resulting component is validated."""
-    parts = name.split("/")
-    for part in parts:
-        safe_component(part, "name")
-    return safe_component("--".join(parts), "name")
-
-
 def atomic_write_json(path: Path, data: Any) -> None:
     """Write JSON so readers see the old or the new file, never a torn one (tmp + fsync + replace)."""
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")

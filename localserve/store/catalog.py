@@ -27,7 +27,7 @@ from urllib.parse import unquote, urlparse
 
 from ..config.settings import Settings
 from ..errors import ConfigError, InvalidRequestError, ModelNotFoundError
-from .cache import safe_component
+from .names import safe_component
 
 HF_PREFIXES = ("hf.co/", "huggingface.co/", "https://huggingface.co/", "https://hf.co/")
 DEFAULT_HF_QUANT = "Q4_K_M"  # what Ollama and llama.cpp pick for an hf.co reference without a tag
