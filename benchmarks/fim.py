@@ -95,13 +95,15 @@ async def infill(session: aiohttp.ClientSession, url: str, model: str, prefix: s
         if first is None:
             result.dropped += 1
         raise
+    except (aiohttp.ClientError, asyncio.TimeoutError):  # a server too busy to answer in time
+        result.errors += 1
 
 
 async def chat_loop(session: aiohttp.ClientSession, url: str, model: str, stop_at: asyncio.Event) -> None:
     body = {"model": model, "messages": [{"role": "user", "content": CHAT_PROMPT}], "max_tokens": 96,
             "stream": True, "temperature": 0.7}
     while not stop_at.is_set():
-        with contextlib.suppress(aiohttp.ClientError):
+        with contextlib.suppress(aiohttp.ClientError, asyncio.TimeoutError):
             async with session.post(url + "/v1/chat/completions", json=body) as resp:
                 async for _ in resp.content:
                     if stop_at.is_set():
@@ -117,10 +119,13 @@ async def typing_pass(url: str, model: str, args: argparse.Namespace, chats: int
         if chats:
             await asyncio.sleep(2.0)  # the chats are decoding before the typing starts
         previous: asyncio.Task | None = None
-        for prefix, suffix in keystrokes(text, args.start, args.keys, args.chars_per_key):
+        for i, (prefix, suffix) in enumerate(keystrokes(text, args.start, args.keys, args.chars_per_key), 1):
             if previous is not None and not previous.done():
                 previous.cancel()  # the next keystroke drops the answer nobody will see
             previous = asyncio.create_task(infill(session, url, model, prefix, suffix, args.n_predict, result))
+            if i % args.burst == 0:  # the user pauses: this completion is the one they wait for
+                with contextlib.suppress(asyncio.CancelledError):
+                    await previous
             await asyncio.sleep(args.interval_ms / 1000)
         if previous is not None:
             with contextlib.suppress(asyncio.CancelledError):
@@ -128,7 +133,7 @@ async def typing_pass(url: str, model: str, args: argparse.Namespace, chats: int
         stop_chats.set()
         for task in background:
             task.cancel()
-        await asyncio.gather(*background, return_exceptions=True)
+        await asyncio.gather(*background, return_exceptions=True)  # before the session closes
     return result
 
 
@@ -179,6 +184,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--keys", type=int, default=60, help="requests per pass")
     p.add_argument("--interval-ms", type=float, default=150.0, help="time between keystroke requests")
     p.add_argument("--chars-per-key", type=int, default=3)
+    p.add_argument("--burst", type=int, default=5,
+                   help="keystrokes between pauses; at a pause the editor waits for its completion")
     p.add_argument("--start", type=int, default=2000, help="where in the file the cursor starts")
     p.add_argument("--n-predict", type=int, default=16)
     p.add_argument("--rounds", type=int, default=2, help="alternating passes per server")
