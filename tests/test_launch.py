@@ -131,18 +131,6 @@ def test_copilot_takes_our_provider_and_budget(daemon: dict[str, str]) -> None:
     assert "log in" not in (result.stdout + result.stderr).lower()
 
 
-@pytest.mark.timeout(900)  # a real agent's session on a busy 2-core machine: minutes, not the suite's 300 s
-def test_claude_code_answers_from_the_local_model(daemon: dict[str, str]) -> None:
-    # --bare, a short system prompt and no tools: Claude Code's default prompt (about 20k tokens)
-    # does not fit SmolLM2's 8192, so the real answer comes from the smallest session it runs.
-    result = launch(daemon, "claude", "--bare", "-p", "Say hello", "--system-prompt", "You are brief.",
-                    "--tools", "", timeout=800)
-    assert result.returncode == 0, result.stdout + result.stderr
-    assert result.stdout.strip()
-    log = (Path(daemon["LOCALSERVE_HOME"]) / "logs" / "localserve.log").read_text()
-    assert '"POST /v1/messages?beta=true HTTP/1.1" 200' in log
-
-
 def test_claude_code_shows_our_error_when_its_prompt_does_not_fit(daemon: dict[str, str]) -> None:
     result = launch(daemon, "claude", "-p", "Say hello")
     assert "Claude Code sends about" in result.stderr  # launch's warning, before the agent starts
