@@ -37,6 +37,7 @@ from ..store.cache import InstalledModel, ModelStore
 from ..engine.upstream.pool import UpstreamPool
 from . import swaps
 from .loaded import Lease, LoadedModel
+from .status_rows import loaded_row, loading_row
 from .planning import (ModelPlan, gguf_limits, hardware_report, load_engine, memory_budget, plan_model,
                        planned_vram)
 
@@ -50,13 +51,6 @@ log = logging.getLogger(__name__)
 Loader = Callable[[InstalledModel, Settings], ModelEngine]
 UNLOAD_TIMEOUT = 10.0  # seconds an engine gets to stop its step loop and free its memory
 BUSY_RETRY_AFTER = 2.0  # Retry-After while shutting down, and after a wait for a load timed out
-
-
-def _offload_row(engine: ModelEngine) -> dict[str, int]:
-    """Where the engine says the load went (vram_bytes beside it is our estimate from the plan)."""
-    info = engine.info
-    return {"gpu_layers": info.gpu_layers, "offloadable_layers": info.offloadable_layers,
-            "gpu_memory_bytes": info.gpu_memory_bytes}
 
 
 class ModelManager:
@@ -133,43 +127,9 @@ class ModelManager:
             except Exception:  # a dying engine must not break /api/ps
                 log.exception("stats of %s failed", m.name)
                 stats = {}
-            load_wait = waiting.pop(m.name, {})
-            rows.append(
-                {
-                    "name": m.name,
-                    "state": "loaded",
-                    # While it makes room for another model: the lane it drains for (it admits only better ones).
-                    "draining_for": m.draining_for,
-                    "size": m.info.size,
-                    "memory_bytes": m.memory_bytes,
-                    "vram_bytes": m.vram_bytes,
-                    "device": m.device,
-                    "quant": m.info.quant,
-                    "format": m.info.format,
-                    "sha256": m.info.sha256,
-                    "loaded_at": m.loaded_at,
-                    "expires_at": m.expires_at,
-                    "expires_in": None if m.expires_at is None else max(0.0, m.expires_at - now),
-                    "keep_alive": m.keep_alive,
-                    "pinned": m.pinned,
-                    "running": stats.get("running", 0),
-                    "waiting": stats.get("waiting", {}),
-                    # Requests for it that wait to be admitted again (it drains for another model).
-                    "waiting_for_load": load_wait.get("waiting_for_load", 0),
-                    "reason": (f"making room for {m.making_room_for}" if m.making_room_for else
-                               load_wait.get("reason", "")),
-                    # What the engine was sized to: tokens per request and requests decoding at once.
-                    "context_length": m.engine.n_ctx_per_seq,
-                    "max_sequences": stats.get("max_sequences", 0),
-                    **_offload_row(m.engine),
-                    "stats": stats,
-                }
-            )
+            rows.append(loaded_row(m, stats, waiting.pop(m.name, {}), now))
         for name in sorted(self._loading):
-            row = waiting.pop(name, {})
-            rows.append({"name": name, "state": "loading", "memory_bytes": self._reserved.get(name, 0), "pinned": 0,
-                         "waiting_for_load": row.get("waiting_for_load", 0), "waiting": row.get("waiting", {}),
-                         "reason": row.get("reason", "")})
+            rows.append(loading_row(name, self._reserved.get(name, 0), waiting.pop(name, {})))
         rows.extend(waiting.values())  # waiting for a model neither loaded nor loading
         if self.upstreams is not None:
             rows.extend(self.upstreams.model_rows())

@@ -1,0 +1,54 @@
+"""The manager's status rows (/api/ps, `localserve ps`, the dashboard, the tray): one per model
+loaded, loading, or waited for, in the one shape all of them read."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ..protocol.engine import ModelEngine
+from .loaded import LoadedModel
+
+
+def loaded_row(m: LoadedModel, stats: dict[str, Any], load_wait: dict[str, Any], now: float) -> dict[str, Any]:
+    """A loaded model; `load_wait`: the swap queue's row for it (requests waiting to be admitted again)."""
+    return {
+        "name": m.name,
+        "state": "loaded",
+        # While it makes room for another model: the lane it drains for (it admits only better ones).
+        "draining_for": m.draining_for,
+        "size": m.info.size,
+        "memory_bytes": m.memory_bytes,
+        "vram_bytes": m.vram_bytes,
+        "device": m.device,
+        "quant": m.info.quant,
+        "format": m.info.format,
+        "sha256": m.info.sha256,
+        "loaded_at": m.loaded_at,
+        "expires_at": m.expires_at,
+        "expires_in": None if m.expires_at is None else max(0.0, m.expires_at - now),
+        "keep_alive": m.keep_alive,
+        "pinned": m.pinned,
+        "running": stats.get("running", 0),
+        "waiting": stats.get("waiting", {}),
+        # Requests for it that wait to be admitted again (it drains for another model).
+        "waiting_for_load": load_wait.get("waiting_for_load", 0),
+        "reason": (f"making room for {m.making_room_for}" if m.making_room_for else load_wait.get("reason", "")),
+        # What the engine was sized to: tokens per request and requests decoding at once.
+        "context_length": m.engine.n_ctx_per_seq,
+        "max_sequences": stats.get("max_sequences", 0),
+        **_offload_row(m.engine),
+        "stats": stats,
+    }
+
+
+def loading_row(name: str, reserved_bytes: int, load_wait: dict[str, Any]) -> dict[str, Any]:
+    return {"name": name, "state": "loading", "memory_bytes": reserved_bytes, "pinned": 0,
+            "waiting_for_load": load_wait.get("waiting_for_load", 0), "waiting": load_wait.get("waiting", {}),
+            "reason": load_wait.get("reason", "")}
+
+
+def _offload_row(engine: ModelEngine) -> dict[str, int]:
+    """Where the engine says the load went (vram_bytes beside it is our estimate from the plan)."""
+    info = engine.info
+    return {"gpu_layers": info.gpu_layers, "offloadable_layers": info.offloadable_layers,
+            "gpu_memory_bytes": info.gpu_memory_bytes}
