@@ -1,14 +1,19 @@
 // Small time charts on plain canvas: no library, nothing fetched.
 "use strict";
 const Charts = {
-  // series: [{values: [numbers], color}], drawn over the same x range; y from 0 to the max seen.
-  draw(canvas, series) {
+  // The canvas sized to its box at the screen's pixel ratio, cleared: its context and CSS size.
+  clear(canvas) {
     const ratio = window.devicePixelRatio || 1;
     const w = canvas.clientWidth, h = canvas.clientHeight;
     if (canvas.width !== w * ratio) { canvas.width = w * ratio; canvas.height = h * ratio; }
     const ctx = canvas.getContext("2d");
     ctx.setTransform(ratio, 0, 0, ratio, 0, 0);
     ctx.clearRect(0, 0, w, h);
+    return { ctx, w, h };
+  },
+  // series: [{values: [numbers], color}], drawn over the same x range; y from 0 to the max seen.
+  draw(canvas, series) {
+    const { ctx, w, h } = Charts.clear(canvas);
     const n = Math.max(2, ...series.map((s) => s.values.length));
     const top = Math.max(1e-9, ...series.flatMap((s) => s.values));
     for (const s of series) {
@@ -24,12 +29,7 @@ const Charts = {
   // Stacked bars, one per point (at least `slots` wide, so a young history is thin bars on the
   // right, not a few wide blocks): `series` stacked from the bottom; `overlay` (optional) as a line.
   stacked(canvas, series, overlay, slots = 60) {
-    const ratio = window.devicePixelRatio || 1;
-    const w = canvas.clientWidth, h = canvas.clientHeight;
-    if (canvas.width !== w * ratio) { canvas.width = w * ratio; canvas.height = h * ratio; }
-    const ctx = canvas.getContext("2d");
-    ctx.setTransform(ratio, 0, 0, ratio, 0, 0);
-    ctx.clearRect(0, 0, w, h);
+    const { ctx, w, h } = Charts.clear(canvas);
     const n = Math.max(slots, ...series.map((s) => s.values.length));
     const totals = Array.from({ length: n }, (_, i) => series.reduce((sum, s) => sum + (s.values[i - (n - s.values.length)] || 0), 0));
     const top = Math.max(1e-9, ...totals, ...(overlay ? overlay.values : []));
