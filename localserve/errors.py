@@ -55,6 +55,20 @@ class LocalserveError(Exception):
         self.message = message
         self.param = param
 
+    def __reduce__(self) -> tuple:
+        # Exception's own pickling calls cls(*args), which fails for the subclasses whose
+        # __init__ takes other arguments (QueueFullError's retry_after): errors cross the pipe to
+        # and from an engine's worker process (engine/worker/), so every class rebuilds from its
+        # args and attributes instead.
+        return _rebuild_error, (type(self), self.args, self.__dict__)
+
+
+def _rebuild_error(cls: type, args: tuple, state: dict) -> "LocalserveError":
+    error = cls.__new__(cls)
+    Exception.__init__(error, *args)
+    error.__dict__.update(state)
+    return error
+
 
 class ConfigError(LocalserveError):
     exit_code = 2
@@ -174,6 +188,26 @@ class RequestCancelledError(OverloadedError):
     def __init__(self, message: str = "the request was cancelled by the server (shutting down or unloading "
                  "the model)", retry_after: float = 1.0):
         super().__init__(message, retry_after)
+
+
+class EngineCrashedError(OverloadedError):
+    """The worker process that ran a model's engine ended (a native crash, an abort, killed for
+    memory or for hanging): its requests end with this, and the model loads again on the next
+    request (runtime/crashes.py). A retry after Retry-After may succeed. `reason`: how it ended
+    ("SIGSEGV", "hung: no progress for 31 s"), which the manager counts toward marking it failed."""
+
+    code = "engine_crashed"
+
+    def __init__(self, message: str, reason: str, retry_after: float = 2.0):
+        super().__init__(message, retry_after)
+        self.reason = reason
+
+
+class ModelFailedError(OverloadedError):
+    """A model whose engine worker crashed three times in a row is not loaded again on its own
+    (runtime/crashes.py), until the user loads it explicitly."""
+
+    code = "model_failed"
 
 
 class SwapPreemptedError(RequestCancelledError):

@@ -145,7 +145,8 @@ class LiveServer:
         async def read() -> str:
             assert self.manager is not None
             async with self.manager.use(model_ref) as loaded:
-                return type(loaded.engine.backend).__name__
+                engine = loaded.engine  # in its worker process (engine/worker/), the worker says
+                return getattr(engine, "backend_name", None) or type(engine.backend).__name__
 
         return self.call(read())
 

@@ -182,7 +182,7 @@ def shown_ms(text: str) -> float:
 STREAMS = 4  # the daemon's max sequences: every stream decodes in the same batch
 
 
-def test_exact_latencies_and_live_rows(page, daemon, clean_console):
+def test_exact_latencies_and_live_rows(page, daemon, no_eog, clean_console):
     """First on a fresh daemon, so the last minute holds these streams' samples only (the sample
     counts shown prove it). TTFT and ITL shown equal the clients' own timings' percentiles: the
     server times from the request's arrival and between the events it writes, the client from its
@@ -194,7 +194,11 @@ def test_exact_latencies_and_live_rows(page, daemon, clean_console):
     page.get(url + "/#scheduler")
     wait = WebDriverWait(page, LIVE_S, poll_frequency=0.1)
     wait.until(lambda d: d.execute_script(LATENCY, MODEL))
-    streams = [TimedStream(url, key, {"model": MODEL, "max_tokens": 48, "temperature": 0.8, "seed": i,
+    # Each stream runs to its 96 tokens (no end-of-generation token), several seconds on any machine
+    # here: a stream that stopped early could end between two 1-second snapshots, and the rows'
+    # progress below would never be seen (a CI run at 48 tokens with EOS allowed saw exactly that).
+    streams = [TimedStream(url, key, {"model": MODEL, "max_tokens": 96, "temperature": 0.8, "seed": i,
+                                      "logit_bias": no_eog,
                                       "messages": [{"role": "user", "content": f"Tell story number {i}"}]}).start()
                for i in range(STREAMS)]
     rows = lambda d: d.execute_script(ROWS)  # noqa: E731

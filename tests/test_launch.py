@@ -146,8 +146,15 @@ CODEX_SMALL = ["--disable", "multi_agent", "--disable", "goals", "--disable", "i
 @pytest.mark.timeout(900)  # a 5,500-token prefill on a busy 2-core machine
 def test_codex_answers_from_the_local_model_over_the_responses_api(daemon: dict[str, str]) -> None:
     result = launch(daemon, "codex", "exec", "--skip-git-repo-check", *CODEX_SMALL, "Say hello", timeout=800)
-    assert result.returncode == 0, result.stdout + result.stderr
-    assert "tokens used" in result.stdout + result.stderr
+    out = result.stdout + result.stderr
+    # Codex shows the model's answer after a line "codex". SmolLM2 sometimes rambles until the
+    # context is full (a CI run saw 2,700 tokens of "I'm a bit of a tech wizard"): then our answer
+    # is `incomplete` with reason max_output_tokens, as OpenAI's would be, and Codex exits 1 after
+    # showing it. Either way the answer came from the local model over the Responses API.
+    answer = out.split("\ncodex\n", 1)[1] if "\ncodex\n" in out else ""
+    assert answer.strip(), out
+    assert result.returncode == 0 or "Incomplete response returned, reason: max_output_tokens" in out, out
+    assert "tokens used" in out
     log = (Path(daemon["LOCALSERVE_HOME"]) / "logs" / "localserve.log").read_text()
     assert '"POST /v1/responses HTTP/1.1" 200' in log
 

@@ -42,7 +42,13 @@ class EngineCollector(Collector):
         interrupted = CounterMetricFamily("localserve_interrupted_steps",
                                           "Batch-lane steps stopped for an arriving request and redone", labels=["model"])
         loaded = GaugeMetricFamily("localserve_models_loaded", "Models loaded")
-        rows = [r for r in self.status() if r.get("state", "loaded") in ("loaded", "remote")]
+        restarts = CounterMetricFamily("localserve_engine_restarts", "Engine worker processes that died, per model",
+                                       labels=["model"])
+        every = self.status()
+        for row in every:
+            if "restarts" in row:
+                restarts.add_metric([str(row.get("name", "?"))], _num(row["restarts"]))
+        rows = [r for r in every if r.get("state", "loaded") in ("loaded", "remote")]
         loaded.add_metric([], sum(1 for r in rows if r.get("state", "loaded") == "loaded"))
         for row in rows:
             model = str(row.get("name", "?"))
@@ -62,7 +68,7 @@ class EngineCollector(Collector):
             queries.add_metric([model], _num(stats.get("prefix_cache_queries", 0)))
             moves.add_metric([model], _num(stats.get("kv_moves", 0)))
             interrupted.add_metric([model], _num(stats.get("interrupted_steps", 0)))
-        return [loaded, running, waiting, occupancy, kv_used, kv_total, tps, hits, queries, moves, interrupted]
+        return [loaded, running, waiting, occupancy, kv_used, kv_total, tps, hits, queries, moves, interrupted, restarts]
 
 
 class UpstreamCollector(Collector):

@@ -100,7 +100,7 @@ def _print_ps(models: list[dict[str, Any]]) -> None:
         return
     table = Table(box=None, header_style="bold")
     # no_wrap: `ps` is often piped or read by scripts, where rich assumes 80 columns.
-    for column in ("NAME", "MEMORY", "PROCESSOR", "CONTEXT", "RUNNING", "QUEUED i/d/b", "UNTIL"):
+    for column in ("NAME", "MEMORY", "PROCESSOR", "CONTEXT", "RUNNING", "QUEUED i/d/b", "UNTIL", "WORKER"):
         table.add_column(column, no_wrap=True)
     for m in models:
         queued = m.get("waiting") or {}
@@ -115,6 +115,7 @@ def _print_ps(models: list[dict[str, Any]]) -> None:
             str(m.get("running", 0)),
             lanes,
             _until(m),
+            _worker(m),
         )
     console = Console()
     if not console.is_terminal:
@@ -128,10 +129,27 @@ def _print_ps(models: list[dict[str, Any]]) -> None:
             print(f"{m.get('name') or m.get('model')} ({m.get('state')}): {queued}{m['reason']}")
 
 
+def _worker(m: dict[str, Any]) -> str:
+    """The engine's process: pid, uptime, and how often it was restarted after a crash."""
+    worker, restarts = m.get("worker"), m.get("restarts") or 0
+    parts = [f"pid {worker['pid']}, up {_duration(worker.get('uptime_s', 0))}"] if isinstance(worker, dict) else []
+    if restarts:
+        parts.append(f"{restarts} restart{'s' if restarts != 1 else ''}")
+    return ", ".join(parts) or "-"
+
+
+def _duration(seconds: float) -> str:
+    if seconds < 90:
+        return f"{seconds:.0f}s"
+    if seconds < 90 * 60:
+        return f"{seconds / 60:.0f}m"
+    return f"{seconds / 3600:.1f}h"
+
+
 def _processor(m: dict[str, Any]) -> str:
     if m.get("remote"):
         return "remote: " + ",".join(m.get("upstreams") or [])
-    if m.get("state") == "waiting":  # not loaded: no processor yet
+    if m.get("state") in ("waiting", "failed"):  # not loaded: no processor
         return "-"
     size, vram = m.get("size") or 0, m.get("size_vram") or 0
     if not size or not vram:
@@ -143,7 +161,7 @@ def _processor(m: dict[str, Any]) -> str:
 
 
 def _until(m: dict[str, Any]) -> str:
-    if m.get("state") in ("loading", "waiting"):  # _print_ps says why a request waits
+    if m.get("state") in ("loading", "waiting", "failed"):  # _print_ps says why
         return str(m["state"])
     if m.get("pinned"):
         return "in use"

@@ -54,6 +54,13 @@ class Settings:
     # models sharing one slot spend most of their time answering, not loading; an idle model gives its
     # slot up at once, so a lone request never waits for it.
     swap_min_residency: float = 10.0
+    # Each loaded local model runs in a worker process of its own (engine/worker/): a native crash,
+    # abort or hang in llama.cpp or ONNX Runtime ends that model's requests, never the daemon.
+    # Off: models run inside the daemon's process (a little less memory, nothing isolated).
+    engine_workers: bool = True
+    # Seconds a worker holding work may go without progress before it is killed as hung; the
+    # watchdog waits at least 30 s and 20x the longest recent step, whichever is more, up to this.
+    engine_hang_timeout: float = 300.0
     shutdown_timeout: float = 10.0  # seconds in-flight requests get to finish when the daemon stops
     context_length: int = 0  # per request; 0 = min(trained context, 8192)
     max_sequences: int = 0  # 0 = sized from memory and the machine

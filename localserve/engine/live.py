@@ -4,7 +4,8 @@ ran lately, and how its KV cells split between running sequences and the parked 
 Read from the event loop while the engine thread works: every read is a copy of a dict or deque
 (atomic under the GIL) or an int, so it can be a step stale, never torn, and costs the engine
 thread nothing (`Engine.in_flight`, `Engine.recent_steps`). An engine that batches by itself
-(onnxruntime-genai's, an upstream) has neither: it shows no sequence rows and no steps.
+(onnxruntime-genai's, an upstream) has neither: it shows no sequence rows and no steps. An engine
+in a worker process (worker/) answers these from there, computed by this same module.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from typing import Any
 from ..batching.sequence import Sequence, Status
 from ..protocol.engine import ModelEngine
 from .local import Engine
+from .worker.proxy import WorkerEngine
 
 
 @dataclass
@@ -48,6 +50,8 @@ def progress_of(seq: Sequence, now: float) -> SequenceProgress | None:
 
 def sequences(engine: ModelEngine) -> dict[str, SequenceProgress]:
     """request id -> progress, for every request the engine holds (queued ones included)."""
+    if isinstance(engine, WorkerEngine):
+        return engine.live("sequences") or {}
     if not isinstance(engine, Engine):
         return {}
     now = time.monotonic()
@@ -62,6 +66,8 @@ def sequences(engine: ModelEngine) -> dict[str, SequenceProgress]:
 def steps_since(engine: ModelEngine, since: float) -> list[tuple[float, float, int, int]]:
     """(end, seconds, decode rows, prompt rows) of each step that ended after `since` (monotonic),
     at most the last ten seconds' (the engine's rate window)."""
+    if isinstance(engine, WorkerEngine):
+        return engine.live("steps", since) or []
     if not isinstance(engine, Engine):
         return []
     return engine.recent_steps(since)
@@ -69,6 +75,8 @@ def steps_since(engine: ModelEngine, since: float) -> list[tuple[float, float, i
 
 def parked_cells(engine: ModelEngine) -> int:
     """KV cells the prefix cache holds for finished requests (inside EngineStats.kv_used)."""
+    if isinstance(engine, WorkerEngine):
+        return engine.live("parked") or 0
     if not isinstance(engine, Engine):
         return 0
     entries = list(engine.scheduler.cache.parked.values())  # one C-level copy: the engine thread may re-key it

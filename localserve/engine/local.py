@@ -151,6 +151,9 @@ class Engine:
         self._stopped = threading.Event()
         self._busy = False
         self._n_cancelled = 0
+        # Turns of the engine loop that did work (a step, an embeddings decode): a worker's
+        # heartbeat sends it, and a count that stops moving while work is held is a hang.
+        self.progress = 0
 
     # --- public API ------------------------------------------------------------------------
     @property
@@ -327,6 +330,7 @@ class Engine:
                         self._advance_embed()
                     if self.scheduler.has_work():
                         self._step()
+                    self.progress += 1
                 except Exception:  # a bug in delivery must not leave every stream hanging
                     log.exception("engine loop error")
                     self.scheduler.fail_running("internal error while serving this request")

@@ -30,14 +30,16 @@ from typing import Any, AsyncIterator, Callable
 
 from ..config.aliases import SETTING as ALIAS_SETTING, alias_target
 from ..config.settings import Settings
-from ..errors import BackendError, InvalidNameError, LocalserveError, ModelNotFoundError, OverloadedError
+from ..errors import BackendError, EngineCrashedError, InvalidNameError, LocalserveError, ModelNotFoundError, OverloadedError
 from ..protocol.engine import ModelEngine
 from ..protocol.requests import Lane
 from ..store.cache import InstalledModel, ModelStore
 from ..engine.upstream.pool import UpstreamPool
+from ..engine.worker.proxy import WorkerEngine
 from . import swaps
+from .crashes import CrashBook
 from .loaded import Lease, LoadedModel
-from .status_rows import loaded_row, loading_row
+from .status_rows import failed_row, loaded_row, loading_row
 from .planning import (ModelPlan, gguf_limits, hardware_report, load_engine, memory_budget, plan_model,
                        planned_vram)
 
@@ -70,6 +72,7 @@ class ModelManager:
         self._wake = asyncio.Event()
         self._reaper: asyncio.Task[None] | None = None
         self._closed = False
+        self.crashes = CrashBook()
         # Remote models: names the store does not hold resolve to upstreams (upstream/), if any.
         self.upstreams = UpstreamPool(settings) if settings.upstreams else None
 
@@ -83,13 +86,14 @@ class ModelManager:
     # --- public API ------------------------------------------------------------------------
     @asynccontextmanager
     async def use(self, model_ref: str, keep_alive: float | None = None,
-                  lane: Lane = "default") -> AsyncIterator[Lease]:
+                  lane: Lane = "default", explicit: bool = False) -> AsyncIterator[Lease]:
         """A lease on the loaded model for `model_ref`, loading it if needed (waiting in `lane`
         when it must wait for a swap); held while inside. A name the store does not hold (or
         refuses as a local name, like an upstream's "org/model" id) may be a remote model: then its
         upstream engine, with nothing to load, lease or unload. Names resolve through
-        `model_aliases` (see _served)."""
-        async with self._lease(model_ref, keep_alive, lane, hold=False) as lease:
+        `model_aliases` (see _served). `explicit`: the user asked to load this model (not a request
+        that needs it), which loads one marked failed after crashes again (crashes.py)."""
+        async with self._lease(model_ref, keep_alive, lane, hold=False, explicit=explicit) as lease:
             yield lease
 
     @asynccontextmanager
@@ -100,13 +104,17 @@ class ModelManager:
             yield lease
 
     @asynccontextmanager
-    async def _lease(self, model_ref: str, keep_alive: float | None, lane: Lane, hold: bool) -> AsyncIterator[Lease]:
+    async def _lease(self, model_ref: str, keep_alive: float | None, lane: Lane, hold: bool,
+                     explicit: bool = False) -> AsyncIterator[Lease]:
         served = await self._served(model_ref)
         if not isinstance(served, InstalledModel):
             name, remote = served
             yield Lease(LoadedModel(name=name, engine=remote, info=None, loaded_at=time.time(), memory_bytes=0,
                                     device="remote"), lane)
             return
+        if explicit:
+            self.crashes.forgive(served.ref)
+        self.crashes.check(served.ref)
         lease = await self._acquire(served, lane, hold)
         try:
             yield lease
@@ -127,10 +135,11 @@ class ModelManager:
             except Exception:  # a dying engine must not break /api/ps
                 log.exception("stats of %s failed", m.name)
                 stats = {}
-            rows.append(loaded_row(m, stats, waiting.pop(m.name, {}), now))
+            rows.append(loaded_row(m, stats, waiting.pop(m.name, {}), now, self.crashes.restarts[m.name]))
         for name in sorted(self._loading):
             rows.append(loading_row(name, self._reserved.get(name, 0), waiting.pop(name, {})))
         rows.extend(waiting.values())  # waiting for a model neither loaded nor loading
+        rows.extend(failed_row(name, why, self.crashes.restarts[name]) for name, why in sorted(self.crashes.failed.items()))
         if self.upstreams is not None:
             rows.extend(self.upstreams.model_rows())
         return rows
@@ -372,9 +381,15 @@ class ModelManager:
         if needed > self.budget_bytes:
             log.warning("%s needs ~%d MiB, more than the %d MiB budget; loading it alone",
                         key, needed >> 20, self.budget_bytes >> 20)
+        if (backoff := self.crashes.backoff(key)) > 0:  # it crashed lately: do not reload it in a loop
+            log.info("%s: its engine stopped lately; loading it again in %.1f s", key, backoff)
+            await asyncio.sleep(backoff)
         try:
             started = time.monotonic()
             engine = await asyncio.to_thread(self._loader, installed, self.settings)
+        except EngineCrashedError as e:  # its worker died loading it: counts as a crash (crashes.py)
+            self.crashes.record(key, e.reason)
+            raise
         except LocalserveError:
             log.warning("loading %s failed", key, exc_info=True)
             raise
@@ -391,8 +406,28 @@ class ModelManager:
             await self._shutdown_engine(model)
             raise OverloadedError("the server is shutting down", retry_after=BUSY_RETRY_AFTER)
         self._loaded[key] = model
+        if isinstance(engine, WorkerEngine):
+            loop = asyncio.get_running_loop()
+            engine.on_exit(lambda reason, model=model: loop.call_soon_threadsafe(self._engine_died, model, reason))
         self._wake.set()
         return model
+
+    def _engine_died(self, model: LoadedModel, reason: str) -> None:
+        """Its worker died and ended its requests (their leases go as they finish): forget the
+        model, so the next request loads it again (after a backoff), unless it keeps dying."""
+        self.crashes.record(model.name, reason)
+        if model.name in self.crashes.failed:
+            log.error("%s: %s", model.name, self.crashes.failed[model.name])
+        if self._loaded.get(model.name) is model:
+            del self._loaded[model.name]
+            for lease in [lease for lease in model.leases if lease.hold]:  # the batch takes a new one
+                lease.preempted = True
+                model.leases.discard(lease)
+            # Nothing to free but the pipe: the process is gone.
+            asyncio.create_task(self._shutdown_engine(model), name=f"close {model.name}")
+        if model.name in self.crashes.failed:  # requests queued for it meanwhile are not left waiting
+            self._queues.fail_all(lambda w: self.crashes.error(w.model), model=model.name)
+        self._tick()
 
     def _begin_unload(self, model: LoadedModel, why: str = "") -> asyncio.Task[None] | None:
         """Take `model` out of the loaded set now and shut its engine down in a thread; its memory

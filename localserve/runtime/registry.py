@@ -180,4 +180,19 @@ def load(installed: "InstalledModel", plan: "ModelPlan", settings: Settings) -> 
     variant = variant_for(installed, choice)
     if not variant.available:
         raise BackendError(f"the {variant.format} variant of model {installed.ref} is missing; pull or add it again")
-    return entry.load(installed, variant, plan, settings)
+    if not settings.engine_workers:
+        return entry.load(installed, variant, plan, settings)
+    # The same loader, run in a worker process of the model's own (engine/worker/): what it loads
+    # and runs there can crash that process only.
+    import logging
+
+    from ..engine.worker.proxy import WorkerEngine
+
+    return WorkerEngine.start(installed.ref, entry.load, (installed, variant, plan, settings),
+                              log_path=settings.log_dir / f"engine-{_file_safe(installed.ref)}.log",
+                              hang_timeout=settings.engine_hang_timeout,
+                              log_level=logging.getLogger().getEffectiveLevel())
+
+
+def _file_safe(ref: str) -> str:
+    return "".join(c if c.isalnum() or c in "-._" else "_" for c in ref)

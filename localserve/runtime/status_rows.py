@@ -5,12 +5,15 @@ from __future__ import annotations
 
 from typing import Any
 
+from ..engine.worker.proxy import WorkerEngine
 from ..protocol.engine import ModelEngine
 from .loaded import LoadedModel
 
 
-def loaded_row(m: LoadedModel, stats: dict[str, Any], load_wait: dict[str, Any], now: float) -> dict[str, Any]:
-    """A loaded model; `load_wait`: the swap queue's row for it (requests waiting to be admitted again)."""
+def loaded_row(m: LoadedModel, stats: dict[str, Any], load_wait: dict[str, Any], now: float,
+               restarts: int = 0) -> dict[str, Any]:
+    """A loaded model; `load_wait`: the swap queue's row for it (requests waiting to be admitted again);
+    `restarts`: how often its engine worker died since the daemon started."""
     return {
         "name": m.name,
         "state": "loaded",
@@ -37,8 +40,23 @@ def loaded_row(m: LoadedModel, stats: dict[str, Any], load_wait: dict[str, Any],
         "context_length": m.engine.n_ctx_per_seq,
         "max_sequences": stats.get("max_sequences", 0),
         **_offload_row(m.engine),
+        "worker": _worker_row(m.engine, now),
+        "restarts": restarts,
         "stats": stats,
     }
+
+
+def failed_row(name: str, why: str, restarts: int) -> dict[str, Any]:
+    """A model not loaded again after its engine kept crashing (crashes.py), until loaded explicitly."""
+    return {"name": name, "state": "failed", "reason": why, "restarts": restarts, "memory_bytes": 0, "pinned": 0,
+            "waiting": {}, "waiting_for_load": 0}
+
+
+def _worker_row(engine: ModelEngine, now: float) -> dict[str, Any] | None:
+    """The process an engine runs in, when it is a worker of its own (engine/worker/)."""
+    if not isinstance(engine, WorkerEngine):
+        return None
+    return {"pid": engine.pid, "uptime_s": round(max(0.0, now - engine.started_at), 1)}
 
 
 def loading_row(name: str, reserved_bytes: int, load_wait: dict[str, Any]) -> dict[str, Any]:

@@ -72,7 +72,8 @@ async def stream_lines(request: web.Request, streams: list[EventStream],
 async def load_only(request: web.Request, model: str, keep_alive: float | None, extra: dict[str, Any]) -> web.Response:
     """An empty prompt loads the model (or, with keep_alive 0, unloads it), as Ollama does."""
     manager = request.app[MANAGER_KEY]
-    async with manager.use(model, keep_alive=keep_alive) as loaded:
+    # Explicit: a model marked failed after its engine kept crashing is tried again (runtime/crashes.py).
+    async with manager.use(model, keep_alive=keep_alive, explicit=True) as loaded:
         name = loaded.name
     unload = keep_alive == 0
     if unload:
@@ -300,6 +301,8 @@ async def ps(request: web.Request) -> web.Response:
             "running": row.get("running", 0), "waiting": row.get("waiting", {}),
             "waiting_for_load": row.get("waiting_for_load", 0), "reason": row.get("reason", ""),
             "context_length": row.get("context_length", 0), "max_sequences": row.get("max_sequences", 0),
+            # The engine's own process (engine/worker/) and how often one died for this model.
+            "worker": row.get("worker"), "restarts": row.get("restarts", 0),
             **({"remote": True, "upstreams": row.get("upstreams", [])} if row.get("remote") else {}),
         })
     pool = request.app[MANAGER_KEY].upstreams

@@ -26,7 +26,9 @@ logger.addHandler(logging.NullHandler())
 
 # ggml.h of the pinned llama.cpp: NONE=0, DEBUG=1, INFO=2, WARN=3, ERROR=4, CONT=5 (continues the
 # previous line). llama-cpp-python's own _logger.py still has the older numbering; don't copy it.
-_LEVELS = {0: logging.INFO, 1: logging.DEBUG, 2: logging.INFO, 3: logging.WARNING, 4: logging.ERROR}
+# Its INFO lines are a load's ~150-line dump of metadata and buffers: debug for us, so the daemon's
+# log (and a terminal's stderr) at its default info level keeps one line per load, not a page.
+_LEVELS = {0: logging.DEBUG, 1: logging.DEBUG, 2: logging.DEBUG, 3: logging.WARNING, 4: logging.ERROR}
 _CONT = 5
 # What llama.cpp logs as warnings and errors when a decode stops because we asked it to
 # (llamacpp_interrupt.py; GGML_STATUS_ABORTED is 1, and llama_decode returns 2): routine, so debug.
