@@ -15,6 +15,8 @@
     # what open dashboards cost: localserve alone, then with 4 pages' SSE streams open
     # (/api/dashboard/stats, read as a page reads them), in alternating passes
     python benchmarks/serve.py --launch --servers localserve,localserve+dashboards --dashboards 4 --load B --no-ceiling ...
+    # what the engine worker processes cost: models in a worker (the default) vs inside the daemon
+    python benchmarks/serve.py --launch --servers localserve,localserve+inline,llama-server --load B --no-ceiling ...
 
 Loads (--load), as issue 8 defines them: A prompts of 5-300 words, 64 tokens out; B 5-40 words,
 128 out; C the same ~1,000-token system prompt on every request, 5-40-word questions, 64 out.
@@ -231,6 +233,8 @@ ROWS = [
     ("output_tokens_per_s", "output tokens/s", "{:.1f}"),
     *[(f"{m}_p{q}", f"{label} p{q} (ms)", "{:.1f}") for m, label in (("ttft_ms", "TTFT"), ("tpot_ms", "TPOT"), ("itl_ms", "ITL")) for q in (50, 95, 99)],
     ("idle_cpu_percent", "idle CPU after (% core)", "{:.1f}"),
+    ("rss_server_mib", "RSS, server process (MiB)", "{:.0f}"),
+    ("rss_children_mib", "RSS, its child processes (MiB)", "{:.0f}"),
 ]
 
 
@@ -330,13 +334,17 @@ def start_llama_cpp_server(model_path: Path, threads: int, n_ctx: int, work: Pat
 SERVERS = ("localserve", "llama-server", "llama_cpp.server")
 # localserve again, with --dashboards pages' live streams open during the load (not in the default set)
 WITH_DASHBOARDS = "localserve+dashboards"
-READY = {"localserve": "/health", "localserve+dashboards": "/health", "llama-server": "/health",
+# localserve with its model inside the daemon's own process (engine_workers off), to price the
+# engine worker processes (engine/worker/) against (not in the default set)
+INLINE = "localserve+inline"
+READY = {"localserve": "/health", WITH_DASHBOARDS: "/health", INLINE: "/health", "llama-server": "/health",
          "llama_cpp.server": "/v1/models"}
 
 
 def launch(name: str, args: argparse.Namespace, model_path: Path, work: Path) -> tuple[subprocess.Popen[bytes], str, str]:
-    if name in ("localserve", WITH_DASHBOARDS):
-        return start_localserve(model_path, args.threads, args.concurrency, work, dict(args.localserve_env))
+    if name in ("localserve", WITH_DASHBOARDS, INLINE):
+        env = dict(args.localserve_env) | ({"LOCALSERVE_ENGINE_WORKERS": "0"} if name == INLINE else {})
+        return start_localserve(model_path, args.threads, args.concurrency, work, env)
     if name == "llama-server":
         return start_llama_server(model_path, args.threads, args.concurrency, work)
     return start_llama_cpp_server(model_path, args.threads, args.n_ctx, work)
@@ -394,6 +402,7 @@ async def bench_one(name: str, args: argparse.Namespace, model_path: Path, work:
         if pages:
             print(f"{len(pages)} dashboard streams were open during the load", file=sys.stderr)
         summary["idle_cpu_percent"] = await idle_cpu_percent(proc.pid)
+        summary.update(rss_mib(proc.pid))
         return summary
     finally:
         stop(proc)
@@ -438,14 +447,37 @@ async def idle_cpu_percent(pid: int, settle_s: float = 2.0, window_s: float = 5.
     """CPU the server burns with its model loaded and no requests, as % of one core, measured
     over `window_s` after `settle_s` of quiet: a desktop daemon must idle at ~0 (OpenMP workers
     that spin forever, OMP_WAIT_POLICY=ACTIVE, show up here as ~100)."""
+    await asyncio.sleep(settle_s)
+    before = tree_cpu_seconds(pid)
+    await asyncio.sleep(window_s)
+    return 100 * (tree_cpu_seconds(pid) - before) / window_s
+
+
+def _tree(pid: int) -> list[Any]:
+    """The server and every process under it (localserve's engine workers and their fork server)."""
     import psutil
 
     process = psutil.Process(pid)
-    await asyncio.sleep(settle_s)
-    before = process.cpu_times()
-    await asyncio.sleep(window_s)
-    after = process.cpu_times()
-    return 100 * ((after.user - before.user) + (after.system - before.system)) / window_s
+    return [process, *process.children(recursive=True)]
+
+
+def tree_cpu_seconds(pid: int) -> float:
+    total = 0.0
+    for p in _tree(pid):
+        try:
+            times = p.cpu_times()
+            total += times.user + times.system
+        except Exception:  # noqa: BLE001 - a child that ended meanwhile
+            pass
+    return total
+
+
+def rss_mib(pid: int) -> dict[str, float]:
+    """Resident memory of the server process and, apart, of its children: with engine workers the
+    model's weights and KV live in a worker, so the daemon's own figure shrinks to its Python."""
+    server, *children = _tree(pid)
+    rss = [p.memory_info().rss for p in children if p.is_running()]
+    return {"rss_server_mib": server.memory_info().rss / 2**20, "rss_children_mib": sum(rss) / 2**20}
 
 
 async def probe_ttfts(url: str, model: str, args: argparse.Namespace, seed: int) -> list[float]:
@@ -577,7 +609,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     # llama_cpp.server decodes one request at a time: a 16-request flood would only time its queue.
     args.servers = args.servers or (SERVERS[:2] if args.flood else SERVERS)
-    if unknown := set(args.servers) - set(SERVERS) - {WITH_DASHBOARDS}:
+    if unknown := set(args.servers) - set(SERVERS) - {WITH_DASHBOARDS, INLINE}:
         p.error(f"unknown server(s): {', '.join(sorted(unknown))}")
     return args
 

@@ -54,7 +54,7 @@ say() { printf '==> %s\n' "$*"; }
 # folder the user keeps other things in (even $HOME). The names are localserve's own: config.py
 # (models/, run/, logs/ under a LOCALSERVE_HOME), daemon.py (run/daemon.lock, run/daemon.json,
 # logs/localserve.log and its rotations, logs/daemon-stderr.log), daemon_crash.py
-# (logs/daemon-crash.log), backends/llamacpp_probe.py (run/native-probe.json), store.py's atomic
+# (logs/daemon-crash.log), engine/worker/ (logs/engine-*.log, each engine worker's stderr), backends/llamacpp_probe.py (run/native-probe.json), store.py's atomic
 # writes (run/.NAME.PID.tmp), service.py (logs/daemon.log, launchd's), commands/setup.py
 # (logs/setup-*.log), batches/ (batches.sqlite3 and its WAL files, files/file-*, files/.tmp/*.part)
 # and store.py (models/.locks/*.lock, models/.tmp; with --purge each models/NAME/TAG folder that
@@ -65,7 +65,7 @@ remove_ours() {
     rm -f "$home/run/daemon.lock" "$home/run/daemon.json" "$home/run/native-probe.json" \
           "$home/run"/.daemon.json.*.tmp "$home/run"/.native-probe.json.*.tmp
     rm -f "$home/logs/localserve.log" "$home/logs/localserve.log".[0-9] "$home/logs/daemon-stderr.log" \
-          "$home/logs/daemon-crash.log" "$home/logs/daemon.log" "$home/logs"/setup-*.log
+          "$home/logs/daemon-crash.log" "$home/logs/daemon.log" "$home/logs"/setup-*.log "$home/logs"/engine-*.log
     rm -f "$home/batches/batches.sqlite3" "$home/batches/batches.sqlite3-wal" "$home/batches/batches.sqlite3-shm" \
           "$home/batches/files"/file-* "$home/batches/files/.tmp"/*.part
     rm -f "$home/models/.locks"/*.lock

@@ -250,7 +250,7 @@ def test_registry_loads_the_onnx_variant(tmp_path, smollm2_gguf, smollm2_onnx, o
     model = store.add_directory(smollm2_onnx, "smol")
     engine = models.load_engine(model, settings)
     try:
-        assert type(engine.backend).__name__ == "OnnxBackend"
+        assert engine.backend_name == "OnnxBackend"  # in its engine worker process
         ids = chat(onnx_backend, PROMPTS[0])
         want = greedy(onnx_backend, ids)
         end = next((i for i, t in enumerate(want) if onnx_backend.is_eog(t)), len(want))  # EOS not emitted

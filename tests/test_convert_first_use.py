@@ -57,7 +57,7 @@ def test_first_load_with_backend_onnx_converts_stores_and_serves(tmp_path, smoll
     caplog.set_level(logging.INFO, logger="localserve.convert.first_use")
     engine = models.load_engine(model, settings)
     try:
-        assert type(engine.backend).__name__ == "OnnxBackend"
+        assert engine.backend_name == "OnnxBackend"  # in its engine worker process
         ids = engine.tokenize("<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n",
                               add_special=False)
         assert "Paris" in engine.detokenize(asyncio.run(answer(engine, ids, 12)))

@@ -26,7 +26,9 @@ BAN_EOS = {"0": -100, "1": -100, "2": -100}  # SmolLM2's end tokens: the chat ru
 
 @pytest.fixture(scope="module")
 def server(smollm2_gguf, tmp_path_factory):
-    settings = server_settings(tmp_path_factory.mktemp("home"), max_embed_tokens=MAX_EMBED_TOKENS)
+    # In process (engine_workers off): the tests count the backend's embedding decodes in place.
+    settings = server_settings(tmp_path_factory.mktemp("home"), max_embed_tokens=MAX_EMBED_TOKENS,
+                               engine_workers=False)
     install_model(settings, smollm2_gguf)
     with LiveServer(settings) as live:
         yield live

@@ -114,6 +114,18 @@ def health_ms(url: str) -> float:
     return (time.perf_counter() - t0) * 1000
 
 
+def dashboard_models(url: str) -> dict[str, dict[str, Any]]:
+    """The models of the dashboard's first live snapshot (its SSE feed, as the page reads it)."""
+    host, port = url.removeprefix("http://").split(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=LIVE_S)
+    conn.request("GET", "/api/dashboard/stats")
+    response = conn.getresponse()
+    while not (line := response.readline()).startswith(b"data:"):
+        pass
+    conn.close()
+    return {m["name"].split(":")[0]: m for m in json.loads(line[5:])["models"]}
+
+
 def daemon_log(home: Path) -> str:
     return (home / "logs" / "localserve.log").read_text()
 
@@ -145,6 +157,8 @@ def test_a_segfault_mid_stream_ends_that_stream_only_and_the_model_restarts(daem
     assert "stopped (SIGSEGV)" in daemon_log(daemon["home"])
     listing = cli(daemon["env"], "ps")
     assert f"pid {row['worker']['pid']}" in listing.stdout and "1 restart" in listing.stdout, listing.stdout
+    shown = dashboard_models(url)[A]
+    assert shown["worker"]["pid"] == row["worker"]["pid"] and shown["restarts"] == 1, shown
 
 
 def _workers(daemon_pid: int) -> list[psutil.Process]:
@@ -185,6 +199,13 @@ def test_a_hung_worker_is_killed_and_replaced(daemon, no_eog) -> None:
     pid = worker_pid(url, A)
     os.kill(pid, signal.SIGSTOP)  # the whole process stops, as a step stuck in native code would
     t0 = time.monotonic()
+    # Meanwhile the daemon answers: ps asks the stopped worker once (its quick-call bound), then
+    # answers from its last figures until it is replaced.
+    ps(url)
+    assert health_ms(url) < 100
+    t1 = time.perf_counter()
+    assert ps(url)[A]["state"] == "loaded"
+    assert time.perf_counter() - t1 < 0.4
     stream.join()
     waited = time.monotonic() - t0
     last = stream.frames[-1]
@@ -211,6 +232,8 @@ def test_three_crashes_in_a_row_mark_the_model_failed_until_loaded_again(daemon)
     status, body = chat(url, A)
     assert status == 503 and body["error"]["code"] == "model_failed", body
     assert "SIGSEGV" in cli(daemon["env"], "ps").stdout
+    shown = dashboard_models(url)[A]
+    assert shown["state"] == "failed" and "SIGSEGV" in shown["reason"] and shown["restarts"] == 3, shown
     # The other model never noticed.
     assert chat(url, B)[0] == 200
     # Ollama's explicit load (an empty prompt) tries it afresh.

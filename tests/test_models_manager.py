@@ -72,7 +72,7 @@ async def generate(model, text: str = "Hello, my name is", max_tokens: int = 6) 
     request = GenerationRequest(
         prompt_tokens=engine.tokenize(text), max_tokens=max_tokens, sampling=SamplingParams(temperature=0.0)
     )
-    parts = [event.text async for event in engine.submit(request)]
+    parts = [event.text async for event in await engine.generate(request)]
     return "".join(parts)
 
 
@@ -125,7 +125,7 @@ async def test_keep_alive_expiry_unloads_and_next_use_reloads(managers, home: Pa
     await asyncio.sleep(1.2)
     assert names(manager) == []
     first = loader.engines[0]
-    assert first._stopped.is_set() or not first._thread.is_alive()  # its engine thread ended
+    assert not first.alive  # its engine worker process ended
     async with manager.use("alpha") as model:
         await generate(model)
     assert loader.calls == ["alpha:latest", "alpha:latest"]
@@ -243,7 +243,7 @@ async def test_unload_and_close_cancel_in_flight(managers, home: Path) -> None:
     manager = ModelManager(make_settings(home))
     async with manager.use("alpha") as model:
         engine = model.engine
-        stream = engine.submit(
+        stream = await engine.generate(
             GenerationRequest(prompt_tokens=engine.tokenize("Tell a long story."), max_tokens=400, ignore_eos=True)
         )
         first = await stream.__anext__()

@@ -98,7 +98,9 @@ def test_a_probe_child_killed_by_a_signal_makes_the_load_take_the_fallback(
     from localserve.store.cache import ModelStore
     from localserve.runtime import registry
 
-    settings = load_settings(flags={"home": str(tmp_path), "context_length": 512, "max_sequences": 2},
+    # In process: the spy on LlamaCppBackend.load must see the load (a worker would not).
+    settings = load_settings(flags={"home": str(tmp_path), "context_length": 512, "max_sequences": 2,
+                                    "engine_workers": False},
                              environ={}, config_path=tmp_path / "no-config.toml")
     settings.run_dir.mkdir(parents=True, exist_ok=True)
     (settings.run_dir / llamacpp_probe.VERDICT_NAME).write_text((tmp_path / llamacpp_probe.VERDICT_NAME).read_text())

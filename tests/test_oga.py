@@ -355,7 +355,8 @@ def test_cli_convert_oga_stores_the_variant_and_it_serves(smollm2_gguf, tmp_path
             async with manager.use(MODEL) as loaded:
                 ids = loaded.engine.tokenize("<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n")
                 stream = await loaded.engine.generate(greedy_request(ids, 4))
-                return type(loaded.engine).__name__, [t async for e in stream for t in e.token_ids]
+                # In its engine worker process: the worker names the engine it runs.
+                return loaded.engine.backend_name, [t async for e in stream for t in e.token_ids]
         finally:
             await manager.close()
 

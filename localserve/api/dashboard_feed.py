@@ -78,6 +78,8 @@ class DashboardFeed:
                 "prompt_tokens_per_s": stats.get("prompt_tokens_per_s", 0.0),
                 "prefix_cache_hit_rate": stats.get("prefix_cache_hit_rate", 0.0),
                 "steps": stats.get("steps", 0), "busy": stats.get("busy", False),
+                # Its engine's own process (engine/worker/): pid and uptime; crashes since the daemon started.
+                "worker": row.get("worker"), "restarts": row.get("restarts", 0),
             }
             engine = engines.get(name)
             if engine is not None:

@@ -231,9 +231,30 @@ function renderLoaded(models) {
   body.replaceChildren(...models.map((m) => el("tr", { "data-model": m.name },
     el("td", {}, m.name), el("td", {}, bytes(m.memory_bytes)), el("td", {}, m.device || "–"),
     // A request waiting for a load says which model must drain first (runtime/swaps.py).
-    el("td", {}, m.reason ? `${m.state}: ${m.waiting_for_load} waiting, ${m.reason}`
+    el("td", {}, m.state === "failed" ? `failed: ${m.reason}` : m.reason ? `${m.state}: ${m.waiting_for_load} waiting, ${m.reason}`
       : m.pinned ? "in use" : m.expires_in == null ? "forever" : `${Math.round(m.expires_in)} s`),
-    el("td", {}, m.state === "waiting" ? "" : el("button", { class: "unload", onclick: () => unload(m.name) }, "Unload")))));
+    el("td", { class: "worker" }, workerText(m)),
+    el("td", {}, m.state === "waiting" ? ""
+      // A model marked failed after its engine kept crashing loads again only when asked (runtime/crashes.py).
+      : m.state === "failed" ? el("button", { class: "load", onclick: () => loadModel(m.name) }, "Load again")
+      : el("button", { class: "unload", onclick: () => unload(m.name) }, "Unload")))));
+}
+
+function workerText(m) {
+  const parts = m.worker ? [`pid ${m.worker.pid}, up ${duration(m.worker.uptime_s)}`] : [];
+  if (m.restarts) parts.push(`${m.restarts} restart${m.restarts === 1 ? "" : "s"}`);
+  return parts.join(", ") || "–";
+}
+
+function duration(s) {
+  return s < 90 ? `${Math.round(s)} s` : s < 5400 ? `${Math.round(s / 60)} min` : `${(s / 3600).toFixed(1)} h`;
+}
+
+async function loadModel(name) {
+  // Ollama's way: an empty request loads the model.
+  const response = await api("/api/generate", { method: "POST", headers: { "Content-Type": "application/json" },
+    body: JSON.stringify({ model: name }) });
+  if (!response.ok) alert(await errorText(response));
 }
 
 async function unload(name) {
