@@ -26,6 +26,7 @@ from typing import Any, Callable
 
 from ...errors import BackendError, LocalserveError
 from ...protocol.engine import ModelEngine
+from ..local import RequestStream
 from .. import live
 from .channel import CALLS, Channel
 
@@ -114,7 +115,10 @@ class Worker:
 
     def _task_done(self, call: int) -> None:
         self.tasks.pop(call, None)
-        if not self.tasks:
+        self._idle_if_done()
+
+    def _idle_if_done(self) -> None:
+        if not self.tasks and not self.streams:
             self.working.clear()
 
     async def _generate(self, call: int, request: Any) -> None:
@@ -129,11 +133,24 @@ class Worker:
         if rid in self.cancelled_early:
             self.cancelled_early.discard(rid)
             stream.cancel()
+        if isinstance(stream, RequestStream):
+            # Our engines' streams (llama.cpp, ONNX, OGA): the engine's one callback per step puts
+            # each event straight into the outbox, instead of waking a task per stream to read it
+            # from a queue (8 task wakeups a step at 8 streams, on the cores the decode needs). No
+            # event can have arrived yet: the engine delivers on this loop, and we have not yielded.
+            stream._put = lambda event, rid=rid: self._forward(rid, event)
+            return
         try:
             async for event in stream:
-                self._post(rid, event)
+                self._forward(rid, event)
         finally:
             self.streams.pop(rid, None)
+            self._idle_if_done()
+
+    def _forward(self, rid: str, event: Any) -> None:
+        self._post(rid, event)
+        if event.finish_reason is not None and self.streams.pop(rid, None) is not None:
+            self._idle_if_done()
 
     async def _reply(self, call: int, coro: Any) -> None:
         try:
@@ -161,6 +178,10 @@ class Worker:
         pending = [t for t in self.tasks.values() if not t.done()]
         if pending:
             await asyncio.wait(pending, timeout=2.0)
+        for _ in range(20):  # the engine's last deliveries are callbacks on this loop
+            if not self.streams:
+                break
+            await asyncio.sleep(0.05)
         self._flush()
         done.set()
 
