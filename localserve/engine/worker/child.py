@@ -66,6 +66,7 @@ class Worker:
         self.working = threading.Event()  # something is in flight: the heartbeat runs
         self.stopping = False
         self.loop: asyncio.AbstractEventLoop | None = None
+        self.send_now = _SendNow(self)
 
     async def serve(self) -> None:
         self.loop = asyncio.get_running_loop()
@@ -134,17 +135,22 @@ class Worker:
             self.cancelled_early.discard(rid)
             stream.cancel()
         if isinstance(stream, RequestStream):
-            # Our engines' streams (llama.cpp, ONNX, OGA): the engine's one callback per step puts
-            # each event straight into the outbox, instead of waking a task per stream to read it
-            # from a queue (8 task wakeups a step at 8 streams, on the cores the decode needs). No
-            # event can have arrived yet: the engine delivers on this loop, and we have not yielded.
-            stream._put = lambda event, rid=rid: self._forward(rid, event)
+            # Our engines' streams (llama.cpp, ONNX, OGA) deliver through post_events, once per
+            # step, to `stream.loop`: pointed at _SendNow, the engine thread itself sends the step's
+            # events to the daemon between two decodes, instead of waking this loop (and a task per
+            # stream) during the next decode, on the cores it needs: at one stream that cost 2.5 ms
+            # a token here. No event can have been delivered yet: we have not yielded since submit.
+            stream.loop = self.send_now
             return
         try:
             async for event in stream:
                 self._forward(rid, event)
         finally:
             self.streams.pop(rid, None)
+            self._idle_if_done()
+
+    def _finished(self, rid: str) -> None:
+        if self.streams.pop(rid, None) is not None:
             self._idle_if_done()
 
     def _forward(self, rid: str, event: Any) -> None:
@@ -212,6 +218,22 @@ class Worker:
                 last = progress
                 if not self.channel.send("beat", progress, longest):
                     return
+
+
+class _SendNow:
+    """Stands in for the event loop of the streams this worker forwards: post_events (engine/
+    local.py) hands it each step's events with `call_soon_threadsafe`, and it sends them to the
+    daemon at once, on the calling (engine) thread, in one message."""
+
+    def __init__(self, worker: Worker):
+        self.worker = worker
+
+    def call_soon_threadsafe(self, callback: Any, items: list[tuple[RequestStream, Any]]) -> None:
+        worker = self.worker
+        worker.channel.send("events", [(stream.request_id, event) for stream, event in items])
+        for stream, event in items:
+            if event.finish_reason is not None:
+                worker._finished(stream.request_id)
 
 
 def _longest_recent_step(engine: ModelEngine) -> float:
