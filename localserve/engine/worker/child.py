@@ -130,17 +130,22 @@ class Worker:
             return
         rid = stream.request_id
         self.streams[rid] = stream
-        self.channel.send("reply", call, None)
-        if rid in self.cancelled_early:
-            self.cancelled_early.discard(rid)
-            stream.cancel()
-        if isinstance(stream, RequestStream):
+        direct = isinstance(stream, RequestStream)
+        if direct:
             # Our engines' streams (llama.cpp, ONNX, OGA) deliver through post_events, once per
             # step, to `stream.loop`: pointed at _SendNow, the engine thread itself sends the step's
             # events to the daemon between two decodes, instead of waking this loop (and a task per
             # stream) during the next decode, on the cores it needs: at one stream that cost 2.5 ms
-            # a token here. No event can have been delivered yet: we have not yielded since submit.
+            # a token here. Set before anything here lets the GIL go; a first step delivered to
+            # this loop in the instant before (the engine thread finishing a decode meanwhile)
+            # still reaches the daemon through `_put`, ahead of the next step.
             stream.loop = self.send_now
+            stream._put = lambda event, rid=rid: self._forward(rid, event)
+        self.channel.send("reply", call, None)
+        if rid in self.cancelled_early:
+            self.cancelled_early.discard(rid)
+            stream.cancel()
+        if direct:
             return
         try:
             async for event in stream:
