@@ -25,66 +25,17 @@ from typing import Callable, Generator
 from ..backends.common import sampler_thread
 from ..backends.base import Backend, Sampler, declared_capabilities
 from ..batching.limits import EngineLimits
-from ..protocol.requests import LANES, GenerationEvent, GenerationRequest, Lane, check_request
+from ..protocol.requests import LANES, GenerationRequest, Lane, check_request
 from ..batching.scheduler import Scheduler
 from ..batching.sequence import Sequence
 from . import step
 from ..protocol.engine import EngineStats, ModelInfo
 from ..errors import ContextLengthExceededError, InvalidRequestError, OverloadedError, QueueFullError
+from .streams import STREAM_BUFFER_EVENTS, RequestStream, post_events
 
 log = logging.getLogger(__name__)
 
 _RATE_WINDOW_S = 10.0  # tokens/s and completions/s are measured over this much recent time
-# Events a stream may hold unread before the engine stops its sequence. A reading client takes
-# each step's event within milliseconds; one that stops reading (while the server's socket buffers
-# fill up) would otherwise keep its sequence decoding into an unbounded queue. 1024 steps are tens
-# of seconds of a fast model's output: far beyond any reader that is merely slow.
-STREAM_BUFFER_EVENTS = 1024
-
-
-class RequestStream:
-    """Async iterator of one request's GenerationEvents; the last one carries finish_reason."""
-
-    def __init__(self, engine: "Engine", seq: Sequence, loop: asyncio.AbstractEventLoop):
-        self._engine = engine
-        self._seq = seq
-        self.loop = loop
-        self._queue: asyncio.Queue[GenerationEvent] = asyncio.Queue()
-        self._done = False
-        self.overflowed = False  # cancelled because its reader fell STREAM_BUFFER_EVENTS behind
-
-    @property
-    def request_id(self) -> str:
-        return self._seq.request_id
-
-    def cancel(self) -> None:
-        """Safe from any thread or coroutine; the stream ends with finish_reason "cancelled"
-        (unless it already finished) after the engine's next step."""
-        self._seq.cancelled = True
-        self._engine._wake()
-
-    def _put(self, event: GenerationEvent) -> None:
-        # Events are never dropped (the stream's text must stay whole); a reader this far behind
-        # has its sequence cancelled instead, and the "cancelled" finish still arrives.
-        self._queue.put_nowait(event)
-        if event.finish_reason is None and self._queue.qsize() > self._engine.stream_buffer_events:
-            if not self.overflowed:
-                log.info("request %s: %d events unread, cancelling it", self.request_id, self._queue.qsize())
-            self.overflowed = True
-            self.cancel()
-
-    def __aiter__(self) -> "RequestStream":
-        return self
-
-    async def __anext__(self) -> GenerationEvent:
-        if self._done:
-            raise StopAsyncIteration
-        event = await self._queue.get()
-        if event.finish_reason is not None:
-            self._done = True
-        return event
-
-
 class _Rates:
     """Recent per-step figures -> rates, over a sliding time window (engine thread writes,
     any thread reads a consistent-enough snapshot)."""
@@ -482,20 +433,3 @@ class Engine:
         if data is None:
             data = self._token_bytes_cache[token] = self._backend.token_to_bytes(token)
         return data
-
-
-def post_events(items: list[tuple[RequestStream, GenerationEvent]]) -> None:
-    """Hand events to the loops that own their streams, from any thread: one wakeup per loop."""
-    by_loop: dict[asyncio.AbstractEventLoop, list] = {}
-    for stream, event in items:
-        by_loop.setdefault(stream.loop, []).append((stream, event))
-    for loop, batch in by_loop.items():
-        try:
-            loop.call_soon_threadsafe(_put_all, batch)
-        except RuntimeError:  # that loop is closed: its client is gone
-            pass
-
-
-def _put_all(items: list[tuple[RequestStream, GenerationEvent]]) -> None:
-    for stream, event in items:
-        stream._put(event)

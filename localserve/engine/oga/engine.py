@@ -30,7 +30,8 @@ import numpy as np
 
 from ...backends.base import SampledToken
 from ...batching.sequence import Sequence
-from ..local import STREAM_BUFFER_EVENTS, RequestStream, _Rates, post_events
+from ..local import _Rates
+from ..streams import STREAM_BUFFER_EVENTS, RequestStream, post_events
 from ...protocol.engine import EngineStats, ModelInfo
 from ...errors import GenerationError, InvalidRequestError, LocalserveError, OverloadedError, QueueFullError, redact_paths
 from ...protocol.requests import LANES, GenerationRequest, Lane, check_request

@@ -26,7 +26,7 @@ from typing import Any, Callable
 
 from ...errors import BackendError, LocalserveError
 from ...protocol.engine import ModelEngine
-from ..local import RequestStream
+from ..streams import RequestStream
 from .. import live
 from .channel import CALLS, Channel
 

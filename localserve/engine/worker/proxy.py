@@ -38,7 +38,7 @@ from typing import Any, Callable
 from ...errors import EngineCrashedError, OverloadedError, redact_paths
 from ...protocol.engine import EngineStats, ModelInfo
 from ...protocol.requests import GenerationEvent, GenerationRequest, Lane
-from ..local import STREAM_BUFFER_EVENTS, post_events
+from ..streams import EventQueue, post_events
 from .channel import Channel
 
 log = logging.getLogger(__name__)
@@ -65,17 +65,14 @@ def _context() -> multiprocessing.context.BaseContext:
     return ctx
 
 
-class WorkerStream:
+class WorkerStream(EventQueue):
     """EventStream of one request whose events come from the worker."""
 
     def __init__(self, engine: "WorkerEngine", request_id: str, loop: asyncio.AbstractEventLoop):
+        super().__init__(loop)
         self._engine = engine
         self._request_id = request_id
-        self.loop = loop
-        self._queue: asyncio.Queue[GenerationEvent] = asyncio.Queue()
-        self._done = False
         self._finished = False  # its last event arrived (set on the reader thread)
-        self.overflowed = False
 
     @property
     def request_id(self) -> str:
@@ -84,25 +81,6 @@ class WorkerStream:
     def cancel(self) -> None:
         if not self._finished:
             self._engine.cancel(self._request_id)
-
-    def _put(self, event: GenerationEvent) -> None:
-        # As RequestStream: a reader this far behind has its request cancelled, never its text cut.
-        self._queue.put_nowait(event)
-        if event.finish_reason is None and self._queue.qsize() > STREAM_BUFFER_EVENTS and not self.overflowed:
-            log.info("request %s: %d events unread, cancelling it", self._request_id, self._queue.qsize())
-            self.overflowed = True
-            self.cancel()
-
-    def __aiter__(self) -> "WorkerStream":
-        return self
-
-    async def __anext__(self) -> GenerationEvent:
-        if self._done:
-            raise StopAsyncIteration
-        event = await self._queue.get()
-        if event.finish_reason is not None:
-            self._done = True
-        return event
 
 
 class WorkerEngine:
