@@ -46,6 +46,13 @@ class LoadedModel:
     def pinned(self) -> int:
         return len(self.leases)
 
+    def revoke_holds(self) -> None:
+        """It goes (unloaded, or its worker died): a batch's hold is no work, so it is taken back,
+        and the batch takes a new lease when its next line runs."""
+        for lease in [lease for lease in self.leases if lease.hold]:
+            lease.preempted = True
+            self.leases.discard(lease)
+
     @property
     def work(self) -> tuple[str, ...]:
         """The lane of every lease doing work (a hold is none)."""

@@ -28,9 +28,8 @@ import time
 from contextlib import asynccontextmanager
 from typing import Any, AsyncIterator, Callable
 
-from ..config.aliases import SETTING as ALIAS_SETTING, alias_target
 from ..config.settings import Settings
-from ..errors import BackendError, EngineCrashedError, InvalidNameError, LocalserveError, ModelNotFoundError, OverloadedError
+from ..errors import BackendError, EngineCrashedError, LocalserveError, OverloadedError
 from ..protocol.engine import ModelEngine
 from ..protocol.requests import Lane
 from ..store.cache import InstalledModel, ModelStore
@@ -38,6 +37,7 @@ from ..engine.upstream.pool import UpstreamPool
 from ..engine.worker.proxy import WorkerEngine
 from . import swaps
 from .crashes import CrashBook
+from .resolve import resolve
 from .loaded import Lease, LoadedModel
 from .status_rows import failed_row, loaded_row, loading_row
 from .planning import (ModelPlan, gguf_limits, hardware_report, load_engine, memory_budget, plan_model,
@@ -91,7 +91,7 @@ class ModelManager:
         when it must wait for a swap); held while inside. A name the store does not hold (or
         refuses as a local name, like an upstream's "org/model" id) may be a remote model: then its
         upstream engine, with nothing to load, lease or unload. Names resolve through
-        `model_aliases` (see _served). `explicit`: the user asked to load this model (not a request
+        `model_aliases` (resolve.py). `explicit`: the user asked to load this model (not a request
         that needs it), which loads one marked failed after crashes again (crashes.py)."""
         async with self._lease(model_ref, keep_alive, lane, hold=False, explicit=explicit) as lease:
             yield lease
@@ -106,7 +106,7 @@ class ModelManager:
     @asynccontextmanager
     async def _lease(self, model_ref: str, keep_alive: float | None, lane: Lane, hold: bool,
                      explicit: bool = False) -> AsyncIterator[Lease]:
-        served = await self._served(model_ref)
+        served = await resolve(model_ref, self._store, self.upstreams, self.settings)
         if not isinstance(served, InstalledModel):
             name, remote = served
             yield Lease(LoadedModel(name=name, engine=remote, info=None, loaded_at=time.time(), memory_bytes=0,
@@ -420,9 +420,7 @@ class ModelManager:
             log.error("%s: %s", model.name, self.crashes.failed[model.name])
         if self._loaded.get(model.name) is model:
             del self._loaded[model.name]
-            for lease in [lease for lease in model.leases if lease.hold]:  # the batch takes a new one
-                lease.preempted = True
-                model.leases.discard(lease)
+            model.revoke_holds()
             # Nothing to free but the pipe: the process is gone.
             asyncio.create_task(self._shutdown_engine(model), name=f"close {model.name}")
         if model.name in self.crashes.failed:  # requests queued for it meanwhile are not left waiting
@@ -435,9 +433,7 @@ class ModelManager:
         if self._loaded.get(model.name) is not model:
             return None
         del self._loaded[model.name]
-        for lease in [lease for lease in model.leases if lease.hold]:  # a hold is no work: revoked
-            lease.preempted = True
-            model.leases.discard(lease)
+        model.revoke_holds()
         if why:
             log.info("swap: unloading %s (resident %.1fs, %s)", model.name, time.monotonic() - model.resident_since, why)
         task = asyncio.create_task(self._shutdown_engine(model), name=f"unload {model.name}")
@@ -489,33 +485,6 @@ class ModelManager:
                 pass
 
     # --- helpers ---------------------------------------------------------------------------
-    async def _served(self, model_ref: str) -> "InstalledModel | tuple[str, ModelEngine]":
-        """What serves a name: the installed model, or (name, engine) of an upstream's; the name
-        itself first, then the model its `model_aliases` item maps it to (config/aliases.py)."""
-        try:
-            return await self._lookup(model_ref)
-        except (ModelNotFoundError, InvalidNameError) as missing:
-            target = alias_target(model_ref, self.settings.model_aliases)
-            if target is not None:
-                return await self._lookup(target)
-            if not isinstance(missing, ModelNotFoundError):
-                raise
-            # Agents send names of models that are not ours (claude-*, gpt-*): say how to serve them.
-            raise ModelNotFoundError(
-                model_ref, missing.suggestions,
-                message=f"model {model_ref!r} is not served here: pull it, or map the name to an installed "
-                        f"model with the {ALIAS_SETTING} setting (e.g. {model_ref.split('-')[0]}-*={self.settings.default_model})",
-            ) from None
-
-    async def _lookup(self, model_ref: str) -> "InstalledModel | tuple[str, ModelEngine]":
-        try:
-            return await asyncio.to_thread(self._store.find, model_ref)
-        except (ModelNotFoundError, InvalidNameError):
-            remote = await self.upstreams.engine_for(model_ref) if self.upstreams is not None else None
-            if remote is None:
-                raise
-            return model_ref, remote
-
     async def _key_of(self, model_ref: str) -> str | None:
         """The loaded model a reference names: exact `name:tag`, or what the store resolves it to,
         or a name with exactly one loaded tag (its manifest may be gone: `rm` of a loaded model)."""
