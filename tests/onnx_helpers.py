@@ -178,6 +178,23 @@ def greedy(backend, ids: list[int], n: int = 8) -> list[int]:
     return out
 
 
+def tie_gap_at_divergence(backend, ids: list[int], answer: list[int]) -> float:
+    """How far below its own top choice `backend` (llama.cpp, greedy) ranks the first token of
+    `answer` it would not have picked; 0.0 when it would have picked them all. Two runtimes that
+    round differently may part only where the top two logits nearly tie."""
+    backend.kv_remove(0)
+    row = prefill(backend, 0, ids)
+    try:
+        for k, token in enumerate(answer):
+            if int(row.argmax()) != token:
+                return float(row.max() - row[token])
+            backend.decode([BatchToken(token, 0, len(ids) + k, True)])
+            row = backend.logits(0)
+        return 0.0
+    finally:
+        backend.kv_remove(0)
+
+
 async def answer(engine, ids: list[int], max_tokens: int) -> list[int]:
     """One greedy request's tokens through the engine."""
     from localserve.protocol.requests import GenerationRequest, SamplingParams

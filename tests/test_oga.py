@@ -30,7 +30,8 @@ from localserve.errors import InvalidRequestError, ModelDirError, OverloadedErro
 from localserve.runtime.oga_loader import build_oga_engine  # noqa: E402
 from localserve.protocol.requests import GenerationRequest, SamplingParams  # noqa: E402
 from localserve.store.cache import ModelStore  # noqa: E402
-from onnx_helpers import TINY, cached_folder, chat, greedy, reference_logits, tiny_weights, write_tiny_gguf  # noqa: E402
+from onnx_helpers import (TINY, cached_folder, chat, greedy, reference_logits, tie_gap_at_divergence,  # noqa: E402
+                          tiny_weights, write_tiny_gguf)
 from server_harness import LiveServer, server_settings  # noqa: E402
 
 PROMPTS = ["What is the capital of France?", "Write a haiku about the sea.", "List three prime numbers.",
@@ -194,11 +195,15 @@ def test_greedy_answers_equal_oga_direct_and_agree_with_llama_cpp(engine, oga_di
                                    exact_attention=True)
     try:
         llama = [until_eog(greedy(backend, ids)) for ids in prompts]
+        # Where they part, llama.cpp must nearly tie on the token OGA picked. Measured: 7+ of 8 equal
+        # on CI's AMX machines, 6 of 8 on an AVX2 one, whose two misses lie 0.026 and 0.057
+        # logits below llama.cpp's top (logits of magnitude ~20).
+        gaps = [tie_gap_at_divergence(backend, ids, answer) for ids, answer in zip(prompts, served)]
     finally:
         backend.close()
     agree = sum(a == b for a, b in zip(served, llama))
-    print(f"first 8 greedy tokens equal to llama.cpp's on {agree} of {len(prompts)} prompts")
-    assert agree >= 7
+    print(f"first 8 greedy tokens equal to llama.cpp's on {agree} of {len(prompts)} prompts; gaps {gaps}")
+    assert max(gaps) < 0.1 and agree >= 6
 
 
 def test_concurrent_requests_give_their_alone_answers(engine, vocab):

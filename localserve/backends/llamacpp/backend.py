@@ -161,13 +161,14 @@ class LlamaCppBackend(Backend):
         n_seq_max: sequence ids 0..n_seq_max-1 (llama.cpp allows at most 256).
         n_batch: the most tokens one decode may carry (the scheduler's step budget must not exceed it).
         embeddings: create the embeddings context now instead of at the first embed() call.
-        exact_attention: F32 KV cache and no flash attention. With the default F16 cache (and the
-            CPU flash-attention kernel, which rounds through F16 anyway) attention sums depend on
-            where a sequence's cells sit in the cache: measured on SmolLM2, a prompt continued in
-            cells freed by another sequence differs by up to ~0.6 in its logits (enough to flip a
-            greedy token) from the same prompt in fresh cells. With F32 and no flash attention the
-            logits are bit-identical whatever the cell order, so a request gives the same output
-            alone, batched, or from the prefix cache. Costs 2x KV memory and ~10% decode speed.
+        exact_attention: F32 KV cache and no flash attention: the least rounding llama.cpp offers,
+            the reference the tests compare other runtimes (ONNX, OGA) against. Costs 2x KV memory
+            and ~10% decode speed. It does not make a unified pool independent of where a
+            sequence's cells sit: the vector kernels sum cells in lanes, so an offset that moves a
+            sequence across lanes moves its sums. Measured on SmolLM2 on an AVX2 machine, a prompt
+            behind another sequence's cells differs by up to 0.49 in its logits (enough to flip a
+            greedy token) unless that offset is a multiple of 8, where CI's AMX machines had
+            passed a bit-equality test. Per-sequence streams (kv_unified=False) keep answers exact.
         kv_unified: one pool of n_ctx cells for all sequences (True, this function's default) or
             one stream of n_ctx / n_seq_max cells per sequence (False, what the product loads:
             settings.kv_unified, EngineLimits). Measured on SmolLM2 (tests/
