@@ -3,8 +3,9 @@
     python benchmarks/fim.py --model-path .test-cache/home/models/smollm2-135m/Q4_1/SmolLM2-135M-Instruct.Q4_1.gguf
 
 The typing simulation (issue 23): a real source file is "typed" a few characters at a time; every
-150 ms the editor sends `/infill` with the text before the cursor as input_prefix and the next
-lines as input_suffix, and drops the previous request if it has not finished (closing its
+150 ms the editor sends `/infill` (with `id_slot` 0, as llama.vim does), laid out as llama.vim and
+llama.vscode lay it out ("lines") or with all the text before the cursor as input_prefix
+("flat"; see keystrokes()), and drops the previous request if it has not finished (closing its
 connection, as llama.vscode's abort does). Each server runs it alone and while 4 chat streams run
 beside it, in alternating passes (localserve, llama-server, localserve, llama-server), one server at
 a time on the same cores. Printed per pass: FIM TTFT p50 / p95 of the requests that got a first
@@ -54,21 +55,33 @@ class Pass:
     errors: int = 0
 
 
-def keystrokes(text: str, start: int, n: int, chars_per_key: int) -> list[tuple[str, str]]:
-    """(prefix, suffix) at each of n cursor positions, a few characters apart."""
+def keystrokes(text: str, start: int, n: int, chars_per_key: int, layout: str) -> list[tuple[str, str, str]]:
+    """(input_prefix, prompt, input_suffix) at each of n cursor positions, a few characters apart.
+
+    "lines" is what llama.vim and llama.vscode send (fim_ctx_local): the lines above the cursor as
+    input_prefix, the cursor's line so far as `prompt` (after <fim_mid>), the rest of that line and
+    the next lines as input_suffix. Typing along a line then changes only the prompt's end.
+    "flat" puts all the text before the cursor in input_prefix, as a client of /v1/completions'
+    prompt + suffix does: each keystroke changes what comes before the suffix."""
     out = []
     for i in range(n):
         cursor = start + i * chars_per_key
+        line_start = text.rfind("\n", 0, cursor) + 1
         line_end = text.find("\n", cursor)
         rest = text[cursor:] if line_end < 0 else text[line_end:]
-        out.append((text[:cursor], "\n".join(rest.split("\n")[:SUFFIX_LINES])))
+        after = "\n".join(rest.split("\n")[:SUFFIX_LINES])
+        if layout == "lines":
+            out.append((text[:line_start], text[line_start:cursor], text[cursor:max(line_end, cursor)] + after))
+        else:
+            out.append((text[:cursor], "", after))
     return out
 
 
-async def infill(session: aiohttp.ClientSession, url: str, model: str, prefix: str, suffix: str,
+async def infill(session: aiohttp.ClientSession, url: str, model: str, fields: tuple[str, str, str],
                  n_predict: int, result: Pass) -> None:
+    prefix, middle, suffix = fields
     body = {"model": model, "input_prefix": prefix, "input_suffix": suffix, "input_extra": [],
-            "prompt": "", "n_predict": n_predict, "stream": True, "cache_prompt": True,
+            "prompt": middle, "n_predict": n_predict, "stream": True, "cache_prompt": True, "id_slot": 0,
             "samplers": ["top_k", "top_p", "infill"], "top_k": 40, "top_p": 0.99, "temperature": 0.0}
     start = time.perf_counter()
     first = None
@@ -110,7 +123,7 @@ async def chat_loop(session: aiohttp.ClientSession, url: str, model: str, stop_a
                         break
 
 
-async def typing_pass(url: str, model: str, args: argparse.Namespace, chats: int) -> Pass:
+async def typing_pass(url: str, model: str, args: argparse.Namespace, chats: int, layout: str) -> Pass:
     text = SOURCE.read_text()
     result = Pass()
     stop_chats = asyncio.Event()
@@ -119,10 +132,11 @@ async def typing_pass(url: str, model: str, args: argparse.Namespace, chats: int
         if chats:
             await asyncio.sleep(2.0)  # the chats are decoding before the typing starts
         previous: asyncio.Task | None = None
-        for i, (prefix, suffix) in enumerate(keystrokes(text, args.start, args.keys, args.chars_per_key), 1):
+        strokes = keystrokes(text, args.start, args.keys, args.chars_per_key, layout)
+        for i, fields in enumerate(strokes, 1):
             if previous is not None and not previous.done():
                 previous.cancel()  # the next keystroke drops the answer nobody will see
-            previous = asyncio.create_task(infill(session, url, model, prefix, suffix, args.n_predict, result))
+            previous = asyncio.create_task(infill(session, url, model, fields, args.n_predict, result))
             if i % args.burst == 0:  # the user pauses: this completion is the one they wait for
                 with contextlib.suppress(asyncio.CancelledError):
                     await previous
@@ -137,11 +151,12 @@ async def typing_pass(url: str, model: str, args: argparse.Namespace, chats: int
     return result
 
 
-def row(name: str, load: str, p: Pass) -> str:
+def row(name: str, layout: str, load: str, p: Pass) -> str:
+    head = f"{name:<13} {layout:<5} {load:<8}"
     if not p.ttfts:
-        return f"{name:<13} {load:<8} no request got a first token (dropped {p.dropped}, errors {p.errors})"
+        return f"{head} no request got a first token (dropped {p.dropped}, errors {p.errors})"
     share = p.cached / p.evaluated if p.evaluated else 0.0
-    return (f"{name:<13} {load:<8} TTFT p50 {percentile(p.ttfts, 50) * 1000:6.0f} ms  p95 "
+    return (f"{head} TTFT p50 {percentile(p.ttfts, 50) * 1000:6.0f} ms  p95 "
             f"{percentile(p.ttfts, 95) * 1000:6.0f} ms  answered {len(p.ttfts):3d}  dropped {p.dropped:3d}  "
             f"errors {p.errors}  cached {share:6.1%}")
 
@@ -163,11 +178,13 @@ async def main_async(args: argparse.Namespace) -> int:
                     proc, url, model = start_llama_server(model_path, args.threads, args.sequences, run_dir)
                 try:
                     await wait_ready(url, "/health", proc)
-                    await typing_pass(url, model, argparse.Namespace(**{**vars(args), "keys": 4}), 0)  # warm
-                    for chats in (0, 4):
-                        result = await typing_pass(url, model, args, chats)
-                        lines.append(row(name, "alone" if chats == 0 else "4 chats", result))
-                        print(lines[-1], flush=True)
+                    warm = argparse.Namespace(**{**vars(args), "keys": 4})
+                    await typing_pass(url, model, warm, 0, "flat")
+                    for layout in args.layouts.split(","):
+                        for chats in (0, 4):
+                            result = await typing_pass(url, model, args, chats, layout)
+                            lines.append(row(name, layout, "alone" if chats == 0 else "4 chats", result))
+                            print(lines[-1], flush=True)
                 finally:
                     stop(proc)
         return 0
@@ -189,6 +206,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--start", type=int, default=2000, help="where in the file the cursor starts")
     p.add_argument("--n-predict", type=int, default=16)
     p.add_argument("--rounds", type=int, default=2, help="alternating passes per server")
+    p.add_argument("--layouts", default="lines,flat", help="request layouts, comma-separated (see keystrokes())")
     p.add_argument("--servers", default="localserve,llama-server", help="comma-separated, in pass order")
     return p.parse_args(argv)
 

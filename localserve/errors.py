@@ -25,6 +25,7 @@ status and an OpenAI error body (`server/errors.py`) through `http_status`, `err
     ├── GenerationError              a request failed inside the engine (500, our message, shown)
     ├── RequestCancelledError        the server ended a request: shutdown, unload (503 + Retry-After)
     │   └── SwapPreemptedError       batch-lane work ended at a step boundary so another model can load
+    ├── RequestSupersededError       a newer request for the same id_slot ended this one (409)
     ├── UpstreamError                a remote upstream failed or refused (502)
     └── DaemonError                  the daemon cannot be started, reached or stopped, or answered an error
 """
@@ -188,6 +189,19 @@ class RequestCancelledError(OverloadedError):
     def __init__(self, message: str = "the request was cancelled by the server (shutting down or unloading "
                  "the model)", retry_after: float = 1.0):
         super().__init__(message, retry_after)
+
+
+class RequestSupersededError(LocalserveError):
+    """The same client sent a newer request for the same `id_slot` (server/slots.py): an editor's
+    next keystroke. Not retryable: the client wants the newer answer."""
+
+    http_status = 409
+    error_type = "invalid_request_error"
+    code = "superseded"
+
+    def __init__(self, slot: int):
+        super().__init__(f"a newer request for id_slot {slot} superseded this one")
+        self.slot = slot
 
 
 class EngineCrashedError(OverloadedError):

@@ -126,3 +126,45 @@ def test_a_model_without_fim_tokens_is_refused_by_name(server) -> None:
     assert status == 400 and answer["error"]["param"] == "input_suffix"
     status, answer = server.json("POST", "/v1/completions", {**body, "model": MODEL, "prompt": [1, 2, 3]})
     assert status == 400 and answer["error"]["param"] == "prompt"
+
+
+def test_a_newer_request_for_the_same_id_slot_ends_the_last(server) -> None:
+    """llama.vim's request shape (lines above the cursor as input_prefix, the cursor's line so far as
+    `prompt`, id_slot 0): the next keystroke's request ends the previous one, streamed or not, and
+    reuses its cells; another client's id_slot 0 is its own."""
+    import asyncio
+
+    import aiohttp
+
+    source = "".join(f"def f{i}(x):\n    return x + {i}\n\n" for i in range(20))
+    body = {"input_prefix": source, "input_suffix": SUFFIX, "prompt": "    ret", "id_slot": 0, "temperature": 0,
+            "n_predict": 400, "stop": []}
+
+    async def run() -> None:
+        vim = {"User-Agent": "curl/8.5.0"}
+        async with aiohttp.ClientSession(server.url) as http:
+            async with http.post("/infill", json={**body, "stream": True, "ignore_eos": True}, headers=vim) as first:
+                frames = first.content.__aiter__()
+                assert json.loads((await anext(frames))[6:])["stop"] is False  # it is generating
+                # Another client's slot 0 does not touch it.
+                async with http.post("/infill", json={**body, "n_predict": 2}, headers={"User-Agent": "vscode"}) as other:
+                    assert other.status == 200 and (await other.json())["stop"] is True
+                async with http.post("/infill", json={**body, "prompt": "    retu", "n_predict": 4}, headers=vim) as next_:
+                    answer = await next_.json()
+                rest = [json.loads(line[6:]) async for line in frames if line.startswith(b"data: ")]
+            assert next_.status == 200 and 0 < answer["tokens_predicted"] <= 4
+            # The first request's prompt and answer so far were parked: all but the keystroke came from cache.
+            assert answer["tokens_cached"] >= answer["tokens_evaluated"] - 4, answer
+            assert rest[-1]["error"]["type"] == "invalid_request_error", rest[-1]
+            assert "superseded" in rest[-1]["error"]["message"] and len(rest) < 100
+
+            # Not streamed: the superseded request answers 409 in the same error format.
+            slow = asyncio.ensure_future(http.post("/infill", json={**body, "ignore_eos": True}, headers=vim))
+            await asyncio.sleep(0.3)
+            async with http.post("/infill", json={**body, "n_predict": 1}, headers=vim) as last:
+                assert last.status == 200
+            async with await slow as superseded:
+                error = await superseded.json()
+            assert superseded.status == 409 and "id_slot 0" in error["error"]["message"], error
+
+    asyncio.run(run())

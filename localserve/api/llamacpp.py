@@ -4,10 +4,11 @@
 `input_suffix`), chunks of other files (`input_extra`: [{"filename", "text"}]), the start of the
 middle already typed (`prompt`). `/completion` is the raw-prompt route of Continue's and Tabby's
 llama.cpp providers (the client fills its own FIM template). Both take llama.cpp's sampling names
-(`n_predict`, `temperature`, `top_k`, `top_p`, `min_p`, `repeat_penalty`, `seed`, `stop`) and
+(`n_predict`, `temperature`, `top_k`, `top_p`, `min_p`, `repeat_penalty`, `seed`, `stop`, `ignore_eos`) and
 `t_max_predict_ms`, and answer what the plugins read: `content`, `tokens_cached` (how much of the
 prompt the prefix cache served: consecutive keystrokes in one file share their start),
-`truncated`, `timings` and `stop`. `n_predict` 0 is the plugins' warm-up after an edit: it fills
+`truncated`, `timings` and `stop`. A request's `id_slot` ends the same client's previous request
+for that slot (server/slots.py): the editor moved on. `n_predict` 0 is the plugins' warm-up after an edit: it fills
 the cache and answers no text (the engine still computes one token, which is dropped).
 `/props` gives `n_ctx` and `total_slots`, which llama.vscode reads to size its context chunks.
 """
@@ -40,6 +41,7 @@ class NativeCall:
     # llama.cpp's bound on generation time, counted from the first token, that only ends an
     # answer once it holds a newline (a completion cut mid-line is worse than a late one).
     t_max_predict_ms: int | None
+    id_slot: int | None = None  # a newer request for it ends this one (server/slots.py)
     truncated: bool = field(default=False, init=False)
 
     @property
@@ -55,6 +57,7 @@ class NativeCall:
             max_tokens=clamp_max_tokens(requested, len(tokens), engine.n_ctx_per_seq, param),
             stop=parse_stop(self.body.raw("stop")),
             lane=self.lane,
+            ignore_eos=self.body.get_bool("ignore_eos", False),
         )
 
 
@@ -79,11 +82,17 @@ def _native_fields(body: Body, default_model: str, priority: str | None) -> dict
         stream=body.get_bool("stream", False),
         priority=priority,
         t_max_predict_ms=body.get_int("t_max_predict_ms", None, lo=0, hi=1 << 31) or None,
+        id_slot=_id_slot(body),
     )
     sampling_from(body, n_vocab=None, seed=parse_seed(body))  # bad sampling fields fail before a load
     parse_stop(body.raw("stop"))
     _json_schema(body)
     return fields
+
+
+def _id_slot(body: Body) -> int | None:
+    slot = body.get_int("id_slot", None, lo=-1, hi=(1 << 31) - 1)
+    return None if slot is None or slot < 0 else slot  # -1: llama-server's "any slot"
 
 
 @dataclass

@@ -31,7 +31,8 @@ from .metrics import handle_metrics, metrics_middleware
 from ..api.metrics import Metrics, UpstreamCollector
 from .security import WILDCARD_HOSTS, add_cors_headers, security_middleware
 from .sse import sse_pinger_middleware
-from .state import FEED_KEY, MANAGER_KEY, METRICS_KEY, SETTINGS_KEY, STARTED_KEY, STORE_KEY
+from .slots import SlotClaims
+from .state import FEED_KEY, MANAGER_KEY, METRICS_KEY, SETTINGS_KEY, SLOTS_KEY, STARTED_KEY, STORE_KEY
 
 if TYPE_CHECKING:
     from ..runtime.manager import ModelManager
@@ -75,6 +76,7 @@ def create_app(settings: Settings, manager: "ModelManager") -> web.Application:
     app[METRICS_KEY] = metrics
     app[STARTED_KEY] = time.time()
     app[FEED_KEY] = DashboardFeed(manager, metrics)  # the dashboard's one snapshot a second
+    app[SLOTS_KEY] = SlotClaims()
     app.on_response_prepare.append(add_cors_headers)
     app.router.add_get("/health", health)
     app.router.add_get("/metrics", handle_metrics)

@@ -19,6 +19,8 @@ from typing import Awaitable, TypeVar
 from aiohttp import web
 
 from ..api.errors import ClientGone
+from ..errors import RequestSupersededError
+from .slots import SlotClaim
 from .state import SETTINGS_KEY
 
 log = logging.getLogger("localserve.server")
@@ -63,18 +65,26 @@ def _bound_send_buffers(request: web.Request) -> None:
     transport.set_write_buffer_limits(high=SEND_BUFFER_BYTES)
 
 
-async def guard_disconnect(request: web.Request, work: Awaitable[T]) -> T:
+async def guard_disconnect(request: web.Request, work: Awaitable[T], claim: SlotClaim | None = None) -> T:
     """Run `work`; cancel it if the client disconnects first, or stops reading for
-    settings.stream_write_timeout seconds (then the connection is dropped), and raise ClientGone."""
+    settings.stream_write_timeout seconds (then the connection is dropped), and raise ClientGone;
+    or, with the `id_slot` claim it holds, once a newer request supersedes it (then raise
+    RequestSupersededError, at once: the newer request waits for this one to let go)."""
     _bound_send_buffers(request)
     task = asyncio.ensure_future(work)
+    superseded = asyncio.ensure_future(claim.superseded.wait()) if claim is not None else None
     write_timeout = request.app[SETTINGS_KEY].stream_write_timeout
     blocked_since: float | None = None
     try:
         while True:
-            done, _ = await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
-            if done:
+            done, _ = await asyncio.wait({task, superseded} - {None}, timeout=DISCONNECT_POLL_S,
+                                         return_when=asyncio.FIRST_COMPLETED)
+            if task in done:
                 return task.result()
+            if superseded in done:
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
+                raise RequestSupersededError(claim.slot)
             gone = _client_gone(request)
             if not gone and _writes_blocked(request):
                 now = time.monotonic()
@@ -93,6 +103,8 @@ async def guard_disconnect(request: web.Request, work: Awaitable[T]) -> T:
                 await asyncio.gather(task, return_exceptions=True)
                 raise ClientGone()
     finally:
+        if superseded is not None:
+            superseded.cancel()
         if not task.done():
             task.cancel()
             await asyncio.gather(task, return_exceptions=True)

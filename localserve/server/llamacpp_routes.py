@@ -19,8 +19,9 @@ from ..errors import GenerationError, LocalserveError
 from .body import read_json
 from .disconnect import guard_disconnect
 from .served import served
+from .slots import SlotClaim
 from .sse import open_sse, send_sse
-from .state import MANAGER_KEY, SETTINGS_KEY, STORE_KEY
+from .state import MANAGER_KEY, SETTINGS_KEY, SLOTS_KEY, STORE_KEY
 
 routes = web.RouteTableDef()
 
@@ -48,10 +49,12 @@ async def _answer(request: web.Request, parse: Callable[[Body, str, str | None],
                   what: str) -> web.StreamResponse:
     body = await read_json(request)
     call = parse(body, request.app[SETTINGS_KEY].default_model, request.headers.get("X-Priority"))
-    async with generation(request.app[MANAGER_KEY], call.model, None, call.prepare, lane=call.lane) as run:
-        if call.stream:
-            return await _stream(request, call, run, what)
-        final = await guard_disconnect(request, _collected(call, run))
+    client = request.headers.get("User-Agent", "")
+    async with request.app[SLOTS_KEY].claim(call.model, call.id_slot, client) as claim:
+        async with generation(request.app[MANAGER_KEY], call.model, None, call.prepare, lane=call.lane) as run:
+            if call.stream:
+                return await _stream(request, call, run, what, claim)
+            final = await guard_disconnect(request, _collected(call, run), claim)
     return web.json_response(final, dumps=json_dumps)
 
 
@@ -68,7 +71,8 @@ async def _collected(call: NativeCall, run: Run) -> dict:
     raise GenerationError("the engine's stream ended without a final event")
 
 
-async def _stream(request: web.Request, call: NativeCall, run: Run, what: str) -> web.StreamResponse:
+async def _stream(request: web.Request, call: NativeCall, run: Run, what: str,
+                  claim: SlotClaim | None) -> web.StreamResponse:
     """`data: {"content": ..., "stop": false}` per piece of text, then the final object."""
     response = await open_sse(request)
     (stream,) = run.streams
@@ -82,7 +86,7 @@ async def _stream(request: web.Request, call: NativeCall, run: Run, what: str) -
                 await send_sse(response, final_object(call, run.model, "", [], event.usage, event.finish_reason))
 
     try:
-        await guard_disconnect(request, body())
+        await guard_disconnect(request, body(), claim)
     except (ClientGone, ConnectionResetError):
         pass  # the client left (the next keystroke's request): generation() cancels the stream
     except LocalserveError as e:  # after the 200: the error object in a frame, as non-streamed

@@ -13,6 +13,7 @@ if TYPE_CHECKING:
     from ..store.cache import ModelStore
     from ..api.metrics import Metrics
     from ..api.dashboard_feed import DashboardFeed
+    from .slots import SlotClaims
 
 SETTINGS_KEY = web.AppKey("settings", Settings)
 MANAGER_KEY: "web.AppKey[ModelManager]" = web.AppKey("manager", Any)  # type: ignore[arg-type]
@@ -20,3 +21,4 @@ STORE_KEY: "web.AppKey[ModelStore]" = web.AppKey("store", Any)  # type: ignore[a
 METRICS_KEY: "web.AppKey[Metrics]" = web.AppKey("metrics", Any)  # type: ignore[arg-type]
 STARTED_KEY = web.AppKey("started", float)
 FEED_KEY: "web.AppKey[DashboardFeed]" = web.AppKey("dashboard_feed", Any)  # type: ignore[arg-type]
+SLOTS_KEY: "web.AppKey[SlotClaims]" = web.AppKey("id_slots", Any)  # type: ignore[arg-type]
