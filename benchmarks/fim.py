@@ -60,7 +60,7 @@ def keystrokes(text: str, start: int, n: int, chars_per_key: int, layout: str) -
 
     "lines" is what llama.vim and llama.vscode send (fim_ctx_local): the lines above the cursor as
     input_prefix, the cursor's line so far as `prompt` (after <fim_mid>), the rest of that line and
-    the next lines as input_suffix. Typing along a line then changes only the prompt's end.
+    the next lines as input_suffix. Typing a line then changes only the prompt's end.
     "flat" puts all the text before the cursor in input_prefix, as a client of /v1/completions'
     prompt + suffix does: each keystroke changes what comes before the suffix."""
     out = []
@@ -71,7 +71,10 @@ def keystrokes(text: str, start: int, n: int, chars_per_key: int, layout: str) -
         rest = text[cursor:] if line_end < 0 else text[line_end:]
         after = "\n".join(rest.split("\n")[:SUFFIX_LINES])
         if layout == "lines":
-            out.append((text[:line_start], text[line_start:cursor], text[cursor:max(line_end, cursor)] + after))
+            # The line is being typed anew: what follows the cursor is the lines below, unchanged
+            # from keystroke to keystroke (moving the cursor along the finished line instead
+            # would shorten the suffix at every key and recompute it, as no typist's editor does).
+            out.append((text[:line_start], text[line_start:cursor], after))
         else:
             out.append((text[:cursor], "", after))
     return out
