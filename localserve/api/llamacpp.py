@@ -4,12 +4,13 @@
 `input_suffix`), chunks of other files (`input_extra`: [{"filename", "text"}]), the start of the
 middle already typed (`prompt`). `/completion` is the raw-prompt route of Continue's and Tabby's
 llama.cpp providers (the client fills its own FIM template). Both take llama.cpp's sampling names
-(`n_predict`, `temperature`, `top_k`, `top_p`, `min_p`, `repeat_penalty`, `seed`, `stop`, `ignore_eos`) and
-`t_max_predict_ms`, and answer what the plugins read: `content`, `tokens_cached` (how much of the
-prompt the prefix cache served: consecutive keystrokes in one file share their start),
-`truncated`, `timings` and `stop`. A request's `id_slot` ends the same client's previous request
-for that slot (server/slots.py): the editor moved on. `n_predict` 0 is the plugins' warm-up after an edit: it fills
-the cache and answers no text (the engine still computes one token, which is dropped).
+(`n_predict`, `temperature`, `top_k`, `top_p`, `min_p`, `repeat_penalty`, `seed`, `stop`,
+`ignore_eos`) and `t_max_predict_ms`, and answer what the plugins read: `content`,
+`tokens_cached` (how much of the prompt the prefix cache served: consecutive keystrokes in one
+file share their start), `truncated`, `timings` and `stop`. A request's `id_slot` ends the same client's previous request
+for that slot (server/slots.py): the editor moved on. `n_predict` 0 is the plugins' warm-up after
+an edit: it fills the cache and answers no text (the engine still computes one token, which is
+dropped).
 `/props` gives `n_ctx` and `total_slots`, which llama.vscode reads to size its context chunks.
 """
 

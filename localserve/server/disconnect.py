@@ -82,9 +82,7 @@ async def guard_disconnect(request: web.Request, work: Awaitable[T], claim: Slot
             if task in done:
                 return task.result()
             if superseded in done:
-                task.cancel()
-                await asyncio.gather(task, return_exceptions=True)
-                raise RequestSupersededError(claim.slot)
+                raise RequestSupersededError(claim.slot)  # the finally ends the work
             gone = _client_gone(request)
             if not gone and _writes_blocked(request):
                 now = time.monotonic()
@@ -99,9 +97,7 @@ async def guard_disconnect(request: web.Request, work: Awaitable[T], claim: Slot
             else:
                 blocked_since = None
             if gone:
-                task.cancel()
-                await asyncio.gather(task, return_exceptions=True)
-                raise ClientGone()
+                raise ClientGone()  # the finally ends the work
     finally:
         if superseded is not None:
             superseded.cancel()

@@ -44,9 +44,6 @@ class SlotClaims:
     def __init__(self) -> None:
         self._holders: dict[SlotKey, SlotClaim] = {}
 
-    def holder(self, key: SlotKey) -> SlotClaim | None:
-        return self._holders.get(key)
-
     @contextlib.asynccontextmanager
     async def claim(self, model: str, slot: int | None, client: str) -> AsyncIterator[SlotClaim | None]:
         """Hold `slot` for the body of the block, after ending its previous holder; None (no claim)
