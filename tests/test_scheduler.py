@@ -42,8 +42,9 @@ def test_every_batch_respects_the_budget_and_long_prompts_are_chunked():
         assert len(plan.batch) <= 40
         steps_with_decoder += any(t.seq_id == decoder.seq.seq_id for t in plan.batch)
         assert decoder.finish_reason is None
-    # The running stream advanced at every step of the long prefill: it never stalled.
-    assert steps_with_decoder == h.sched.step - 2
+    # The running stream advanced at every step of the long prefill but the one that ended it,
+    # which it sat out (Scheduler._sit_out): it never stalled.
+    assert steps_with_decoder == h.sched.step - 3
     assert max(len(b) for b in h.backend.batches) == 40
     h.run()
     h.assert_drained()
@@ -246,8 +247,9 @@ def test_prefix_cache_shares_a_running_sequences_cells():
     used = h.backend.used_cells
     b = h.submit(system + [2, 3], max_tokens=30)
     h.step()
-    # b's 120-token prefix is shared with a, not stored twice: b's step added only its own 2 tokens.
-    assert h.backend.used_cells == used + 1 + 2
+    # b's 120-token prefix is shared with a, not stored twice: b's step added only its own 2 tokens
+    # (a sat that step out: it ended b's prompt, Scheduler._sit_out).
+    assert h.backend.used_cells == used + 2
     h.run()
     assert b.usage.cached_tokens == 120
     assert a.tokens == alone(system + [1], 30) and b.tokens == alone(system + [2, 3], 30)

@@ -88,6 +88,58 @@ def test_a_follow_up_adopts_the_parked_entry_and_trims_only_its_tail():
     assert positions(plan, b) == [len(SYSTEM) - 1, len(SYSTEM), len(SYSTEM) + 1]
 
 
+def _beside_chats(sched: Scheduler, n: int) -> list[Sequence]:
+    chats = [submit(sched, [200 + i, 201, 202, 203], max_tokens=40) for i in range(n)]
+    step(sched)
+    return chats
+
+
+def test_a_hit_on_a_finished_entry_beside_running_ones_costs_one_stream_copy():
+    # With streams a copy copies a whole stream and makes llama.cpp reserve its graph again: the
+    # entry is copied aside (above the running range) and the new request runs on its id, where
+    # a copy into a new id and two moves back to consecutive ids were three copies.
+    sched = planner(STREAMS, max_sequences=6)
+    chats = _beside_chats(sched, 3)
+    a = submit(sched, SYSTEM + [1, 2], max_tokens=3)
+    while not a.finished:
+        step(sched)
+    (entry,) = sched.cache.parked.values()
+    original = entry.seq_id
+    assert original == 3 and len(entry.tokens) == len(SYSTEM) + 4
+    b = submit(sched, SYSTEM + [7, 8])
+    plan = step(sched)
+    up = sched.pool.n_running
+    assert plan.kv_ops == [KVCopy(original, up, 0, len(SYSTEM) + 4), KVRemove(original, len(SYSTEM), -1)]
+    assert b.seq_id == original and sorted(q.seq_id for q in sched.running) == [0, 1, 2, 3]
+    # The entry is whole on its new id: the next turn of a's conversation still takes it over.
+    assert list(sched.cache.parked) == [up] and sched.cache.parked[up].tokens == entry.tokens
+    c = submit(sched, entry.tokens + [9, 10])
+    plan = step(sched)
+    # Taken over whole, and moved into the running block: no copy of its prefix.
+    assert c.cached_tokens == len(entry.tokens) and plan.kv_ops == [KVMove(up, 4)] and c.seq_id == 4
+    assert all(not q.finished for q in chats)
+
+
+def test_what_a_cancelled_request_left_is_taken_over_by_the_next_hit():
+    # An editor's completion superseded by the next keystroke: nobody extends its answer, so the
+    # next request takes its id and cells over, whatever it shares; no copy in either cache.
+    for caps in (STREAMS, POOL):
+        sched = planner(caps, max_sequences=6)
+        _beside_chats(sched, 3)
+        a = submit(sched, SYSTEM + [1, 2], max_tokens=30)
+        step(sched)
+        step(sched)
+        a.cancelled = True
+        step(sched)
+        (entry,) = sched.cache.parked.values()
+        held = entry.seq_id
+        assert entry.disposable and len(entry.tokens) > len(SYSTEM) + 2
+        b = submit(sched, SYSTEM + [1, 3, 4])
+        plan = step(sched)
+        assert plan.kv_ops == [KVRemove(held, len(SYSTEM) + 1, -1)]
+        assert b.seq_id == held and b.cached_tokens == len(SYSTEM) + 1 and not sched.cache.parked
+
+
 def test_a_finished_sequence_without_a_cache_is_removed_with_the_next_plan():
     sched = planner(POOL, prefix_cache=False)
     a = submit(sched, [1, 2, 3, 4], max_tokens=1)

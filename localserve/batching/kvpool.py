@@ -106,6 +106,15 @@ class KVPool:
         self._move(holder, heapq.heappop(self._free_parked))
         return True
 
+    def copy_to_parked(self, src: KVHolder, dst: KVHolder) -> bool:
+        """Copy all of src's KV into dst (fresh) on the lowest free parked id; False when none is
+        free."""
+        if not self._free_parked or src.seq_id < 0:
+            return False
+        dst.seq_id = heapq.heappop(self._free_parked)
+        self.share_prefix(src, dst, len(src.cells))
+        return True
+
     def block(self, running_ids: list[int], parked_ids: list[int]) -> range:
         """Where the running sequences should sit: the window of consecutive running-range ids
         that needs the fewest moves (running ones outside it move in, parked ones inside move out)."""

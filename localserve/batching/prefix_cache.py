@@ -3,10 +3,16 @@ or ids run short, and a new request starts from the longest token prefix residen
 parked entry or a running sequence) instead of recomputing it.
 
 A request that extends a whole entry (the next turn of a chat) takes the entry's id over: nothing
-is copied. Any other hit copies the prefix with `kv_copy` into the request's own id -- with
-per-sequence KV streams (the default) that copies cells, in a unified pool it shares them and
-costs no memory -- and the entry stays whole for the next request with the same system prompt.
-Entries sitting on ids the running sequences need are moved above them (kvpool.py says why).
+is copied. So does any hit on a *disposable* entry, one a cancelled request left (an editor's
+completion that the next keystroke superseded: nobody will extend its answer, and the next request
+shares all but its last characters). Any other hit copies, and the entry stays whole for the next
+request with the same system prompt: with per-sequence KV streams (the default) a copy copies a
+whole stream and makes llama.cpp reserve its worst-case graph again (12 + 25 ms on SmolLM2, 2
+cores), so an entry that sits on a running-range id is copied *aside*, above the running range,
+and the request takes the original id over -- one copy, where a copy into a new id and the two
+moves that kept the running ids consecutive were three. In a unified pool a copy shares cells and
+costs nothing. Entries sitting on ids the running sequences need are moved above them (kvpool.py
+says why).
 Matching is exact on token ids, and at least the backend's `min_recompute` prompt tokens are always
 computed (two for llama.cpp, see `lookup`), so a hit never changes the output -- only how many
 prompt tokens have to be computed.
@@ -28,12 +34,13 @@ MIN_HIT = 4
 class CachedPrefix:
     """A parked sequence id: its KV holds `tokens` at positions 0..len-1."""
 
-    __slots__ = ("seq_id", "cells", "tokens")
+    __slots__ = ("seq_id", "cells", "tokens", "disposable")
 
-    def __init__(self, seq_id: int, cells: list[int], tokens: list[int]):
+    def __init__(self, seq_id: int, cells: list[int], tokens: list[int], disposable: bool = False):
         self.seq_id = seq_id
         self.cells = cells
         self.tokens = tokens
+        self.disposable = disposable  # left by a cancelled request: a hit takes it over
 
     @property
     def num_computed(self) -> int:
@@ -67,12 +74,12 @@ class PrefixCache:
         self.hits = 0  # prompt tokens served from the cache
         self.queries = 0  # prompt tokens looked up
 
-    def park(self, holder: KVHolder, tokens: list[int]) -> bool:
+    def park(self, holder: KVHolder, tokens: list[int], disposable: bool = False) -> bool:
         """Keep a finished sequence's KV as cache. False (nothing kept) when the cache is off or
         the sequence holds nothing."""
         if not self.enabled or holder.seq_id < 0 or not holder.cells:
             return False
-        entry = CachedPrefix(holder.seq_id, holder.cells, tokens[: len(holder.cells)])
+        entry = CachedPrefix(holder.seq_id, holder.cells, tokens[: len(holder.cells)], disposable)
         holder.seq_id, holder.cells = -1, []
         self.parked[entry.seq_id] = entry
         return True
@@ -103,6 +110,22 @@ class PrefixCache:
             self.parked = OrderedDict((e.seq_id, e) for e in self.parked.values())
         else:  # no room above the running range
             self._drop(entry)
+
+    def copy_aside(self, entry: CachedPrefix) -> bool:
+        """Copy a parked entry to an id above the running range, where it takes the original's
+        place in the LRU order, so a new request can take the original's id over; False when no
+        id is free up there even after dropping the oldest entry that holds one."""
+        if not self.pool.free_parked_ids:
+            for other in self.parked.values():
+                if other.seq_id >= self.pool.n_running and other is not entry:
+                    self._drop(other)
+                    break
+        copy = CachedPrefix(-1, [], entry.tokens, entry.disposable)
+        if not self.pool.copy_to_parked(entry, copy):
+            return False
+        kept = (copy if e is entry else e for e in self.parked.values())
+        self.parked = OrderedDict((e.seq_id, e) for e in kept)
+        return True
 
     def _drop(self, entry: CachedPrefix) -> None:
         del self.parked[entry.seq_id]

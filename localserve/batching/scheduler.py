@@ -270,7 +270,8 @@ class Scheduler:
             return
         if seq.status is Status.RUNNING:
             self.running.remove(seq)
-            self._park_or_release(seq)
+            # A cancelled request's answer is of no use to anyone: the next hit may take it over.
+            self._park_or_release(seq, disposable=reason == "cancelled")
             self._hold_admissions = False  # its cells are free: what was held back may fit now
         else:
             self.lanes.remove(seq)
@@ -296,17 +297,29 @@ class Scheduler:
 
     # --- internals -------------------------------------------------------------------------
     def _sit_out(self, feeds: list[tuple[Sequence, int]], decoders: set[int]) -> list[tuple[Sequence, int]]:
-        """Batch-lane decoders sit out a step that carries a better lane's prompt chunk (their
-        cells are uncounted again). That step's length is the interactive request's first-token
-        wait; with a llama.cpp KV stream per sequence eight batch rows add a second ubatch to it
-        (+65 ms on 2 cores, a fifth of a short chat's TTFT), while the batch only loses a step."""
-        best = min((self.key(s)[0] for s, _ in feeds if id(s) not in decoders and s.request.lane != "batch"),
-                   default=None)
-        if best is None:
+        """Decoders that sit out a step carrying a prompt chunk (their cells are uncounted again),
+        under llama.cpp's KV stream per sequence, where the backend computes each prompt chunk in
+        a call of its own and the decodes in one more after it (llamacpp/batch.stream_groups):
+
+        - batch-lane decoders, beside any chunk of a better lane: that step's length is the
+          interactive request's first-token wait, and eight batch rows add a call to it (+65 ms
+          on 2 cores, a fifth of a short chat's TTFT), while the batch only loses a step;
+        - any decoder of the same or a worse lane, beside the *last* chunk of a prompt: riding
+          along, it would get its token at the end of the step, after the chunk's call and its
+          own; sitting out, it gets it one step later, which ends at the same time but for one
+          step's overhead, and the prompt's first token comes a decode call sooner (an editor's
+          keystroke beside 4 chats: its 3 tokens in 12 ms instead of 12 + 20). Beside a chunk
+          that does not finish its prompt it rides along: it would wait a whole prompt instead."""
+        prompts = [(s, n) for s, n in feeds if id(s) not in decoders]
+        best = min((self.key(s)[0] for s, _ in prompts if s.request.lane != "batch"), default=None)
+        best_last = min((self.key(s)[0] for s, n in prompts if n == s.pending), default=None)
+        if best is None and best_last is None:
             return feeds
         kept = []
         for seq, n in feeds:
-            if id(seq) in decoders and seq.request.lane == "batch" and self.key(seq)[0] > best:
+            rank = self.key(seq)[0]
+            if id(seq) in decoders and ((seq.request.lane == "batch" and best is not None and rank > best)
+                                        or (best_last is not None and rank >= best_last)):
                 self.pool.uncount(seq, len(seq.cells) - n)
             else:
                 kept.append((seq, n))
@@ -375,10 +388,13 @@ class Scheduler:
         entry = source if isinstance(source, CachedPrefix) else None
         # A prompt that extends the whole entry (a chat's next turn, a preempted request coming
         # back: it loses only the last tokens it must compute again anyway, at most min_recompute)
-        # takes the entry's id: no copy.
-        adopt = entry is not None and len(entry.tokens) - n_hit <= self.caps.min_recompute
-        if not adopt and not self.pool.free_running_ids:
-            if not self.cache.vacate_one(keep=entry):
+        # takes the entry's id: no copy. So does any hit on what a cancelled request left.
+        adopt = entry is not None and (entry.disposable or len(entry.tokens) - n_hit <= self.caps.min_recompute)
+        # Any other hit on an entry in the running range: the entry is copied aside and the request
+        # takes its id over (prefix_cache.py: one stream copy instead of three).
+        aside = not adopt and entry is not None and self.caps.consecutive_ids and entry.seq_id < self.pool.n_running
+        if not adopt and not aside:
+            if not self._free_running_id(entry):
                 return False
             if entry is not None and entry.seq_id < 0:  # it was the one in the way, and is gone
                 source = entry = None
@@ -392,11 +408,20 @@ class Scheduler:
                 if entry is not None:  # last resort: give up the hit, use the memory
                     self.cache.evict_one()
                     source = entry = None
-                    n_hit, adopt = 0, False
+                    n_hit, adopt, aside = 0, False, False
                     continue
                 return False
-        if adopt:
-            self.cache.take(entry)
+        if aside and not self.cache.copy_aside(entry):
+            # No id above the running range: a new id and a copy into it, as without the aside.
+            aside = False
+            if not self._free_running_id(entry):
+                return False
+            if entry.seq_id < 0:
+                source = entry = None
+                n_hit = 0
+        if adopt or aside:
+            if adopt:
+                self.cache.take(entry)
             self.pool.adopt(entry, seq, n_hit)
         else:  # copy the prefix; the entry stays whole for the next request like this one
             near = [q.seq_id for q in self.running] if self.caps.consecutive_ids else []
@@ -415,6 +440,11 @@ class Scheduler:
         seq.status = Status.RUNNING
         self.running.append(seq)
         return True
+
+    def _free_running_id(self, keep: CachedPrefix | None) -> bool:
+        """A running-range id for a new sequence: when none is free, a parked entry on one moves
+        above the range or is dropped (`keep` last: it may be the one that goes, seq_id -1)."""
+        return bool(self.pool.free_running_ids) or self.cache.vacate_one(keep=keep)
 
     def _make_room(self) -> None:
         """Preempt running sequences of a worse lane when the best waiting one cannot start."""
@@ -442,8 +472,8 @@ class Scheduler:
         self.preemptions += 1
         log.debug("preempted %s (lane %s, %d tokens)", seq.request_id, seq.request.lane, len(seq.tokens))
 
-    def _park_or_release(self, seq: Sequence, park: bool = True) -> None:
-        if not (park and self.cache.park(seq, seq.tokens)):
+    def _park_or_release(self, seq: Sequence, park: bool = True, disposable: bool = False) -> None:
+        if not (park and self.cache.park(seq, seq.tokens, disposable)):
             self.pool.release(seq)
 
     def _dequeued(self, seq: Sequence) -> None:
