@@ -431,7 +431,7 @@ def batched_ceiling(model_path: Path, threads: int) -> dict[str, float]:
 
     out = subprocess.run([str(tool_binary("llama-batched-bench")), "-m", str(model_path), "-c", "8192",
                           "-b", "2048", "-ub", "512", "-npp", "128", "-ntg", "128", "-npl", "1,8,16",
-                          "-t", str(threads), "--no-mmap"],
+                          "-t", str(threads), "--load-mode", "none"],  # the vendored build has no --no-mmap
                          capture_output=True, text=True, check=True, cwd=REPO).stdout
     ceiling = {}
     for line in out.splitlines():
