@@ -412,13 +412,11 @@ class Scheduler:
                     continue
                 return False
         if aside and not self.cache.copy_aside(entry):
-            # No id above the running range: a new id and a copy into it, as without the aside.
-            aside = False
+            aside = False  # no id above the running range: a new id and a copy, as without it
             if not self._free_running_id(entry):
                 return False
-            if entry.seq_id < 0:
-                source = entry = None
-                n_hit = 0
+            if entry.seq_id < 0:  # it was the one in the way, and is gone
+                source, entry, n_hit = None, None, 0
         if adopt or aside:
             if adopt:
                 self.cache.take(entry)
