@@ -283,3 +283,34 @@ def test_a_batch_through_a_worker_crash_answers_every_line_once(daemon, no_eog) 
     assert all(x["response"]["status_code"] == 200 for x in out), [x["response"] for x in out]
     assert batch.error_file_id is None
     assert ps(url)[A]["restarts"] == 1
+
+
+def test_a_gguf_models_tokenizer_runs_in_the_daemon_and_gives_the_workers_ids(tmp_path: Path, smollm2_gguf: Path) -> None:
+    """tokenize and detokenize are called on the event loop: a round trip to a worker whose threads
+    a busy decode keeps off the cores costs every keystroke four waits. The daemon's vocab-only load
+    of the same GGUF answers instead, with the ids and text the worker's own tokenizer gives."""
+    from localserve.config.settings import load_settings
+    from localserve.runtime import registry
+    from localserve.runtime.manager import plan_model
+    from localserve.store.cache import ModelStore
+
+    settings = load_settings(flags={"home": str(tmp_path), "context_length": 512, "max_sequences": 2},
+                             environ={}, config_path=tmp_path / "no-config.toml")
+    installed = ModelStore(settings).register_local(smollm2_gguf, "smol")
+    engine = registry.load(installed, plan_model(installed, settings), settings)
+    try:
+        sent: list[tuple] = []
+        real_send = engine._channel.send
+        engine._channel.send = lambda *message: (sent.append(message), real_send(*message))[1]
+        texts = ["Hello", "", "<|im_start|>user\nhi<|im_end|>\n", "naïve café 日本語 🎉 \ud800",
+                 "def f(x):\n    return x  # " + "word " * 300]
+        for text in texts:
+            for add_special in (True, False):
+                ids = engine.tokenize(text, add_special)
+                assert sent == []  # answered here: no message to the worker
+                assert ids == engine._wait("tokenize", text, add_special)
+                sent.clear()
+                assert engine.detokenize(ids) == engine._wait("detokenize", ids)
+                sent.clear()
+    finally:
+        engine.shutdown()

@@ -191,7 +191,8 @@ def load(installed: "InstalledModel", plan: "ModelPlan", settings: Settings) -> 
     return WorkerEngine.start(installed.ref, entry.load, (installed, variant, plan, settings),
                               log_path=settings.log_dir / f"engine-{_file_safe(installed.ref)}.log",
                               hang_timeout=settings.engine_hang_timeout,
-                              log_level=logging.getLogger().getEffectiveLevel())
+                              log_level=logging.getLogger().getEffectiveLevel(),
+                              vocab_gguf=variant.path if variant.format == "gguf" else None)
 
 
 def _file_safe(ref: str) -> str:

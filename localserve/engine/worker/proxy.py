@@ -3,10 +3,13 @@
 `WorkerEngine.start` forks a worker (child.py) from a fork server, which loads the model with the
 loader it is given and answers "ready" with what the daemon needs to know without asking (ModelInfo,
 the per-request context). Afterwards every ModelEngine member is a message over the pipe
-(channel.py): `generate` and `embed` await their answer, `tokenize`, `detokenize`, `stats` and the
-dashboard's live views wait for it (a pipe round trip: tens of microseconds), and one reader thread
+(channel.py): `generate` and `embed` await their answer, `stats` and the dashboard's live views
+wait for it (a pipe round trip: tens of microseconds idle), and one reader thread
 hands each "events" message to the streams' event loops with one wakeup per loop, as the in-process
-engine does (engine/local.py post_events).
+engine does (engine/local.py post_events). A GGUF model's `tokenize` and `detokenize` run here, on a
+vocab-only load of the same file (llama.cpp's own tokenizer, so the same ids): they are called on
+the event loop, and a round trip waits for the worker's threads to be scheduled, which beside a
+busy decode on 2 cores is no longer tens of microseconds; an editor's keystroke tokenizes four texts.
 
 When the worker dies (a native crash, an abort, killed for memory, or by the watchdog below for a
 step that stopped moving), each of its requests ends at once with EngineCrashedError (a 503 before
@@ -53,6 +56,19 @@ HANG_STEP_MULTIPLE = 20.0  # ... nor before this many times the longest recent s
 NATIVE_TAIL_LINES = 20
 
 
+def _open_vocab(gguf: Path | None) -> Any:
+    """The GGUF's tokenizer in this process, or None (then the worker tokenizes)."""
+    if gguf is None:
+        return None
+    from ...backends.llamacpp.vocab import LlamaVocab  # not at import time: loads llama.cpp
+
+    try:
+        return LlamaVocab(gguf, n_ctx_train=0, n_embd=0, n_params=0)
+    except Exception as e:  # noqa: BLE001 - the worker's tokenizer still works, a round trip away
+        log.info("tokenizing %s in its worker: %s", gguf.name, e)
+        return None
+
+
 def _context() -> multiprocessing.context.BaseContext:
     if sys.platform == "win32" or "forkserver" not in multiprocessing.get_all_start_methods():
         return multiprocessing.get_context("spawn")
@@ -87,8 +103,9 @@ class WorkerEngine:
     """ModelEngine of a model loaded in a worker process (see the module docstring)."""
 
     def __init__(self, name: str, process: Any, channel: Channel, ready: tuple, log_path: Path | None,
-                 hang_timeout: float):
+                 hang_timeout: float, vocab: Any = None):
         self.name = name
+        self._vocab = vocab  # a LlamaVocab of the model's GGUF, or None: tokenize in the worker
         self._process = process
         self._channel = channel
         self._info: ModelInfo = ready[1]
@@ -117,10 +134,14 @@ class WorkerEngine:
 
     @classmethod
     def start(cls, name: str, load: Callable[..., Any], args: tuple, *, log_path: Path | None = None,
-              hang_timeout: float = 300.0, log_level: int = logging.INFO) -> "WorkerEngine":
+              hang_timeout: float = 300.0, log_level: int = logging.INFO,
+              vocab_gguf: Path | None = None) -> "WorkerEngine":
         """Start a worker that runs `load(*args)` (the daemon's own loader for this backend) and
         wait for it: the engine once it is ready; the load's own error when the loader raised; a
-        BackendError naming the native failure when the worker died while loading. Blocking."""
+        BackendError naming the native failure when the worker died while loading. Blocking.
+        `vocab_gguf`: the model's GGUF, whose tokenizer then runs in the daemon (opened only once
+        the worker has loaded the whole file, so a file that kills llama.cpp's loader kills the
+        worker, not us)."""
         from . import child  # not at import time: child imports engine/live.py, which imports us
 
         ctx = _context()
@@ -148,7 +169,7 @@ class WorkerEngine:
                 channel.close()
                 raise message[1]
             elif message[0] == "ready":
-                engine = cls(name, process, channel, message, log_path, hang_timeout)
+                engine = cls(name, process, channel, message, log_path, hang_timeout, _open_vocab(vocab_gguf))
                 log.info("%s runs in engine worker pid %d", name, engine.pid)
                 return engine
 
@@ -189,9 +210,13 @@ class WorkerEngine:
         self._channel.send("cancel", request_id)
 
     def tokenize(self, text: str, add_special: bool = True) -> list[int]:
+        if self._vocab is not None:
+            return self._vocab.tokenize(text, add_special=add_special)  # as engine/local.py's
         return self._wait("tokenize", text, add_special)
 
     def detokenize(self, tokens: list[int]) -> str:
+        if self._vocab is not None:  # as engine/local.py's
+            return b"".join(map(self._vocab.token_to_bytes, tokens)).decode("utf-8", errors="replace")
         return self._wait("detokenize", tokens)
 
     def stats(self) -> EngineStats:
