@@ -100,12 +100,17 @@ class PrefixCache:
         self._vacate(in_range[0], keep)
         return True
 
-    def _vacate(self, entry: CachedPrefix, keep: CachedPrefix | None = None) -> None:
-        if not self.pool.free_parked_ids:  # make room above: the oldest entry up there goes
+    def _room_above(self, spare: CachedPrefix | None) -> None:
+        """With no parked id free above the running range, the oldest entry up there goes (not
+        `spare`)."""
+        if not self.pool.free_parked_ids:
             for other in self.parked.values():
-                if other.seq_id >= self.pool.n_running and other is not keep:
+                if other.seq_id >= self.pool.n_running and other is not spare:
                     self._drop(other)
                     break
+
+    def _vacate(self, entry: CachedPrefix, keep: CachedPrefix | None = None) -> None:
+        self._room_above(keep)
         if self.pool.move_to_parked(entry):  # re-keyed under its new id, in the same LRU place
             self.parked = OrderedDict((e.seq_id, e) for e in self.parked.values())
         else:  # no room above the running range
@@ -115,11 +120,7 @@ class PrefixCache:
         """Copy a parked entry to an id above the running range, where it takes the original's
         place in the LRU order, so a new request can take the original's id over; False when no
         id is free up there even after dropping the oldest entry that holds one."""
-        if not self.pool.free_parked_ids:
-            for other in self.parked.values():
-                if other.seq_id >= self.pool.n_running and other is not entry:
-                    self._drop(other)
-                    break
+        self._room_above(entry)
         copy = CachedPrefix(-1, [], entry.tokens, entry.disposable)
         if not self.pool.copy_to_parked(entry, copy):
             return False
