@@ -41,6 +41,10 @@ class EngineCollector(Collector):
                                     labels=["model"])
         interrupted = CounterMetricFamily("localserve_interrupted_steps",
                                           "Batch-lane steps stopped for an arriving request and redone", labels=["model"])
+        drafted = CounterMetricFamily("localserve_draft_tokens", "Speculative draft tokens verified",
+                                      labels=["model", "lane"])
+        accepted = CounterMetricFamily("localserve_draft_accepted_tokens", "Speculative draft tokens accepted",
+                                       labels=["model", "lane"])
         loaded = GaugeMetricFamily("localserve_models_loaded", "Models loaded")
         restarts = CounterMetricFamily("localserve_engine_restarts", "Engine worker processes that died, per model",
                                        labels=["model"])
@@ -68,7 +72,12 @@ class EngineCollector(Collector):
             queries.add_metric([model], _num(stats.get("prefix_cache_queries", 0)))
             moves.add_metric([model], _num(stats.get("kv_moves", 0)))
             interrupted.add_metric([model], _num(stats.get("interrupted_steps", 0)))
-        return [loaded, running, waiting, occupancy, kv_used, kv_total, tps, hits, queries, moves, interrupted, restarts]
+            for family, key in ((drafted, "draft_tokens"), (accepted, "draft_accepted")):
+                per_lane = stats.get(key) or {}
+                for lane in LANES:
+                    family.add_metric([model, lane], _num(per_lane.get(lane, 0)) if isinstance(per_lane, dict) else 0)
+        return [loaded, running, waiting, occupancy, kv_used, kv_total, tps, hits, queries, moves, interrupted,
+                drafted, accepted, restarts]
 
 
 class UpstreamCollector(Collector):

@@ -113,6 +113,9 @@ class Capabilities:
     # from another thread: a step of batch-lane work alone may then be long, since an interactive
     # request arriving during it need not wait for its end.
     interruptible: bool = False
+    # decode() gives logits for several consecutive rows of one sequence, and kv_remove drops a
+    # suffix of its positions: speculative decoding can verify drafts (batching/speculation.py).
+    speculation: bool = False
 
     def __post_init__(self) -> None:
         for name in ("max_batch_tokens", "kv_cells", "kv_cells_per_seq", "max_seqs", "micro_batch",

@@ -185,6 +185,12 @@ class KVPool:
                 refs[cell] -= 1
         del holder.cells[keep:]
 
+    def truncate(self, holder: KVHolder, keep: int) -> None:
+        """Drop the holder's positions from `keep` on, in the cache too (rejected draft rows)."""
+        if len(holder.cells) > keep:
+            self.ops.append(KVRemove(holder.seq_id, keep, -1))
+            self.uncount(holder, keep)
+
     def share_prefix(self, src: KVHolder, dst: KVHolder, n: int) -> None:
         """dst (fresh, empty) gets src's first n positions: shared cells in one pool, a copy (new
         cells) with per-sequence streams."""

@@ -22,6 +22,7 @@ import psutil
 from ..backends.base import KV_ELEMENT_BYTES, KVRequest, KVSizing, seq_ids_for
 from ..config.settings import Settings
 from ..errors import ConfigError
+from .speculation import MODES
 from .step_clock import DEFAULT_TARGET_S
 
 # KV bytes per token when the model does not tell us: f16 K+V of a ~1B llama-style model
@@ -47,11 +48,14 @@ class EngineLimits:
     flash_attention: bool = False
     aging_steps: int = 256  # a waiting/running request gains one lane of priority per this many steps
     batch_step_s: float = DEFAULT_TARGET_S  # time a step's batch-lane prompt chunks may take (0 = no cap)
+    speculative: str = "auto"  # drafting by prompt lookup: auto, ngram (always) or off (speculation.py)
 
     def __post_init__(self) -> None:
         for name in ("max_sequences", "batch_tokens", "queue_size", "n_ctx", "n_ctx_seq", "aging_steps"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"engine limit {name} must be at least 1 (got {getattr(self, name)})")
+        if self.speculative not in MODES:
+            raise ConfigError(f"speculative must be one of {', '.join(MODES)} (got {self.speculative!r})")
         if self.kv_type not in KV_ELEMENT_BYTES:
             raise ConfigError(f"KV cache type must be one of {', '.join(KV_ELEMENT_BYTES)} (got {self.kv_type!r})")
         self.max_sequences = _max_running(self.max_sequences, self.batch_tokens)

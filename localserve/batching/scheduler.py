@@ -29,6 +29,7 @@ from .limits import EngineLimits
 from .prefix_cache import CachedPrefix, PrefixCache
 from .step_clock import StepClock
 from .sequence import Sequence, Status
+from .speculation import K_MAX, Candidate, DraftPolicy, DraftState, step_calls
 
 log = logging.getLogger(__name__)
 
@@ -46,6 +47,7 @@ class StepPlan:
     outputs: list[tuple[Sequence, int]] = field(default_factory=list)  # (sequence, batch row to sample)
     decode_tokens: int = 0
     prompt_tokens: int = 0
+    draft_tokens: int = 0  # rows verifying drafts (speculation.py), beside the decodes they ride on
     # Only batch-lane work: the backend may stop it for a better lane's arrival (Backend.interrupt).
     interruptible: bool = False
 
@@ -56,7 +58,8 @@ class StepResult:
     not sampled, the request was cancelled; an error: that request's sampler failed)."""
 
     outcome: Literal["done", "kv_full", "interrupted", "failed"]
-    samples: list[SampledToken | LocalserveError | None] = field(default_factory=list)
+    # A drafting sequence's entry is a list: its accepted drafts' samples and one more.
+    samples: list[SampledToken | list[SampledToken] | LocalserveError | None] = field(default_factory=list)
     seconds: float = 0.0
 
 
@@ -78,6 +81,8 @@ class Scheduler:
         self.pool = KVPool(caps, min(limits.n_ctx, caps.kv_cells), caps.max_seqs, self.max_running)
         self.n_ctx_seq = min(limits.n_ctx_seq, self.pool.n_cells_seq)
         self.cache = PrefixCache(self.pool, limits.prefix_cache, caps.min_recompute)
+        speculate = caps.speculation and limits.speculative != "off"
+        self.drafts = DraftPolicy(limits.speculative, caps.consecutive_ids) if speculate else None
         self.lanes = LaneQueues(limits.aging_steps)
         self.aging_steps = limits.aging_steps
         self.queue_timeout = limits.queue_timeout
@@ -200,6 +205,8 @@ class Scheduler:
             block = self.pool.block([q.seq_id for q in self.running], list(self.cache.parked))
             self.cache.vacate(block)
             self.pool.gather(self.running, block)
+        if self.drafts is not None:
+            feeds = self._add_drafts(feeds, budget)
         plan = StepPlan(kv_ops=self.pool.take_ops())
         for seq, n in feeds:
             if seq.status is Status.RUNNING:
@@ -225,7 +232,11 @@ class Scheduler:
         if result.outcome == "failed":
             self.on_error(plan, "the model failed to process this request")
             return
-        self.clock.observe(plan.decode_tokens, plan.prompt_tokens, result.seconds)
+        # Draft rows cost what prompt rows do: several rows of one sequence in a call.
+        self.clock.observe(plan.decode_tokens, plan.prompt_tokens + plan.draft_tokens, result.seconds)
+        if self.drafts is not None:
+            calls = step_calls((n for _, n in plan.scheduled), self.caps.consecutive_ids)
+            self.drafts.costs.observe(calls, len(plan.batch), result.seconds)
         log.debug("step %d: %d decode + %d prompt tokens in %.1f ms; %d running, %d waiting", self.step,
                   plan.decode_tokens, plan.prompt_tokens, result.seconds * 1000, len(self.running), len(self.lanes))
         for seq, n in plan.scheduled:
@@ -233,12 +244,14 @@ class Scheduler:
         for (seq, _), sample in zip(plan.outputs, result.samples):
             if seq.status is not Status.RUNNING:
                 continue
+            if seq.draft and not isinstance(sample, list):  # cancelled or failed: only the pending row stands
+                self._keep_verified(seq, 0, 0)
             if sample is None:  # not sampled: the request was cancelled
                 self.finish(seq, "cancelled")
             elif isinstance(sample, LocalserveError):
                 self.finish(seq, "error", sample)
             else:
-                reason = seq.append(sample)
+                reason = self._append(seq, sample)
                 if reason:
                     self.finish(seq, reason)
                 else:
@@ -296,6 +309,16 @@ class Scheduler:
             self.finish(seq, "error", GenerationError(message))
 
     # --- internals -------------------------------------------------------------------------
+    def _feed_draft(self, plan: StepPlan, seq: Sequence) -> None:
+        """A decoder's pending token and its drafts as consecutive rows, every one sampled."""
+        start, sid = seq.num_computed, seq.seq_id
+        plan.outputs.append((seq, len(plan.batch)))
+        rows = [seq.tokens[start], *seq.draft]
+        plan.batch.extend(BatchToken(t, sid, start + i, True) for i, t in enumerate(rows))
+        plan.scheduled.append((seq, len(rows)))
+        plan.decode_tokens += 1
+        plan.draft_tokens += len(seq.draft)
+
     def _sit_out(self, feeds: list[tuple[Sequence, int]], decoders: set[int]) -> list[tuple[Sequence, int]]:
         """Decoders that sit out a step carrying a prompt chunk (their cells are uncounted again),
         under llama.cpp's KV stream per sequence, where the backend computes each prompt chunk in
@@ -325,7 +348,61 @@ class Scheduler:
                 kept.append((seq, n))
         return kept
 
+    def _add_drafts(self, feeds: list[tuple[Sequence, int]], budget: int) -> list[tuple[Sequence, int]]:
+        """Drafts for this step's decoders, in a step without prompt chunks (never delay one), in
+        the budget and free cells left (never evict or preempt for them): speculation.py."""
+        if budget <= 0 or any(n > 1 or not s.num_generated for s, n in feeds):
+            return feeds
+        candidates = []
+        for seq, _ in feeds:
+            room = min(K_MAX, seq.request.max_tokens - seq.num_generated - 1, seq.n_ctx_seq - len(seq.tokens) - 1)
+            if room < 1 or not seq.request.speculative:
+                continue
+            seq.spec = seq.spec or DraftState()
+            draft, match = seq.spec.lookup.draft(seq.tokens, room)
+            if draft:
+                candidates.append(Candidate(seq, seq.spec, draft, match))
+        if not candidates:
+            return feeds
+        drafts = {id(c.key): c.draft for c in candidates}
+        calls = step_calls([1] * len(feeds), self.caps.consecutive_ids)
+        grown = {}
+        for seq, k in self.drafts.choose(candidates, len(feeds), calls, len(feeds)):
+            k = min(k, budget, self.pool.free)
+            if k > 0:
+                self.pool.grow(seq, k)
+                seq.draft = drafts[id(seq)][:k]
+                grown[id(seq)] = k
+                budget -= k
+        return [(seq, n + grown.get(id(seq), 0)) for seq, n in feeds]
+
+    def _append(self, seq: Sequence, sample: SampledToken | list[SampledToken]):
+        """Take a step's sample, or a drafting sequence's samples up to a finish; returns why the
+        sequence finishes, if it does."""
+        if not isinstance(sample, list):
+            return seq.append(sample)
+        reason, emitted = None, 0
+        for token in sample:
+            emitted += 1
+            reason = seq.append(token)
+            if reason:
+                break
+        self.drafts.record(seq.request.lane, seq.spec, len(seq.draft), len(sample) - 1)
+        self._keep_verified(seq, len(sample) - 1, emitted)
+        return reason
+
+    def _keep_verified(self, seq: Sequence, accepted: int, emitted: int) -> None:
+        """A drafting sequence's KV kept up to the pending row and the `accepted` drafts that were
+        emitted; the rejected rows' cells are removed before the next step."""
+        keep = seq.num_computed - len(seq.draft) + min(accepted, emitted)
+        seq.num_computed = keep
+        self.pool.truncate(seq, keep)
+        seq.draft = []
+
     def _feed(self, plan: StepPlan, seq: Sequence, n: int) -> None:
+        if seq.draft:
+            self._feed_draft(plan, seq)
+            return
         start = seq.num_computed
         end = start + n
         tokens = seq.tokens
@@ -481,6 +558,7 @@ class Scheduler:
 
     def _rollback(self, plan: StepPlan) -> None:
         for seq, n in plan.scheduled:
+            seq.draft = []
             if seq.seq_id >= 0:
                 self.pool.uncount(seq, len(seq.cells) - n)
 

@@ -17,6 +17,7 @@ from typing import Callable
 from ..backends.base import SampledToken, Sampler
 from ..errors import LocalserveError
 from ..protocol.requests import LANE_RANK, FinishReason, GenerationEvent, GenerationRequest, TokenLogprob, Usage
+from .speculation import DraftState
 from .text import Detokenizer
 
 _order = itertools.count()
@@ -34,7 +35,7 @@ class Sequence:
         "num_computed", "seq_id", "cells", "status", "cancelled", "queued", "num_generated",
         "cached_tokens", "num_preemptions", "finish_reason", "error", "n_ctx_seq", "t_submit",
         "t_scheduled", "t_first_token", "t_finish", "_detok", "_is_eog", "_text", "_token_ids",
-        "_logprobs", "_stop_hit", "stream",
+        "_logprobs", "_stop_hit", "stream", "draft", "spec",
     )
 
     def __init__(
@@ -75,6 +76,8 @@ class Sequence:
         self._logprobs: list[TokenLogprob] = []
         self._stop_hit = False
         self.stream = None  # the engine's RequestStream, for delivery
+        self.draft: list[int] = []  # this step's draft tokens, fed after the pending one (speculation.py)
+        self.spec: DraftState | None = None  # its prompt-lookup index and acceptance, once it drafts
 
     @property
     def request_id(self) -> str:
@@ -88,6 +91,10 @@ class Sequence:
     @property
     def finished(self) -> bool:
         return self.status is Status.FINISHED
+
+    def is_eog(self, token: int) -> bool:
+        """Whether `token` ends generation for this model (whatever ignore_eos says)."""
+        return self._is_eog(token)
 
     def append(self, sampled: SampledToken) -> FinishReason | None:
         """Take one sampled token; returns why the sequence should finish, if it should."""

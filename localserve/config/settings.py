@@ -90,6 +90,12 @@ class Settings:
     # on a prompt's output depends on how its prefill was chunked beside other requests.
     flash_attention: bool = False
     prefix_cache: bool = True  # keep finished requests' KV to serve later prompts sharing a prefix
+    # Speculative decoding by prompt lookup (batching/speculation.py): "auto" drafts where the
+    # step costs measured on this machine say it pays (an edit copying its input, alone: yes; eight
+    # chats: no), "ngram" drafts whenever the sequence's own tokens offer a match, "off" never.
+    # `model_speculative` overrides it per model, "NAME[:TAG]=MODE" items like model_backends.
+    speculative: str = "auto"
+    model_speculative: tuple[str, ...] = ()
     # Which backend runs models: auto (placement.py decides from the hardware and the formats a
     # model has), llamacpp or onnx. `model_backends` overrides it per model: "NAME[:TAG]=BACKEND"
     # items (comma-separated in env and flags), e.g. "qwen2.5-7b=onnx"; a bare name covers all tags.

@@ -246,6 +246,10 @@ class Engine:
             max_sequences=s.max_running,
             kv_moves=s.pool.moves,
             cancelled=self._n_cancelled,
+            speculative=s.drafts.mode if s.drafts is not None else "off",
+            draft_tokens=dict(s.drafts.drafted) if s.drafts is not None else {},
+            draft_accepted=dict(s.drafts.accepted) if s.drafts is not None else {},
+            draft_verifications=s.drafts.verifications if s.drafts is not None else 0,
         )
 
     def active_requests(self) -> int:

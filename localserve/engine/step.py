@@ -56,16 +56,31 @@ def run(backend: Backend, plan: StepPlan) -> StepResult:
             log.exception("decode failed for %d requests", len(plan.scheduled))
         return StepResult("failed")
     seconds = time.perf_counter() - started
-    samples: list[SampledToken | LocalserveError | None] = []
+    samples: list[SampledToken | list[SampledToken] | LocalserveError | None] = []
     for seq, row in plan.outputs:
         if seq.cancelled:
             samples.append(None)
             continue
         try:
-            samples.append(seq.sampler.sample(row))
+            samples.append(_verify(seq, row) if seq.draft else seq.sampler.sample(row))
         except LocalserveError as e:  # one request's constraints left no token: it alone fails
             samples.append(e)
         except Exception:  # noqa: BLE001
             log.exception("sampling failed for %s", seq.request_id)
             samples.append(GenerationError("sampling failed"))
     return StepResult("done", samples, seconds)
+
+
+def _verify(seq, row: int) -> list[SampledToken]:
+    """Sample a drafting sequence's rows in order with its own sampler, while each sample equals
+    the draft token fed after it (batching/speculation.py): the accepted drafts, then the sample
+    that differed or, when all matched, one more. An end-of-generation sample ends it too: nothing
+    after it is ever emitted, and a grammar must not be fed past it."""
+    samples = []
+    for i, drafted in enumerate(seq.draft):
+        sample = seq.sampler.sample(row + i)
+        samples.append(sample)
+        if sample.token != drafted or seq.is_eog(sample.token):
+            return samples
+    samples.append(seq.sampler.sample(row + len(seq.draft)))
+    return samples

@@ -65,6 +65,12 @@ class EngineStats:
     max_sequences: int = 0  # the running batch's capacity (occupancy = running / max_sequences)
     kv_moves: int = 0  # sequences moved to keep the running ids consecutive (batching/kvpool.py)
     cancelled: int = 0  # requests that ended "cancelled" (client gone, stopped reading, shutdown)
+    # Speculative decoding (batching/speculation.py), per lane: draft tokens verified, accepted,
+    # and the verifications (each emits its accepted drafts plus one token).
+    speculative: str = "off"  # the mode this engine runs: auto, ngram or off
+    draft_tokens: dict[str, int] = field(default_factory=dict)
+    draft_accepted: dict[str, int] = field(default_factory=dict)
+    draft_verifications: int = 0
 
     def to_dict(self) -> dict:
         return asdict(self)

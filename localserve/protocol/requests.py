@@ -114,6 +114,7 @@ class GenerationRequest:
     ignore_eos: bool = False
     request_id: str = field(default_factory=lambda: f"req-{next(_request_ids)}")
     text: TextPrompt | None = None  # set for TextEngines only
+    speculative: bool = True  # False: never drafted for, whatever the model's setting says
 
 
 @dataclass

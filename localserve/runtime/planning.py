@@ -15,8 +15,9 @@ from __future__ import annotations
 import functools
 from typing import TYPE_CHECKING, Any
 
+from ..config.per_model import per_model_value
 from ..config.settings import Settings
-from ..errors import BackendError, LocalserveError
+from ..errors import BackendError, ConfigError, LocalserveError
 from ..store.cache import InstalledModel
 from .plan import ModelPlan
 
@@ -58,6 +59,7 @@ def plan_model(installed: InstalledModel, settings: Settings) -> ModelPlan:
         limits = EngineLimits.from_settings(settings, n_ctx_train=int(folder.meta.get("context_length") or 0),
                                             model_bytes=folder.size)
         memory = folder.size
+    limits.speculative = speculative_mode(settings, installed.ref)
     report = hardware_report()
     choice = registry.choose(installed, settings, report, estimate)
     vram = planned_vram(choice.n_gpu_layers, estimate, memory)
@@ -70,6 +72,18 @@ def plan_model(installed: InstalledModel, settings: Settings) -> ModelPlan:
         choice=choice,
         cpu=report.cpu,
     )
+
+
+def speculative_mode(settings: Settings, ref: str) -> str:
+    """The `speculative` mode the model `ref` is served with: its `model_speculative` item, else
+    the setting."""
+    from ..batching.speculation import MODES
+
+    mode = per_model_value(settings.model_speculative, ref, "model_speculative", MODES)
+    mode = mode or settings.speculative.strip().lower()
+    if mode not in MODES:
+        raise ConfigError(f"setting 'speculative': {settings.speculative!r} is not one of {', '.join(MODES)}")
+    return mode
 
 
 def planned_vram(n_gpu_layers: int, estimate: "MemoryEstimate | None", memory: int) -> int:

@@ -15,6 +15,7 @@ import importlib.util
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable
 
+from ..config.per_model import per_model_value
 from ..config.settings import Settings
 from ..errors import BackendError, ConfigError
 from .placement import BACKENDS, FORMAT_BACKEND, PREFERENCES, BackendChoice, Runtimes, choose_backend
@@ -99,20 +100,9 @@ assert set(REGISTRY) == set(BACKENDS)
 def preference(settings: Settings, ref: str) -> tuple[str, str]:
     """(backend or "auto", who asked) for the model `name:tag`: a `model_backends` item naming
     the tag wins over one naming the model, which wins over the `backend` setting."""
-    name, _, tag = ref.partition(":")
-    matched: dict[bool, str] = {}
-    for item in settings.model_backends:
-        target, sep, backend = item.partition("=")
-        backend = backend.strip().lower()
-        if not sep or not target.strip() or backend not in PREFERENCES:
-            raise ConfigError(f"setting 'model_backends': {item!r} is not NAME[:TAG]=BACKEND with BACKEND one of "
-                              f"{', '.join(PREFERENCES)}")
-        t_name, _, t_tag = target.strip().partition(":")
-        if t_name.lower() == name.lower() and (not t_tag or t_tag.lower() == tag.lower()):
-            matched[bool(t_tag)] = backend
-    for exact in (True, False):
-        if exact in matched:
-            return matched[exact], "setting model_backends"
+    chosen = per_model_value(settings.model_backends, ref, "model_backends", PREFERENCES)
+    if chosen is not None:
+        return chosen, "setting model_backends"
     backend = settings.backend.strip().lower()
     if backend not in PREFERENCES:
         raise ConfigError(f"setting 'backend': {settings.backend!r} is not one of {', '.join(PREFERENCES)}")

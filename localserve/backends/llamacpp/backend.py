@@ -134,6 +134,10 @@ class LlamaCppBackend(Backend):
             constraints=GRAMMAR_CONSTRAINTS,  # grammar.py compiles schemas to GBNF
             embeddings=True,  # a second, pooling context on first use (llamacpp_embed.py)
             interruptible=interrupt_available(),  # set_offload turns it off for GPU layers
+            # Rejected drafts are removed with seq_rm of a suffix, which a recurrent or hybrid
+            # model's state cannot do (llama-server probes the same and turns speculation off).
+            speculation=not (llama_cpp.llama_model_is_recurrent(self.model)
+                             or llama_cpp.llama_model_is_hybrid(self.model)),
         )
 
     # --- lifecycle ------------------------------------------------------------------------
