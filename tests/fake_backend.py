@@ -63,6 +63,7 @@ class FakeBackend(Backend):
         min_chunk: int = 2,
         min_recompute: int = 2,
         interruptible: bool = False,
+        copying: bool = False,
     ):
         self.n_ctx = n_ctx
         self.n_batch = n_batch
@@ -71,6 +72,10 @@ class FakeBackend(Backend):
         self.eog_every = eog_every  # 0 = greedy output never ends by itself
         self.step_time = step_time  # simulated compute per decode call, plus per token
         self.token_time = token_time
+        # A model whose answers copy their input (an editor's edit): a row's greedy token is the one
+        # that followed the most recent earlier occurrence of its own token, four times in five, so
+        # prompt lookup drafts are mostly accepted. Still a pure function of the sequence's KV.
+        self.copying = copying
         # The defaults are the rules the scheduler applied before backends declared them (two-token
         # chunks and recompute, consecutive ids, one pass per decode), so the tests written
         # against those rules keep testing them; tests of other rules pass their own.
@@ -89,6 +94,7 @@ class FakeBackend(Backend):
             constraints=frozenset(),
             embeddings=True,
             interruptible=interruptible,
+            speculation=True,  # several sampled rows per sequence, and tails removed: as llama.cpp
         )
         self.interrupted = False  # interrupt() was called and no clear_interrupt() since
         self.interruptible_decodes: list[bool] = []  # per decode call: was it interruptible
@@ -103,6 +109,8 @@ class FakeBackend(Backend):
         self._refs: dict[int, int] = {}
         self._cells = itertools.count()
         self._rows: dict[int, int] = {}  # batch index -> "logits" of the last decode
+        self._copies: dict[int, int] = {}  # batch index -> the token a copying model would copy there
+        self._token: dict[int, int] = {}  # cell id -> its token (the copying model reads them)
         self.batches: list[list[BatchToken]] = []  # every decode call, for budget checks
         self.fail_when = None  # callable(batch) -> True to fail that decode with BackendError
         self.kv_full_when = None  # callable(batch) -> True to fail it with KVFullError
@@ -152,15 +160,29 @@ class FakeBackend(Backend):
         if self.fail_when and self.fail_when(batch):
             raise BackendError("injected failure")  # like llama.cpp's backend: positions rolled back
         self._rows = {}
+        self._copies = {}
         for i, t in enumerate(batch):
             cells = self._seqs.setdefault(t.seq_id, [])
             prev = self._hash[cells[-1]] if cells else 0
             cell = next(self._cells)
             self._hash[cell] = _mix(prev, t.token)
             self._refs[cell] = 1
+            self._token[cell] = t.token
             cells.append(cell)
             if t.logits:
                 self._rows[i] = self._hash[cell]
+                if self.copying:
+                    self._copy_row(i, [self._token[c] for c in cells])
+
+    def _copy_row(self, row: int, tokens: list[int]) -> None:
+        last = tokens[-1]
+        for j in range(len(tokens) - 2, -1, -1):
+            if tokens[j] == last:
+                self._copies[row] = tokens[j + 1]
+                return
+
+    def copy_at(self, row: int) -> int | None:
+        return self._copies.get(row)
 
     def interrupt(self) -> None:
         self.interrupted = True
@@ -205,6 +227,7 @@ class FakeBackend(Backend):
             for cell in cells:
                 new = next(self._cells)
                 self._hash[new] = self._hash[cell]
+                self._token[new] = self._token[cell]
                 self._refs[new] = 1
                 copies.append(new)
             self._seqs[dst] = copies
@@ -240,6 +263,7 @@ class FakeBackend(Backend):
         if self._refs[cell] == 1:
             del self._refs[cell]
             del self._hash[cell]
+            self._token.pop(cell, None)
         else:
             self._refs[cell] -= 1
 
@@ -261,6 +285,9 @@ class FakeSampler(Sampler):
             h ^= self.rng.getrandbits(64)
         b = self.backend
         token = EOG if b.eog_every and h % b.eog_every == 0 else 1 + (h >> 8) % (b.n_vocab - 1)
+        copy = b.copy_at(batch_index)
+        if copy is not None and h % 5 and token != EOG:
+            token = copy
         lp = None
         if self.params.logprobs is not None:
             lp = TokenLogprob(token, _piece(token).decode("utf-8", "replace"), -((h >> 20) % 100) / 10.0)

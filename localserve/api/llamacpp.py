@@ -59,7 +59,14 @@ class NativeCall:
             stop=parse_stop(self.body.raw("stop")),
             lane=self.lane,
             ignore_eos=self.body.get_bool("ignore_eos", False),
+            speculative=_speculative(self.body),
         )
+
+
+def _speculative(body: Body) -> bool:
+    """llama-server's per-request `speculative.n_max` (0: no drafts), or our `speculative` flag."""
+    n_max = body.get_int("speculative.n_max", None, lo=0, hi=1 << 16)
+    return body.get_bool("speculative", True) and n_max != 0
 
 
 def _json_schema(body: Body) -> dict | None:
@@ -86,6 +93,7 @@ def _native_fields(body: Body, default_model: str, priority: str | None) -> dict
         id_slot=_id_slot(body),
     )
     sampling_from(body, n_vocab=None, seed=parse_seed(body))  # bad sampling fields fail before a load
+    _speculative(body)
     parse_stop(body.raw("stop"))
     _json_schema(body)
     return fields

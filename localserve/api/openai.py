@@ -98,6 +98,7 @@ class Options:
     json_schema: dict | None
     lane: Lane
     keep_alive: float | None
+    speculative: bool = True  # our extension: false turns speculative decoding off for this request
 
 
 def parse_options(body: Body, env: ApiEnv, *, chat: bool) -> Options:
@@ -131,6 +132,7 @@ def parse_options(body: Body, env: ApiEnv, *, chat: bool) -> Options:
         lane=parse_lane(body, env.priority_header,
                         "interactive" if (chat and stream) or body.raw("suffix") is not None else "default"),
         keep_alive=parse_keep_alive(body.raw("keep_alive")),
+        speculative=body.get_bool("speculative", True),
     )
     build_request(body, options, None, [1])  # sampling fields fail here, before any model load
     return options
@@ -149,6 +151,7 @@ def build_request(body: Body, opts: Options, engine: ModelEngine | None, tokens:
         max_tokens=clamp_max_tokens(opts.max_tokens, len(tokens), n_ctx, param),
         stop=opts.stop,
         lane=opts.lane,
+        speculative=opts.speculative,
     )
 
 

@@ -48,7 +48,10 @@ class EngineLimits:
     flash_attention: bool = False
     aging_steps: int = 256  # a waiting/running request gains one lane of priority per this many steps
     batch_step_s: float = DEFAULT_TARGET_S  # time a step's batch-lane prompt chunks may take (0 = no cap)
-    speculative: str = "auto"  # drafting by prompt lookup: auto, ngram (always) or off (speculation.py)
+    # Drafting by prompt lookup: auto, ngram (always) or off (speculation.py). Off unless the
+    # settings say otherwise (their default is auto): verification rows round like prompt chunks,
+    # not like one-row decodes, so a near-tie can go the other way than in plain decoding.
+    speculative: str = "off"
 
     def __post_init__(self) -> None:
         for name in ("max_sequences", "batch_tokens", "queue_size", "n_ctx", "n_ctx_seq", "aging_steps"):
@@ -80,7 +83,8 @@ class EngineLimits:
         return {"context_per_request": self.n_ctx_seq, "concurrent_requests": self.max_sequences,
                 "full_length_requests": self.full_length_requests,
                 "kv_layout": "unified" if self.kv_unified else "streams", "kv_type": self.kv_type,
-                "kv_cells": self.n_ctx, "exact": not self.kv_unified and not self.flash_attention}
+                "kv_cells": self.n_ctx, "speculative": self.speculative,
+                "exact": not self.kv_unified and not self.flash_attention and self.speculative == "off"}
 
     @classmethod
     def from_settings(
@@ -128,7 +132,8 @@ class EngineLimits:
         return cls(max_sequences=kv.max_sequences, batch_tokens=batch_tokens, n_ctx=kv.n_ctx, n_ctx_seq=kv.n_ctx_seq,
                    queue_size=settings.queue_size or 64, batch_step_s=settings.batch_step_ms / 1000,
                    queue_timeout=settings.queue_timeout or 600.0, prefix_cache=settings.prefix_cache,
-                   kv_unified=kv.kv_unified, kv_type=kv.kv_type, flash_attention=kv.flash_attention)
+                   kv_unified=kv.kv_unified, kv_type=kv.kv_type, flash_attention=kv.flash_attention,
+                   speculative=settings.speculative.strip().lower())
 
 
 def _llamacpp_plan_kv() -> Callable[[KVRequest], KVSizing]:

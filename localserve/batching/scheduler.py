@@ -234,7 +234,7 @@ class Scheduler:
             return
         # Draft rows cost what prompt rows do: several rows of one sequence in a call.
         self.clock.observe(plan.decode_tokens, plan.prompt_tokens + plan.draft_tokens, result.seconds)
-        if self.drafts is not None:
+        if self.drafts is not None and not plan.prompt_tokens:  # prompt rows have no logits: cheaper
             calls = step_calls((n for _, n in plan.scheduled), self.caps.consecutive_ids)
             self.drafts.costs.observe(calls, len(plan.batch), result.seconds)
         log.debug("step %d: %d decode + %d prompt tokens in %.1f ms; %d running, %d waiting", self.step,
