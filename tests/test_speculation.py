@@ -26,6 +26,7 @@ from localserve.protocol.requests import GenerationRequest, SamplingParams
 from localserve.runtime.planning import speculative_mode
 from fake_backend import FakeBackend
 from scheduler_harness import Harness
+from server_harness import MODEL, model_server
 from test_engine_llamacpp import chat, run, running_engine
 
 GREEDY = SamplingParams(temperature=0.0)
@@ -300,3 +301,41 @@ def test_cancelling_a_drafting_request_leaves_only_verified_cells():
     h.run()
     h.assert_drained()
     assert gone.finish_reason == "cancelled" and keep.finish_reason == "length" and len(keep.tokens) == 200
+
+
+# --- through the daemon's HTTP faces -------------------------------------------------------------
+
+def draft_counts(server) -> tuple[float, float]:
+    _, _, body = server.request("GET", "/metrics")
+    totals = {"localserve_draft_tokens_total": 0.0, "localserve_draft_accepted_tokens_total": 0.0}
+    for line in body.decode().splitlines():
+        name = line.split("{", 1)[0]
+        if name in totals:
+            totals[name] += float(line.rsplit(" ", 1)[1])
+    return totals["localserve_draft_tokens_total"], totals["localserve_draft_accepted_tokens_total"]
+
+
+@pytest.mark.model
+def test_the_daemon_drafts_reports_it_and_lets_a_request_refuse_it(tmp_path, smollm2_gguf):
+    source = "".join((ROOT / SOURCES[0]).read_text().splitlines(True)[:24])
+    messages = [{"role": "user", "content": "Return this Python file unchanged:\n\n" + source}]
+    with model_server(tmp_path / "home", smollm2_gguf, speculative="ngram") as server:
+        status, body = server.json("POST", "/v1/chat/completions", {"model": MODEL, "messages": messages,
+                                                                   "max_tokens": 64, "temperature": 0})
+        assert status == 200 and body["usage"]["completion_tokens"] == 64
+        drafted, accepted = draft_counts(server)
+        assert drafted >= accepted > 0
+        status, state = server.json("GET", "/api/dashboard/state")
+        [model] = [m for m in state["models"] if m["state"] == "loaded"]
+        spec = model["speculation"]
+        assert spec["mode"] == "ngram" and spec["lanes"]["default"]["accepted"] == accepted
+        assert 0 < spec["acceptance"] <= 1 and spec["tokens_per_verification"] > 1
+        # A request may turn it off: ours in the OpenAI dialect, llama-server's n_max 0 in its own.
+        status, _ = server.json("POST", "/v1/chat/completions", {"model": MODEL, "messages": messages,
+                                                                 "max_tokens": 32, "speculative": False})
+        status2, _ = server.json("POST", "/completion", {"prompt": "def add(a, b):\n    return a + b\n" * 4,
+                                                         "n_predict": 32, "speculative.n_max": 0})
+        assert status == status2 == 200 and draft_counts(server) == (drafted, accepted)
+        status, error = server.json("POST", "/v1/chat/completions", {"model": MODEL, "messages": messages,
+                                                                     "speculative": "yes"})
+        assert status == 400 and error["error"]["param"] == "speculative"

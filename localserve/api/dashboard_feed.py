@@ -80,6 +80,7 @@ class DashboardFeed:
                 "steps": stats.get("steps", 0), "busy": stats.get("busy", False),
                 # Its engine's own process (engine/worker/): pid and uptime; crashes since the daemon started.
                 "worker": row.get("worker"), "restarts": row.get("restarts", 0),
+                "speculation": speculation_view(stats),
             }
             engine = engines.get(name)
             if engine is not None:
@@ -136,6 +137,19 @@ class DashboardFeed:
         self._last_interrupted[name] = interrupted
         self._mix[name] = mix
         return mix
+
+
+def speculation_view(stats: dict[str, Any]) -> dict[str, Any]:
+    """Speculative decoding's figures (batching/speculation.py): the mode, draft tokens verified and
+    accepted per lane, the acceptance rate and the tokens each verification emitted on average."""
+    drafted = stats.get("draft_tokens") or {}
+    accepted = stats.get("draft_accepted") or {}
+    verifications = int(stats.get("draft_verifications", 0))
+    total_drafted, total_accepted = sum(drafted.values()), sum(accepted.values())
+    return {"mode": stats.get("speculative", "off"),
+            "lanes": {lane: {"drafted": drafted.get(lane, 0), "accepted": accepted.get(lane, 0)} for lane in LANES},
+            "acceptance": round(total_accepted / total_drafted, 4) if total_drafted else 0.0,
+            "tokens_per_verification": round(1 + total_accepted / verifications, 2) if verifications else 0.0}
 
 
 def summary_line(models: list[dict[str, Any]], pulls: int = 0) -> str:

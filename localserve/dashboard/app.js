@@ -91,10 +91,12 @@ function card(name) {
     el("div", { class: "figures" },
       fig("tps", "tok/s (decode)"), fig("prompt_tps", "tok/s (prompt)"), fig("running", "running"), fig("kv", "KV cells used"),
       ...LANES.map((lane) => fig("lane-" + lane, "queued: " + lane)),
-      fig("hit", "prefix-cache hits"), fig("ttft", "TTFT p50 / p95 (1 min)"), fig("itl", "ITL p50 / p95 (1 min)"), fig("steps", "steps")),
+      fig("hit", "prefix-cache hits"), fig("ttft", "TTFT p50 / p95 (1 min)"), fig("itl", "ITL p50 / p95 (1 min)"), fig("steps", "steps"),
+      fig("spec", "drafts accepted · tokens per verification")),
     el("div", { class: "kvbar", title: "KV cells: running sequences, parked prefix cache, free" },
       el("span", { class: "kv-running" }), el("span", { class: "kv-parked" }), el("span", { class: "kv-free" })),
     el("div", { class: "muted kvtext", "data-field": "kvsplit" }, ""),
+    el("div", { class: "muted spectext", "data-field": "specsplit" }, ""),
     el("div", { class: "charts" },
       chart("tokens", "tok/s: decode (blue), prompt (orange)"), chart("queue", "running (blue), queued (red)"),
       chart("mix", "step rows/s: decode (blue), prompt (orange); interrupted steps (red)"), chart("hit", "prefix-cache hit rate")),
@@ -170,6 +172,11 @@ function onSnapshot(snap) {
     const now = m.latency.ttft["1m"].all, itl = m.latency.itl["1m"].all;
     const pair = (f) => (f.n ? `${ms(f.p50).replace(" ms", "")} / ${ms(f.p95)}` : "– / –");
     set("ttft", pair(now)); set("itl", pair(itl));
+    const spec = m.speculation || { mode: "off", lanes: {} };
+    const drafting = LANES.filter((lane) => (spec.lanes[lane] || {}).drafted > 0);
+    set("spec", spec.tokens_per_verification ? `${(100 * spec.acceptance).toFixed(0)} % · ${spec.tokens_per_verification.toFixed(1)}` : "–");
+    set("specsplit", `Speculative decoding: ${spec.mode}` + (drafting.length ? "; drafted / accepted: " +
+      drafting.map((lane) => `${lane} ${spec.lanes[lane].drafted} / ${spec.lanes[lane].accepted}`).join(", ") : ""));
     if (m.kv) {
       const part = (n) => (m.kv.total ? (100 * n) / m.kv.total : 0) + "%";
       c.querySelector(".kv-running").style.width = part(m.kv.running);
