@@ -180,7 +180,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--model-path", type=Path, required=True)
     p.add_argument("--file", default=str(REPO / "localserve" / "batching" / "sequence.py"))
     p.add_argument("--servers", default=",".join(SERVERS), type=lambda s: [x for x in s.split(",") if x])
-    p.add_argument("--concurrency", default="1,4,8", type=lambda s: [int(x) for x in s.split(",")])
+    p.add_argument("--concurrency", default="1,4,8", type=lambda s: [int(x) for x in s.split(",") if x])
     p.add_argument("--max-tokens", type=int, default=512)
     p.add_argument("--load-b-requests", type=int, default=16)
     p.add_argument("--threads", type=int, default=2)
