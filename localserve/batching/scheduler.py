@@ -17,11 +17,11 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, field
-from typing import Callable, Literal
+from typing import Callable
 
-from ..backends.base import BatchToken, Capabilities, SampledToken
+from ..backends.base import BatchToken, Capabilities
 from ..errors import GenerationError, LocalserveError, OverloadedError
+from .drafting import add_drafts, feed_draft, keep_verified, take_verified
 from .kv_ops import KVOp
 from .kvpool import KVPool
 from .lanes import LaneQueues, priority_key
@@ -29,38 +29,13 @@ from .limits import EngineLimits
 from .prefix_cache import CachedPrefix, PrefixCache
 from .step_clock import StepClock
 from .sequence import Sequence, Status
-from .speculation import K_MAX, Candidate, DraftPolicy, DraftState, step_calls
+from .speculation import DraftPolicy, step_calls
+from .step_plan import StepPlan, StepResult
 
 log = logging.getLogger(__name__)
 
 # Prompt tokens of lanes worse than a decoding one: at most this fraction of the step budget.
 _WORSE_LANE_SHARE = 4
-
-
-@dataclass(slots=True)
-class StepPlan:
-    # Applied in order before the batch is decoded, whatever the decode's outcome: the books
-    # already count them (kv_ops.py).
-    kv_ops: list[KVOp] = field(default_factory=list)
-    batch: list[BatchToken] = field(default_factory=list)
-    scheduled: list[tuple[Sequence, int]] = field(default_factory=list)  # (sequence, tokens fed)
-    outputs: list[tuple[Sequence, int]] = field(default_factory=list)  # (sequence, batch row to sample)
-    decode_tokens: int = 0
-    prompt_tokens: int = 0
-    draft_tokens: int = 0  # rows verifying drafts (speculation.py), beside the decodes they ride on
-    # Only batch-lane work: the backend may stop it for a better lane's arrival (Backend.interrupt).
-    interruptible: bool = False
-
-
-@dataclass(slots=True)
-class StepResult:
-    """What running a StepPlan came to (engine/step.py): `samples` pairs with plan.outputs (None:
-    not sampled, the request was cancelled; an error: that request's sampler failed)."""
-
-    outcome: Literal["done", "kv_full", "interrupted", "failed"]
-    # A drafting sequence's entry is a list: its accepted drafts' samples and one more.
-    samples: list[SampledToken | list[SampledToken] | LocalserveError | None] = field(default_factory=list)
-    seconds: float = 0.0
 
 
 class Scheduler:
@@ -206,7 +181,7 @@ class Scheduler:
             self.cache.vacate(block)
             self.pool.gather(self.running, block)
         if self.drafts is not None:
-            feeds = self._add_drafts(feeds, budget)
+            feeds = add_drafts(self.drafts, self.pool, feeds, budget, self.caps.consecutive_ids)
         plan = StepPlan(kv_ops=self.pool.take_ops())
         for seq, n in feeds:
             if seq.status is Status.RUNNING:
@@ -245,13 +220,14 @@ class Scheduler:
             if seq.status is not Status.RUNNING:
                 continue
             if seq.draft and not isinstance(sample, list):  # cancelled or failed: only the pending row stands
-                self._keep_verified(seq, 0, 0)
+                keep_verified(self.pool, seq, 0, 0)
             if sample is None:  # not sampled: the request was cancelled
                 self.finish(seq, "cancelled")
             elif isinstance(sample, LocalserveError):
                 self.finish(seq, "error", sample)
             else:
-                reason = self._append(seq, sample)
+                reason = (take_verified(self.drafts, self.pool, seq, sample) if isinstance(sample, list)
+                          else seq.append(sample))
                 if reason:
                     self.finish(seq, reason)
                 else:
@@ -309,16 +285,6 @@ class Scheduler:
             self.finish(seq, "error", GenerationError(message))
 
     # --- internals -------------------------------------------------------------------------
-    def _feed_draft(self, plan: StepPlan, seq: Sequence) -> None:
-        """A decoder's pending token and its drafts as consecutive rows, every one sampled."""
-        start, sid = seq.num_computed, seq.seq_id
-        plan.outputs.append((seq, len(plan.batch)))
-        rows = [seq.tokens[start], *seq.draft]
-        plan.batch.extend(BatchToken(t, sid, start + i, True) for i, t in enumerate(rows))
-        plan.scheduled.append((seq, len(rows)))
-        plan.decode_tokens += 1
-        plan.draft_tokens += len(seq.draft)
-
     def _sit_out(self, feeds: list[tuple[Sequence, int]], decoders: set[int]) -> list[tuple[Sequence, int]]:
         """Decoders that sit out a step carrying a prompt chunk (their cells are uncounted again),
         under llama.cpp's KV stream per sequence, where the backend computes each prompt chunk in
@@ -348,60 +314,9 @@ class Scheduler:
                 kept.append((seq, n))
         return kept
 
-    def _add_drafts(self, feeds: list[tuple[Sequence, int]], budget: int) -> list[tuple[Sequence, int]]:
-        """Drafts for this step's decoders, in a step without prompt chunks (never delay one), in
-        the budget and free cells left (never evict or preempt for them): speculation.py."""
-        if budget <= 0 or any(n > 1 or not s.num_generated for s, n in feeds):
-            return feeds
-        candidates = []
-        for seq, _ in feeds:
-            room = min(K_MAX, seq.request.max_tokens - seq.num_generated - 1, seq.n_ctx_seq - len(seq.tokens) - 1)
-            if room < 1 or not seq.request.speculative:
-                continue
-            seq.spec = seq.spec or DraftState()
-            draft, match = seq.spec.lookup.draft(seq.tokens, room)
-            if draft:
-                candidates.append(Candidate(seq, seq.spec, draft, match))
-        if not candidates:
-            return feeds
-        drafts = {id(c.key): c.draft for c in candidates}
-        calls = step_calls([1] * len(feeds), self.caps.consecutive_ids)
-        grown = {}
-        for seq, k in self.drafts.choose(candidates, len(feeds), calls, len(feeds)):
-            k = min(k, budget, self.pool.free)
-            if k > 0:
-                self.pool.grow(seq, k)
-                seq.draft = drafts[id(seq)][:k]
-                grown[id(seq)] = k
-                budget -= k
-        return [(seq, n + grown.get(id(seq), 0)) for seq, n in feeds]
-
-    def _append(self, seq: Sequence, sample: SampledToken | list[SampledToken]):
-        """Take a step's sample, or a drafting sequence's samples up to a finish; returns why the
-        sequence finishes, if it does."""
-        if not isinstance(sample, list):
-            return seq.append(sample)
-        reason, emitted = None, 0
-        for token in sample:
-            emitted += 1
-            reason = seq.append(token)
-            if reason:
-                break
-        self.drafts.record(seq.request.lane, seq.spec, len(seq.draft), len(sample) - 1)
-        self._keep_verified(seq, len(sample) - 1, emitted)
-        return reason
-
-    def _keep_verified(self, seq: Sequence, accepted: int, emitted: int) -> None:
-        """A drafting sequence's KV kept up to the pending row and the `accepted` drafts that were
-        emitted; the rejected rows' cells are removed before the next step."""
-        keep = seq.num_computed - len(seq.draft) + min(accepted, emitted)
-        seq.num_computed = keep
-        self.pool.truncate(seq, keep)
-        seq.draft = []
-
     def _feed(self, plan: StepPlan, seq: Sequence, n: int) -> None:
         if seq.draft:
-            self._feed_draft(plan, seq)
+            feed_draft(plan, seq)
             return
         start = seq.num_computed
         end = start + n

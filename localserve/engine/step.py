@@ -17,7 +17,7 @@ import time
 
 from ..backends.base import Backend, DecodeInterrupted, KVFullError, SampledToken
 from ..batching.kv_ops import KVCopy, KVMove, KVOp, KVRemove
-from ..batching.scheduler import StepPlan, StepResult
+from ..batching.step_plan import StepPlan, StepResult
 from ..errors import BackendError, GenerationError, LocalserveError
 
 log = logging.getLogger(__name__)

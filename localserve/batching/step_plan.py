@@ -1,0 +1,43 @@
+"""A step as data: what the scheduler plans (StepPlan) and what running it came to (StepResult).
+
+The scheduler writes a StepPlan and reads a StepResult; engine/step.py is the one place that turns
+the first into the second by calling the backend (as vLLM v1's SchedulerOutput and
+ModelRunnerOutput)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Literal
+
+from ..backends.base import BatchToken, SampledToken
+from ..errors import LocalserveError
+from .kv_ops import KVOp
+
+if TYPE_CHECKING:
+    from .sequence import Sequence
+
+
+@dataclass(slots=True)
+class StepPlan:
+    # Applied in order before the batch is decoded, whatever the decode's outcome: the books
+    # already count them (kv_ops.py).
+    kv_ops: list[KVOp] = field(default_factory=list)
+    batch: list[BatchToken] = field(default_factory=list)
+    scheduled: list[tuple[Sequence, int]] = field(default_factory=list)  # (sequence, tokens fed)
+    outputs: list[tuple[Sequence, int]] = field(default_factory=list)  # (sequence, batch row to sample)
+    decode_tokens: int = 0
+    prompt_tokens: int = 0
+    draft_tokens: int = 0  # rows verifying drafts (speculation.py), beside the decodes they ride on
+    # Only batch-lane work: the backend may stop it for a better lane's arrival (Backend.interrupt).
+    interruptible: bool = False
+
+
+@dataclass(slots=True)
+class StepResult:
+    """What running a StepPlan came to (engine/step.py): `samples` pairs with plan.outputs (None:
+    not sampled, the request was cancelled; an error: that request's sampler failed)."""
+
+    outcome: Literal["done", "kv_full", "interrupted", "failed"]
+    # A drafting sequence's entry is a list: its accepted drafts' samples and one more.
+    samples: list[SampledToken | list[SampledToken] | LocalserveError | None] = field(default_factory=list)
+    seconds: float = 0.0
