@@ -7,6 +7,7 @@ import os
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
 from contextlib import contextmanager
@@ -47,11 +48,27 @@ def cli(env: dict[str, str], *args: str, input: str | None = None, timeout: floa
     )
 
 
-def start_serve(env: dict[str, str], *args: str) -> subprocess.Popen[str]:
-    return subprocess.Popen(
-        [sys.executable, "-m", "localserve", "serve", *args],
-        env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-    )
+class ServeProcess(subprocess.Popen):
+    """A foreground `serve` whose stdout and stderr go to one unnamed temporary file, read with
+    output(). Not pipes: nobody reads a pipe while the daemon runs, and a foreground daemon logs
+    every request to stderr (aiohttp's access log), so a test that polls it a few hundred times
+    filled the 64 KiB pipe and the daemon's event loop blocked in a write to it for good (CI's
+    test_upstream: the front daemon stopped answering after ~400 /api/ps polls)."""
+
+    def __init__(self, env: dict[str, str], *args: str):
+        self._log = tempfile.TemporaryFile(mode="w+", encoding="utf-8", errors="replace")
+        super().__init__([sys.executable, "-m", "localserve", "serve", *args],
+                         env=env, cwd=REPO, stdout=self._log, stderr=subprocess.STDOUT, text=True)
+
+    def output(self) -> str:
+        """Everything the daemon printed so far (its stdout and stderr, interleaved)."""
+        self._log.flush()
+        self._log.seek(0)
+        return self._log.read()
+
+
+def start_serve(env: dict[str, str], *args: str) -> ServeProcess:
+    return ServeProcess(env, *args)
 
 
 @contextmanager
@@ -75,7 +92,8 @@ def wait_published(home: Path, proc: subprocess.Popen[str] | None = None, timeou
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc is not None and proc.poll() is not None:
-            raise AssertionError(f"serve exited {proc.returncode}: {proc.stderr.read() if proc.stderr else ''}")
+            said = proc.output() if isinstance(proc, ServeProcess) else proc.stderr.read() if proc.stderr else ""
+            raise AssertionError(f"serve exited {proc.returncode}: {said}")
         try:
             info = json.loads(pid_file(home).read_text())
             if http_get(info["url"] + "/health")[0] == 200:

@@ -205,7 +205,8 @@ def test_run_says_how_the_daemon_died_when_it_dies_mid_stream(tmp_path: Path, sm
     with serving(env) as daemon:
         wait_published(tmp_path, daemon)
         stop_quietly(env, daemon)
-        _, serve_err = daemon.communicate(timeout=30)
+        daemon.wait(30)
+        serve_err = daemon.output()
     assert f"Note: the previous daemon (pid {info['pid']}) died from SIGSEGV" in serve_err
 
 

@@ -75,6 +75,8 @@ def near_tie_divergences(plain, drafted) -> list[float]:
             assert len(tokens) == len(other)
             continue
         top = logprobs[at].top
+        # A near-tie that went the other way: the drafted answer took plain decoding's runner-up.
+        assert other[at] == top[1][0], (at, other[at], top)
         gaps.append(top[0][2] - top[1][2])
     return gaps
 
@@ -105,10 +107,10 @@ async def test_greedy_edits_give_plain_decodings_tokens_but_at_near_ties_alone_a
             stats = engine.stats()
         assert sum(stats.draft_accepted.values()) > 100  # it really drafted, and most of it held
         gaps = near_tie_divergences(plain, drafted)
-        # Measured on SmolLM2 Q4_1, 2 threads: 3 of 4 answers part from plain decoding alone, at
-        # gaps of 0.07-0.26 logits; none at a real margin.
+        # Measured on SmolLM2 Q4_1, 2 threads: 3 or 4 of 4 answers part from plain decoding, at
+        # gaps of 0.016-0.26 logits, each to plain decoding's second choice; none at a real margin.
+        # How many part is the machine's rounding, not a property to assert.
         assert all(g < NEAR_TIE for g in gaps), gaps
-        assert len(gaps) < len(prompts)
 
 
 @pytest.mark.model

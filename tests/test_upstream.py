@@ -151,8 +151,11 @@ def test_interactive_overtakes_queued_batch_requests_on_a_limited_upstream(daemo
     lock = threading.Lock()
 
     def ask(tag: str, lane: str, tokens: int) -> None:
+        # The blocker's end tokens are banned: SmolLM2 names three colors in a dozen tokens, and a
+        # blocker that ends before the batch requests queue leaves nothing to overtake.
+        bias = {"0": -100, "1": -100, "2": -100} if tag == "blocker" else openai.NOT_GIVEN
         front.chat.completions.create(model="solo-smol", messages=MESSAGES, max_tokens=tokens, temperature=0,
-                                      extra_headers={"X-Priority": lane})
+                                      logit_bias=bias, extra_headers={"X-Priority": lane})
         with lock:
             finished.append(tag)
 
@@ -160,7 +163,7 @@ def test_interactive_overtakes_queued_batch_requests_on_a_limited_upstream(daemo
         rows = [m for m in ps(daemons["front"])["models"] if m["name"] == "solo-smol"]
         return rows[0]["waiting"] if rows else {}
 
-    threads = [threading.Thread(target=ask, args=("blocker", "default", 120))]
+    threads = [threading.Thread(target=ask, args=("blocker", "default", 240))]
     threads[0].start()
     deadline = time.monotonic() + 30
     while ps(daemons["a"], KEY)["models"][0]["running"] == 0 and time.monotonic() < deadline:
