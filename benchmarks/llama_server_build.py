@@ -37,7 +37,9 @@ def _sdist_sources(cache: Path) -> Path:
         return unpacked / "vendor" / "llama.cpp"
     dl = cache / "sdist"
     dl.mkdir(parents=True, exist_ok=True)
-    subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
+    # --no-binary for this one package only: with ":all:" pip also builds the sdist's build
+    # dependencies from source to read its metadata (cmake among them: over 10 minutes on 2 cores).
+    subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", "llama-cpp-python",
                     "-d", str(dl), f"llama-cpp-python=={LLAMA_CPP_PYTHON}"], check=True)
     archive = next(dl.glob(f"llama_cpp_python-{LLAMA_CPP_PYTHON}.tar.gz"))
     with tarfile.open(archive) as tar:

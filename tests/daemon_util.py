@@ -15,6 +15,12 @@ from pathlib import Path
 from typing import Iterator
 
 REPO = Path(__file__).resolve().parent.parent
+# Test daemons answer with speculation off, the mode that promises bit-exact, load-independent
+# greedy answers: the product's default, auto, drafts or not by the step times it measures, and a
+# drafted answer can part from a plain one at a near-tie (docs/architecture.md). Tests that compare
+# answers across runs, lanes or daemons (a batch line against the same request alone, one upstream
+# against another) failed that way under load. tests/test_speculation.py turns it on where it tests it.
+SPECULATIVE = "off"
 
 
 def free_port() -> int:
@@ -35,6 +41,7 @@ def cli_env(home: Path, port: int, **extra: str) -> dict[str, str]:
         LOCALSERVE_CONTEXT_LENGTH="1024",
         LOCALSERVE_MAX_SEQUENCES="4",
         LOCALSERVE_SHUTDOWN_TIMEOUT="3",
+        LOCALSERVE_SPECULATIVE=SPECULATIVE,
         PYTHONUNBUFFERED="1",
     )
     env.update(extra)

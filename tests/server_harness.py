@@ -32,6 +32,8 @@ from localserve.runtime.manager import ModelManager
 from localserve.server import create_app
 from localserve.store.cache import ModelStore
 
+from daemon_util import SPECULATIVE  # the test daemons' mode, and why
+
 MODEL = "smollm2-135m"
 MODEL_TAG = "Q4_1"
 
@@ -44,7 +46,8 @@ BACKEND_CLASSES = {"llamacpp": "LlamaCppBackend", "onnx": "OnnxBackend"}
 
 
 def server_settings(home: Path, **changes: Any) -> Settings:
-    base = dict(home=home, threads=2, context_length=1024, max_sequences=8, keep_alive=300.0)
+    base = dict(home=home, threads=2, context_length=1024, max_sequences=8, keep_alive=300.0,
+                speculative=SPECULATIVE)
     base.update(changes)
     return replace(Settings(), **base)
 
