@@ -79,7 +79,7 @@ def start_serve(env: dict[str, str], *args: str) -> ServeProcess:
 
 
 @contextmanager
-def serving(env: dict[str, str], *args: str) -> Iterator[subprocess.Popen[str]]:
+def serving(env: dict[str, str], *args: str) -> Iterator[ServeProcess]:
     """A foreground `serve` subprocess, killed on the way out if the test left it running."""
     proc = start_serve(env, *args)
     try:
@@ -94,13 +94,12 @@ def pid_file(home: Path) -> Path:
     return home / "run" / "daemon.json"
 
 
-def wait_published(home: Path, proc: subprocess.Popen[str] | None = None, timeout: float = 60) -> dict:
+def wait_published(home: Path, proc: ServeProcess | None = None, timeout: float = 60) -> dict:
     """The daemon's pid file once it answers /health."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc is not None and proc.poll() is not None:
-            said = proc.output() if isinstance(proc, ServeProcess) else proc.stderr.read() if proc.stderr else ""
-            raise AssertionError(f"serve exited {proc.returncode}: {said}")
+            raise AssertionError(f"serve exited {proc.returncode}: {proc.output()}")
         try:
             info = json.loads(pid_file(home).read_text())
             if http_get(info["url"] + "/health")[0] == 200:

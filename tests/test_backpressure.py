@@ -22,10 +22,10 @@ BAN_EOS = {"0": -100, "1": -100, "2": -100}  # SmolLM2's end tokens: the answer 
 
 @pytest.fixture(scope="module")
 def server(smollm2_gguf, tmp_path_factory):
-    # Speculation off: a drafted step sends several tokens in one event, and SmolLM2's long story
-    # repeats itself enough that 900 tokens once fit in the ~50 KB the bounded buffers hold, so the
-    # answer ended before a write ever blocked (seen once in a whole-suite run).
-    settings = server_settings(tmp_path_factory.mktemp("home"), stream_write_timeout=1.0, speculative="off")
+    # Relies on the harness's speculation off (daemon_util.SPECULATIVE): a drafted step sends
+    # several tokens in one event, and SmolLM2's long story repeats itself enough that 900 tokens
+    # once fit in the ~50 KB the bounded buffers hold, so the answer ended before a write blocked.
+    settings = server_settings(tmp_path_factory.mktemp("home"), stream_write_timeout=1.0)
     install_model(settings, smollm2_gguf)
     with LiveServer(settings) as live:
         yield live
