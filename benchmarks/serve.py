@@ -311,14 +311,15 @@ def start_localserve(model_path: Path | None, threads: int, sequences: int, work
 
 
 def start_llama_server(model_path: Path, threads: int, sequences: int, work: Path,
-                       extra_args: list[str] | None = None) -> tuple[subprocess.Popen[bytes], str, str]:
-    """llama.cpp's C++ server, as issue 8 anchors it: -np 8 -c 16384 (2,048 cells per slot)."""
+                       extra_args: list[str] | None = None,
+                       slot_ctx: int = 2048) -> tuple[subprocess.Popen[bytes], str, str]:
+    """llama.cpp's C++ server, as issue 8 anchors it: -np 8 -c 16384 (`slot_ctx`, 2,048, cells per slot)."""
     from llama_server_build import llama_server_binary
 
     port = free_port()
     log = open(work / "llama_server.out", "wb")
     cmd = [str(llama_server_binary()), "-m", str(model_path), "--port", str(port), "--host", "127.0.0.1",
-           "-np", str(sequences), "-c", str(2048 * sequences), "-t", str(threads), "-a", "bench",
+           "-np", str(sequences), "-c", str(slot_ctx * sequences), "-t", str(threads), "-a", "bench",
            *(extra_args or [])]
     return subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=log), f"http://127.0.0.1:{port}", "bench"
 
