@@ -55,6 +55,9 @@ SERVERS: dict[str, tuple[str, Any]] = {
     "localserve-off": ("localserve", {"LOCALSERVE_SPECULATIVE": "off"}),
     "llama-server": ("llama-server", []),
     "llama-server+ngram": ("llama-server", ["--spec-type", "ngram-mod"]),
+    # Its default flash attention ("auto": on) costs a CPU dearly at an edit's 2-3k tokens of
+    # context (docs/architecture.md); off, as localserve runs, is the stronger anchor there.
+    "llama-server+ngram-fa-off": ("llama-server", ["--spec-type", "ngram-mod", "-fa", "off"]),
 }
 RENAMES = ["request", "sampler", "tokens", "status", "stream", "cells", "order", "seq_id"]
 EDIT_COMMIT = "ce5589c"
@@ -227,6 +230,8 @@ async def main_async(args: argparse.Namespace) -> None:
     finally:
         shutil.rmtree(work, ignore_errors=True)
     print_table(passes, args)
+    if args.json:
+        Path(args.json).write_text(json.dumps(passes, indent=1))
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -242,6 +247,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--passes", type=int, default=1, help="passes over the servers, alternating (default 1)")
+    p.add_argument("--json", help="also write every pass's figures and answers to this file")
     args = p.parse_args(argv)
     unknown = [s for s in args.servers if s not in SERVERS]
     if unknown:
