@@ -20,6 +20,22 @@ and still gives 1.6-2.4x llama-server's throughput when the cores are shared; PA
 busy machine a quarter more and a quiet one a tenth less (set OMP_WAIT_POLICY=PASSIVE for that).
 Every finite setting idles at 0.0% of a core once the requests stop (the "idle CPU" row of
 benchmarks/serve.py): a desktop daemon must not spin.
+
+Measured again 2026-12-05 (same load, one server at a time; "busy": two `while True` processes
+beside it), output tokens/s:
+
+    GOMP_SPINCOUNT=1000     106.1, 109.8 / 53.7      <- still chosen
+    GOMP_SPINCOUNT=30000    111.1, 111.4 / -
+    GOMP_SPINCOUNT=100000   115.0, 113.6 / 28.4
+    libgomp's default       119.2, 120.8 / 25.0
+    llama-server -fa off    122.1 (its default spin)
+
+On the engine alone (8 one-row decodes a call, no serving between them) the knee is lower: 161.5
+tok/s at 1000, 168.4 at 3000, 172.2 at 10000, 174.9 at 30000, which is llama-batched-bench's 175.7
+(-fa off): some graph nodes leave one thread waiting longer than 1000 spins. Serving gains less from
+those because a spinning thread also takes the core our engine thread and event loop run on between
+steps. The default's last 10% on a quiet machine costs half the throughput on a shared one, so the
+short spin stays; GOMP_SPINCOUNT=300000 in the environment buys it back where the machine is yours.
 """
 
 from __future__ import annotations
