@@ -57,6 +57,7 @@ SERVERS: dict[str, tuple[str, Any]] = {
     "llama-server+ngram": ("llama-server", ["--spec-type", "ngram-mod"]),
     # Its default flash attention ("auto": on) costs a CPU dearly at an edit's 2-3k tokens of
     # context (docs/architecture.md); off, as localserve runs, is the stronger anchor there.
+    "llama-server-fa-off": ("llama-server", ["-fa", "off"]),
     "llama-server+ngram-fa-off": ("llama-server", ["--spec-type", "ngram-mod", "-fa", "off"]),
 }
 RENAMES = ["request", "sampler", "tokens", "status", "stream", "cells", "order", "seq_id"]
