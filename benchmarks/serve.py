@@ -341,7 +341,7 @@ WITH_DASHBOARDS = "localserve+dashboards"
 # engine worker processes (engine/worker/) against (not in the default set)
 INLINE = "localserve+inline"
 # llama-server without flash attention, as localserve runs: its default (-fa auto, on) is its slower
-# choice on a CPU (load B 113 vs 122 tok/s, 2026-12-05), so this is the stronger anchor (not in the
+# choice on a CPU (load B 113.0 with it, 122.1 without, two runs of 2026-12-05), so this is the stronger anchor (not in the
 # default set, which keeps the anchor issue 8 defined)
 FA_OFF = "llama-server-fa-off"
 READY = {"localserve": "/health", WITH_DASHBOARDS: "/health", INLINE: "/health", "llama-server": "/health",
