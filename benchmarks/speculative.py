@@ -152,7 +152,7 @@ def summary(results: list[dict[str, Any]], seconds: float) -> dict[str, float]:
             "ttft_ms_p50": percentile([r["ttft"] * 1000 for r in results], 50)}
 
 
-async def bench_server(name: str, args: argparse.Namespace, work: Path) -> dict[str, Any]:
+async def bench_server(name: str, args: argparse.Namespace, work: Path, sources: list[str]) -> dict[str, Any]:
     launcher, extra = SERVERS[name]
     if launcher == "localserve":
         proc, url, model = start_localserve(args.model_path, args.threads, 8, work, extra)
@@ -160,7 +160,6 @@ async def bench_server(name: str, args: argparse.Namespace, work: Path) -> dict[
         # 4,096 cells a slot: an edit's prompt (up to ~2,800 tokens) and its answer must fit, as
         # they do in localserve's per-sequence context; at 2,048 llama-server refuses the prompt.
         proc, url, model = start_llama_server(args.model_path, args.threads, 8, work, extra_args=extra, slot_ctx=4096)
-    sources = [read_source(f) for f in args.files]
     bias = eog_bias(args.model_path)
     out: dict[str, Any] = {}
     try:
@@ -220,6 +219,8 @@ def print_table(passes: dict[str, list[dict[str, Any]]], args: argparse.Namespac
 
 
 async def main_async(args: argparse.Namespace) -> None:
+    # Read once, before any server starts: a missing commit stops the run without leaving one behind.
+    sources = [read_source(f) for f in args.files]
     work = Path(tempfile.mkdtemp(prefix="localserve-spec-"))
     passes: dict[str, list[dict[str, Any]]] = {name: [] for name in args.servers}
     try:
@@ -227,7 +228,7 @@ async def main_async(args: argparse.Namespace) -> None:
             for name in args.servers:
                 run_dir = work / f"{name}-{i}"
                 run_dir.mkdir()
-                passes[name].append(await bench_server(name, args, run_dir))
+                passes[name].append(await bench_server(name, args, run_dir, sources))
     finally:
         shutil.rmtree(work, ignore_errors=True)
     print_table(passes, args)
