@@ -33,6 +33,9 @@ class EngineCollector(Collector):
         kv_used = GaugeMetricFamily("localserve_kv_cells_used", "KV cache cells in use", labels=["model"])
         kv_total = GaugeMetricFamily("localserve_kv_cells_total", "KV cache cells", labels=["model"])
         tps = GaugeMetricFamily("localserve_engine_tokens_per_second", "Recent decode throughput", labels=["model"])
+        threads = GaugeMetricFamily("localserve_compute_threads",
+                                    "Threads the engine computes with now (fewer while other processes hold cores)",
+                                    labels=["model"])
         hits = CounterMetricFamily("localserve_prefix_cache_hit_tokens", "Prompt tokens served from the prefix cache",
                                    labels=["model"])
         queries = CounterMetricFamily("localserve_prefix_cache_query_tokens", "Prompt tokens looked up in the prefix cache",
@@ -68,6 +71,8 @@ class EngineCollector(Collector):
             kv_used.add_metric([model], _num(stats.get("kv_used", 0)))
             kv_total.add_metric([model], _num(stats.get("kv_total", 0)))
             tps.add_metric([model], _num(stats.get("tokens_per_s", 0)))
+            if stats.get("compute_threads"):
+                threads.add_metric([model], _num(stats["compute_threads"]))
             hits.add_metric([model], _num(stats.get("prefix_cache_hits", 0)))
             queries.add_metric([model], _num(stats.get("prefix_cache_queries", 0)))
             moves.add_metric([model], _num(stats.get("kv_moves", 0)))
@@ -76,8 +81,8 @@ class EngineCollector(Collector):
                 per_lane = stats.get(key) or {}
                 for lane in LANES:
                     family.add_metric([model, lane], _num(per_lane.get(lane, 0)) if isinstance(per_lane, dict) else 0)
-        return [loaded, running, waiting, occupancy, kv_used, kv_total, tps, hits, queries, moves, interrupted,
-                drafted, accepted, restarts]
+        return [loaded, running, waiting, occupancy, kv_used, kv_total, tps, threads, hits, queries, moves,
+                interrupted, drafted, accepted, restarts]
 
 
 class UpstreamCollector(Collector):

@@ -182,6 +182,14 @@ class Backend(ABC):
     # capabilities: one cell per token decoded for a sequence, cells shared through kv_copy count
     # once, a cell is free when no sequence holds it (batching/kvpool.py).
     info: ModelInfo
+    # Compute threads it was loaded with, the most set_threads may ask for; 0: the count is fixed
+    # for its life (an ONNX session's thread pool), and the engine leaves it alone.
+    n_threads: int = 0
+    adjustable_threads: bool = False
+
+    def set_threads(self, n: int) -> None:
+        """Compute the next decodes with `n` threads, 1..n_threads (engine/threads.py), where
+        adjustable_threads; results must not depend on it, only speed."""
 
     @property
     @abstractmethod

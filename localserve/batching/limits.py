@@ -52,6 +52,9 @@ class EngineLimits:
     # settings say otherwise (their default is auto): verification rows round like prompt chunks,
     # not like one-row decodes, so a near-tie can go the other way than in plain decoding.
     speculative: str = "off"
+    # Threads follow the machine's load (engine/threads.py). Off unless the settings say otherwise
+    # (their default is on), so an engine built by hand computes with what its backend was loaded with.
+    adaptive_threads: bool = False
 
     def __post_init__(self) -> None:
         for name in ("max_sequences", "batch_tokens", "queue_size", "n_ctx", "n_ctx_seq", "aging_steps"):
@@ -133,7 +136,7 @@ class EngineLimits:
                    queue_size=settings.queue_size or 64, batch_step_s=settings.batch_step_ms / 1000,
                    queue_timeout=settings.queue_timeout or 600.0, prefix_cache=settings.prefix_cache,
                    kv_unified=kv.kv_unified, kv_type=kv.kv_type, flash_attention=kv.flash_attention,
-                   speculative=settings.speculative.strip().lower())
+                   speculative=settings.speculative.strip().lower(), adaptive_threads=settings.adaptive_threads)
 
 
 def _llamacpp_plan_kv() -> Callable[[KVRequest], KVSizing]:

@@ -72,6 +72,10 @@ class Settings:
     # would otherwise give up on work that is progressing. llama-server pings every 30 s. 0 = never.
     sse_ping_interval: float = 15.0
     threads: int = 0  # 0 = physical cores
+    # Compute on the cores other processes leave free, re-read every second between steps
+    # (engine/threads.py): beside one busy process, 2 threads on 2 cores run 6x slower than 1.
+    # `threads` stays the most it uses. Off: always `threads`.
+    adaptive_threads: bool = True
     # Milliseconds a step's batch-lane prompt chunks may take, converted to tokens with the costs
     # measured on this machine: bounds what an interactive request arriving meanwhile waits. 0 = off.
     # Ten times that for batch work alone on a backend that interrupts a step for an arrival.

@@ -32,6 +32,7 @@ from . import step
 from ..protocol.engine import EngineStats, ModelInfo
 from ..errors import ContextLengthExceededError, InvalidRequestError, OverloadedError, QueueFullError
 from .streams import STREAM_BUFFER_EVENTS, RequestStream, post_events
+from .threads import ThreadGovernor
 
 log = logging.getLogger(__name__)
 
@@ -88,6 +89,8 @@ class Engine:
         self.limits = limits
         self.name = name or backend.info.name
         self.scheduler = Scheduler(declared_capabilities(backend), limits, on_dequeue=self._dequeued)
+        self._threads = (ThreadGovernor(backend) if limits.adaptive_threads and backend.adjustable_threads
+                         and backend.n_threads > 1 else None)
         self._cond = threading.Condition()
         self._inbox: collections.deque[Sequence] = collections.deque()
         self._jobs: collections.deque[tuple[Callable[[], object], concurrent.futures.Future]] = collections.deque()
@@ -250,6 +253,7 @@ class Engine:
             draft_tokens=dict(s.drafts.drafted) if s.drafts is not None else {},
             draft_accepted=dict(s.drafts.accepted) if s.drafts is not None else {},
             draft_verifications=s.drafts.verifications if s.drafts is not None else 0,
+            compute_threads=self._threads.threads if self._threads is not None else self._backend.n_threads,
         )
 
     def active_requests(self) -> int:
@@ -296,6 +300,8 @@ class Engine:
     def _step(self) -> None:
         t0 = time.monotonic()
         plan = None
+        if self._threads is not None:
+            self._threads.before_step()
         try:
             plan = self.scheduler.schedule()  # pure planning: KV operations, then which tokens
             result = step.run(self._backend, plan)  # KV ops, decode, sample; failures as data

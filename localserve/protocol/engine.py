@@ -71,6 +71,9 @@ class EngineStats:
     draft_tokens: dict[str, int] = field(default_factory=dict)
     draft_accepted: dict[str, int] = field(default_factory=dict)
     draft_verifications: int = 0
+    # llama.cpp threads the steps run with now: fewer than loaded while other processes hold cores
+    # (engine/threads.py); 0 where the engine does not say.
+    compute_threads: int = 0
 
     def to_dict(self) -> dict:
         return asdict(self)

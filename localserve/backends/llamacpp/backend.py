@@ -69,6 +69,7 @@ def _free_native(model, ctx, embedder_box: list) -> None:
 
 class LlamaCppBackend(Backend):
     exact_attention = False  # see load()
+    adjustable_threads = True  # llama_set_n_threads, between decodes
 
     def __init__(self, model, ctx, path: Path, *, n_threads: int, kv_unified: bool) -> None:
         self.model = model
@@ -82,6 +83,7 @@ class LlamaCppBackend(Backend):
         self.n_ubatch = llama_cpp.llama_n_ubatch(ctx)
         self.n_seq_max = llama_cpp.llama_n_seq_max(ctx)
         self.n_threads = n_threads
+        self._threads_now = n_threads  # set_threads' last count, which an embeddings context starts with
         self.n_vocab = llama_cpp.llama_vocab_n_tokens(self.vocab)
         self.n_embd = llama_cpp.llama_model_n_embd(model)
         self.token_ids = np.arange(self.n_vocab, dtype=np.int32)  # read-only helper for samplers
@@ -275,6 +277,15 @@ class LlamaCppBackend(Backend):
         self._packed.fill_tokens(batch)
         self._run(self._packed, interruptible and self._capabilities.interruptible)
 
+    def set_threads(self, n: int) -> None:
+        self._check_open()
+        n = max(1, min(self.n_threads, n))
+        llama_cpp.llama_set_n_threads(self.ctx, n, n)
+        with self._embedder_lock:
+            self._threads_now = n
+            if self._embedder_box[0] is not None:
+                self._embedder_box[0].set_threads(n)
+
     def interrupt(self) -> None:
         self._interrupt.set()
 
@@ -390,7 +401,7 @@ class LlamaCppBackend(Backend):
                     n_ctx=self.n_ctx_seq,
                     n_batch=self.n_batch,
                     n_seq_max=min(self.n_seq_max, 64),
-                    n_threads=self.n_threads,
+                    n_threads=self._threads_now,
                     n_embd=self.n_embd,
                     n_vocab=self.n_vocab,
                 )

@@ -47,6 +47,10 @@ class EmbeddingContext(PooledEmbedder):
             llama_cpp.llama_free(self.ctx)
             self.ctx = None
 
+    def set_threads(self, n: int) -> None:
+        if self.ctx:
+            llama_cpp.llama_set_n_threads(self.ctx, n, n)
+
     def _is_open(self) -> bool:
         return bool(self.ctx)
 

@@ -1,0 +1,103 @@
+"""How many threads llama.cpp computes a step with: the cores other processes leave free.
+
+llama.cpp's CPU threads meet at an OpenMP barrier after every graph node, hundreds a step. When
+another process takes one of the cores, one of our threads is descheduled for a whole time slice
+while the other waits at the barrier for it, and a step costs several slices. Measured with load B
+(benchmarks/serve.py, SmolLM2, 2 cores, output tok/s, one pass each, 2026-12-05; "hogs" are
+`while True` processes beside the daemon):
+
+                                        quiet     1 hog    2 hogs
+    2 threads, libgomp's default spin   119-121    11.2     21.5
+    2 threads, GOMP_SPINCOUNT=1000      106-110    62.6     51.1
+    1 thread,  libgomp's default spin    75.2      73.6     50.9
+
+So the thread count, not the spin, is what has to follow the machine: all the cores while it is
+quiet, fewer as soon as something else runs. Before a step, at most once a WINDOW_S, the governor
+reads how many cores other processes used in the last window (hardware/cpu_load.py) and sets the
+threads to the cores left: one fewer for each core they take beyond TOLERATED_CORES (the daemon and
+its clients take a little all the time; under load B they read 0.03-0.07). It drops at once, since a step beside a busy core costs 5-10x, and rises again
+only after RISE_WINDOWS windows in a row agree, so a burst of a compiler does not make it flap.
+After an idle spell it measures afresh: an average over minutes says nothing of now.
+
+The spin is libgomp's default, which nothing here sets any more. Until the governor, the daemon
+set GOMP_SPINCOUNT=1000 (spin tens of microseconds at a barrier, then sleep) so that a shared machine
+kept half its throughput, and paid a tenth on a quiet one (the middle row). Measured in earlier
+stops, load B quiet / beside two busy processes: OMP_WAIT_POLICY=PASSIVE 95-96 / 62-65, spin 100
+99 / 54, 30000 111, 100000 115 / 28.4, ACTIVE 126 / - (a whole core burnt while idle). On the
+engine alone, 8 one-row decodes a call: 161.5 tok/s at 1000, 174.9 at 30000 and above, which is
+llama-batched-bench's ceiling. With the thread count following the load, a long spin never waits on
+a descheduled thread, so the quiet machine gets its last tenth back and a shared one keeps its
+figure. Every finite spin idles at 0.0% of a core once the requests stop: the threads sleep a few
+milliseconds after the last step. OMP_WAIT_POLICY and GOMP_SPINCOUNT in the environment still reach
+libgomp (with adaptive_threads off on a shared machine, GOMP_SPINCOUNT=1000 is the old trade).
+
+llama.cpp's results do not depend on the thread count (each output element is summed by one
+thread; tests/test_thread_governor.py checks the logits are bit-equal), so this changes speed only.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from typing import Protocol
+
+from ..hardware.cpu_load import OtherLoad, cpu_count
+
+log = logging.getLogger(__name__)
+
+WINDOW_S = 1.0
+TOLERATED_CORES = 0.65  # other processes may use this much before a thread is given up
+RISE_WINDOWS = 2
+IDLE_RESTART_S = 3 * WINDOW_S
+
+
+class ThreadedBackend(Protocol):
+    n_threads: int  # the most threads it may use (the setting, or the physical cores)
+
+    def set_threads(self, n: int) -> None: ...
+
+
+def threads_for(other_cores: float, max_threads: int, n_cpus: int) -> int:
+    """Threads to use when other processes take `other_cores` of `n_cpus` logical CPUs. With SMT
+    our threads are one per physical core, so a logical CPU taken costs max_threads / n_cpus of one."""
+    taken = other_cores * max_threads / max(1, n_cpus)
+    return max(1, max_threads - max(0, math.ceil(taken - TOLERATED_CORES)))
+
+
+class ThreadGovernor:
+    """Sets a backend's compute threads from the machine's load (see the module docstring)."""
+
+    def __init__(self, backend: ThreadedBackend, *, n_cpus: int | None = None) -> None:
+        self._backend = backend
+        self.max_threads = backend.n_threads
+        self._n_cpus = n_cpus or cpu_count()
+        self.threads = self.max_threads
+        self._load = OtherLoad()
+        self._window_start = time.monotonic()
+        self._last_step = self._window_start
+        self._rise_votes = 0
+        self.other_cores = 0.0  # the last window's reading, for the dashboard and logs
+
+    def before_step(self) -> None:
+        now = time.monotonic()
+        if now - self._last_step > IDLE_RESTART_S:
+            self._load.restart()
+            self._window_start = now
+        self._last_step = now
+        if now - self._window_start < WINDOW_S:
+            return
+        self._window_start = now
+        self.other_cores = self._load.sample()
+        self._choose(threads_for(self.other_cores, self.max_threads, self._n_cpus))
+
+    def _choose(self, want: int) -> None:
+        if want > self.threads:
+            self._rise_votes += 1
+            if self._rise_votes < RISE_WINDOWS:
+                return
+        self._rise_votes = 0
+        if want != self.threads:
+            log.debug("compute threads %d -> %d (other processes: %.2f cores)", self.threads, want, self.other_cores)
+            self.threads = want
+            self._backend.set_threads(want)
