@@ -17,7 +17,11 @@ reads how many cores other processes used in the last window (hardware/cpu_load.
 threads to the cores left: one fewer for each core they take beyond TOLERATED_CORES (the daemon and
 its clients take a little all the time; under load B they read 0.03-0.07). It drops at once, since a step beside a busy core costs 5-10x, and rises again
 only after RISE_WINDOWS windows in a row agree, so a burst of a compiler does not make it flap.
-After an idle spell it measures afresh: an average over minutes says nothing of now.
+The first step after an idle spell (or the load) decides from the whole spell's average at once:
+it is the best guess there is without polling while idle, and a second model's worker that
+started beside a busy one must not run its first prompt with threads that are not there.
+The cost that stays: a step running when a process starts runs slowly to its end (the threads
+cannot change inside a llama_decode); the next one is governed.
 
 The spin is libgomp's default, which nothing here sets any more. Until the governor, the daemon
 set GOMP_SPINCOUNT=1000 (spin tens of microseconds at a barrier, then sleep) so that a shared machine
@@ -49,7 +53,6 @@ log = logging.getLogger(__name__)
 WINDOW_S = 1.0
 TOLERATED_CORES = 0.65  # other processes may use this much before a thread is given up
 RISE_WINDOWS = 2
-IDLE_RESTART_S = 3 * WINDOW_S
 
 
 class ThreadedBackend(Protocol):
@@ -75,16 +78,11 @@ class ThreadGovernor:
         self.threads = self.max_threads
         self._load = OtherLoad()
         self._window_start = time.monotonic()
-        self._last_step = self._window_start
         self._rise_votes = 0
         self.other_cores = 0.0  # the last window's reading, for the dashboard and logs
 
     def before_step(self) -> None:
         now = time.monotonic()
-        if now - self._last_step > IDLE_RESTART_S:
-            self._load.restart()
-            self._window_start = now
-        self._last_step = now
         if now - self._window_start < WINDOW_S:
             return
         self._window_start = now

@@ -43,12 +43,8 @@ class OtherLoad:
     def _read() -> tuple[float, float, float]:
         return time.monotonic(), _busy_seconds(), _own_seconds()
 
-    def restart(self) -> None:
-        """Forget what came before now (after an idle spell, whose average says nothing of now)."""
-        self._last = self._read()
-
     def sample(self) -> float:
-        """Cores used by other processes since the last call (or `restart`), on average; >= 0."""
+        """Cores used by other processes since the last call (or the first: creation), on average; >= 0."""
         now = self._read()
         wall = now[0] - self._last[0]
         busy = now[1] - self._last[1]
