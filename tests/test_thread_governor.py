@@ -4,6 +4,7 @@ beside a real busy process, on the real load readings."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import time
@@ -108,3 +109,31 @@ def test_the_engine_governs_only_when_asked(backend):
     fixed = Engine(backend, EngineLimits(**limits))
     assert governed.stats().compute_threads == 2 and governed._threads is not None
     assert fixed.stats().compute_threads == 2 and fixed._threads is None
+
+
+READ_ON_CPU0 = """
+import os, time
+os.sched_setaffinity(0, {0})
+from localserve.hardware.cpu_load import OtherLoad
+load = OtherLoad()
+time.sleep(1.5)
+print(load.sample())
+"""
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_setaffinity") or len(os.sched_getaffinity(0)) < 2,
+                    reason="needs two CPUs to pin to")
+@pytest.mark.parametrize("hog_cpu, busy", [(1, False), (0, True)])
+def test_other_load_counts_only_the_cpus_we_may_run_on(hog_cpu, busy):
+    """A process pinned to a CPU we may not use never takes a core of ours (a container pinned to
+    2 of a host's CPUs must not read the host's load as its own)."""
+    hog = subprocess.Popen([sys.executable, "-c", f"import os; os.sched_setaffinity(0, {{{hog_cpu}}})\nwhile True: pass"])
+    try:
+        time.sleep(0.3)
+        out = subprocess.run([sys.executable, "-c", READ_ON_CPU0], capture_output=True, text=True, check=True,
+                             timeout=60)
+    finally:
+        hog.kill()
+        hog.wait()
+    other = float(out.stdout.strip().splitlines()[-1])
+    assert (other > 0.6) if busy else (other < 0.4), other

@@ -17,9 +17,11 @@ reads how many cores other processes used in the last window (hardware/cpu_load.
 threads to the cores left: one fewer for each core they take beyond TOLERATED_CORES (the daemon and
 its clients take a little all the time; under load B they read 0.03-0.07). It drops at once, since a step beside a busy core costs 5-10x, and rises again
 only after RISE_WINDOWS windows in a row agree, so a burst of a compiler does not make it flap.
-The first step after an idle spell (or the load) decides from the whole spell's average at once:
-it is the best guess there is without polling while idle, and a second model's worker that
-started beside a busy one must not run its first prompt with threads that are not there.
+The first step after an idle spell decides from the whole spell's average at once: it is the best
+guess there is without polling while idle. A new engine reads the machine for FIRST_READ_S before
+its first step (part of the model's load, not of a request's wait): a second model's worker that
+started beside a busy one ran its first prompt with 2 threads beside the other's 2, on 2 cores,
+and one step took over 4 s (tests/test_engine_workers.py's hang watchdog caught it).
 The cost that stays: a step running when a process starts runs slowly to its end (the threads
 cannot change inside a llama_decode); the next one is governed.
 
@@ -53,6 +55,7 @@ log = logging.getLogger(__name__)
 WINDOW_S = 1.0
 TOLERATED_CORES = 0.65  # other processes may use this much before a thread is given up
 RISE_WINDOWS = 2
+FIRST_READ_S = 0.1  # long enough for the clock ticks (10 ms) to tell a busy core from a quiet one
 
 
 class ThreadedBackend(Protocol):
@@ -79,7 +82,9 @@ class ThreadGovernor:
         self._load = OtherLoad()
         self._window_start = time.monotonic()
         self._rise_votes = 0
-        self.other_cores = 0.0  # the last window's reading, for the dashboard and logs
+        time.sleep(FIRST_READ_S)
+        self.other_cores = self._load.sample()  # the last window's reading, for logs
+        self._choose(threads_for(self.other_cores, self.max_threads, self._n_cpus))
 
     def before_step(self) -> None:
         now = time.monotonic()

@@ -14,18 +14,28 @@ import time
 import psutil
 
 
+def _our_cpus() -> set[int] | None:
+    """The logical CPUs this process may run on, where the platform says (Linux); None: all."""
+    try:
+        return set(os.sched_getaffinity(0))
+    except AttributeError:  # macOS, Windows: no affinity call in os
+        return None
+
+
 def cpu_count() -> int:
     """Logical CPUs this process may run on (its affinity mask where the platform has one)."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # macOS, Windows: no affinity call in os
-        return os.cpu_count() or 1
+    cpus = _our_cpus()
+    return len(cpus) if cpus else (os.cpu_count() or 1)
 
 
-def _busy_seconds() -> float:
-    """CPU seconds every process together has used since boot (all CPUs), idle and iowait excluded."""
-    t = psutil.cpu_times()
-    return sum(v for k, v in t._asdict().items() if k not in ("idle", "iowait", "guest", "guest_nice"))
+def _busy_seconds(cpus: set[int] | None) -> float:
+    """CPU seconds every process together has used since boot on `cpus` (None: all), idle and iowait
+    excluded. Only our CPUs: in a container pinned to 2 of a host's 64, the other 62 are someone
+    else's load that never takes a core of ours. (Guest time is inside user time already.)"""
+    per_cpu = psutil.cpu_times(percpu=True)
+    if cpus is not None and max(cpus, default=0) < len(per_cpu):
+        per_cpu = [per_cpu[i] for i in sorted(cpus)]
+    return sum(v for t in per_cpu for k, v in t._asdict().items() if k not in ("idle", "iowait", "guest", "guest_nice"))
 
 
 def _own_seconds() -> float:
@@ -37,11 +47,11 @@ class OtherLoad:
     """Cores other processes used between two calls of `sample` (a moving window the caller times)."""
 
     def __init__(self) -> None:
+        self._cpus = _our_cpus()
         self._last = self._read()
 
-    @staticmethod
-    def _read() -> tuple[float, float, float]:
-        return time.monotonic(), _busy_seconds(), _own_seconds()
+    def _read(self) -> tuple[float, float, float]:
+        return time.monotonic(), _busy_seconds(self._cpus), _own_seconds()
 
     def sample(self) -> float:
         """Cores used by other processes since the last call (or the first: creation), on average; >= 0."""
