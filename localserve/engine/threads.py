@@ -25,17 +25,9 @@ and one step took over 4 s (tests/test_engine_workers.py's hang watchdog caught 
 The cost that stays: a step running when a process starts runs slowly to its end (the threads
 cannot change inside a llama_decode); the next one is governed.
 
-The spin is libgomp's default, which nothing here sets any more. Until the governor, the daemon
-set GOMP_SPINCOUNT=1000 (spin tens of microseconds at a barrier, then sleep) so that a shared machine
-kept half its throughput, and paid a tenth on a quiet one (the middle row). Measured in earlier
-stops, load B quiet / beside two busy processes: OMP_WAIT_POLICY=PASSIVE 95-96 / 62-65, spin 100
-99 / 54, 30000 111, 100000 115 / 28.4, ACTIVE 126 / - (a whole core burnt while idle). On the
-engine alone, 8 one-row decodes a call: 161.5 tok/s at 1000, 174.9 at 30000 and above, which is
-llama-batched-bench's ceiling. With the thread count following the load, a long spin never waits on
-a descheduled thread, so the quiet machine gets its last tenth back and a shared one keeps its
-figure. Every finite spin idles at 0.0% of a core once the requests stop: the threads sleep a few
-milliseconds after the last step. OMP_WAIT_POLICY and GOMP_SPINCOUNT in the environment still reach
-libgomp (with adaptive_threads off on a shared machine, GOMP_SPINCOUNT=1000 is the old trade).
+How long each thread spins at a barrier is backends/llamacpp/openmp.py's: the table's first two
+rows are libgomp's default and the short spin the daemon set before the governor (which kept half a
+shared machine's throughput and paid a tenth on a quiet one); with the governor, a longer spin.
 
 llama.cpp's results do not depend on the thread count (each output element is summed by one
 thread; tests/test_thread_governor.py checks the logits are bit-equal), so this changes speed only.

@@ -53,6 +53,8 @@ def _text(raw: bytes | None) -> str:
 def _ggml() -> ctypes.CDLL | None:
     """libggml as llama_cpp loaded it (dlopen hands back the same handle, with the backends it
     registered), after backend init; None without llama_cpp."""
+    from ..backends.llamacpp import openmp  # noqa: F401 - its wait policy must precede loading llama.cpp
+
     try:
         import llama_cpp
     except ImportError:

@@ -75,8 +75,8 @@ def _context() -> multiprocessing.context.BaseContext:
     ctx = multiprocessing.get_context("forkserver")
     # Imported once in the fork server, so a worker starts with our engine code and llama.cpp's
     # library already loaded: 0.4 s less per load here. Importing llama_cpp only maps the library
-    # (no backend is initialised, no thread started, nothing a fork would copy mid-use). Missing (an
-    # ONNX-only install): skipped.
+    # (no backend is initialised, no thread started, nothing a fork would copy mid-use); backends/
+    # sets OpenMP's wait policy before it, as in the daemon. Missing (an ONNX-only install): skipped.
     ctx.set_forkserver_preload(["localserve.engine.worker.child", "localserve.backends.llamacpp.backend"])
     return ctx
 
