@@ -32,6 +32,7 @@ from ...errors import BackendError, GGUFError, InvalidRequestError, ModelNotFoun
 from ..base import Backend, BatchToken, Capabilities, DecodeInterrupted, KVFullError, KVRequest, KVSizing
 from .batch import PackedBatch, stream_groups
 from ..common.grammar import GRAMMAR_CONSTRAINTS
+from ..common.threads import default_threads
 from .embed import EmbeddingContext
 from .info import read_model_info
 from .interrupt import InterruptFlag, available as interrupt_available
@@ -44,17 +45,6 @@ log = logging.getLogger(__name__)
 
 _INT32_MIN = -(2**31)
 _KV_TYPES = {"f16": llama_cpp.GGML_TYPE_F16, "q8_0": llama_cpp.GGML_TYPE_Q8_0}
-
-
-def default_threads() -> int:
-    """Physical cores: llama.cpp's matmuls gain nothing from SMT siblings and lose to contention."""
-    try:
-        import psutil
-
-        n = psutil.cpu_count(logical=False)
-    except Exception:  # noqa: BLE001 - psutil can fail on odd platforms/containers; fall back
-        n = None
-    return max(1, n or os.cpu_count() or 1)
 
 
 def _free_native(model, ctx, embedder_box: list) -> None:

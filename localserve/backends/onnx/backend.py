@@ -26,7 +26,7 @@ import numpy as np
 from ...errors import BackendError
 from ...protocol.requests import SamplingParams
 from ..base import Backend, BatchToken, Capabilities, DecodeInterrupted, Sampler
-from ..llamacpp.backend import default_threads
+from ..common.threads import default_threads
 from ..llamacpp.vocab import LlamaVocab
 from ..common.grammar import GRAMMAR_CONSTRAINTS
 from ..common.numpy_sampling import LlamaVocabLogits, numpy_sampler
