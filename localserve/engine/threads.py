@@ -15,8 +15,9 @@ So the thread count, not the spin, is what has to follow the machine: all the co
 quiet, fewer as soon as something else runs. Before a step, at most once a WINDOW_S, the governor
 reads how many cores other processes used in the last window (hardware/cpu_load.py) and sets the
 threads to the cores left: one fewer for each core they take beyond TOLERATED_CORES (the daemon and
-its clients take a little all the time; under load B they read 0.03-0.07). It drops at once, since a step beside a busy core costs 5-10x, and rises again
-only after RISE_WINDOWS windows in a row agree, so a burst of a compiler does not make it flap.
+its clients take a little all the time; under load B they read 0.03-0.07). It drops at once,
+since a step beside a busy core costs 5-10x, and rises again only after RISE_WINDOWS windows in a
+row agree, so a burst of a compiler does not make it flap.
 The first step after an idle spell decides from the whole spell's average at once: it is the best
 guess there is without polling while idle. A new engine reads the machine for FIRST_READ_S before
 its first step (part of the model's load, not of a request's wait): a second model's worker that
@@ -38,8 +39,8 @@ from __future__ import annotations
 import logging
 import math
 import time
-from typing import Protocol
 
+from ..backends.base import Backend
 from ..hardware.cpu_load import OtherLoad, cpu_count
 
 log = logging.getLogger(__name__)
@@ -48,12 +49,6 @@ WINDOW_S = 1.0
 TOLERATED_CORES = 0.65  # other processes may use this much before a thread is given up
 RISE_WINDOWS = 2
 FIRST_READ_S = 0.1  # long enough for the clock ticks (10 ms) to tell a busy core from a quiet one
-
-
-class ThreadedBackend(Protocol):
-    n_threads: int  # the most threads it may use (the setting, or the physical cores)
-
-    def set_threads(self, n: int) -> None: ...
 
 
 def threads_for(other_cores: float, max_threads: int, n_cpus: int) -> int:
@@ -66,7 +61,7 @@ def threads_for(other_cores: float, max_threads: int, n_cpus: int) -> int:
 class ThreadGovernor:
     """Sets a backend's compute threads from the machine's load (see the module docstring)."""
 
-    def __init__(self, backend: ThreadedBackend, *, n_cpus: int | None = None) -> None:
+    def __init__(self, backend: Backend, *, n_cpus: int | None = None) -> None:
         self._backend = backend
         self.max_threads = backend.n_threads
         self._n_cpus = n_cpus or cpu_count()
