@@ -225,13 +225,20 @@ def test_exact_latencies_and_live_rows(page, daemon, no_eog, clean_console):
     assert abs(int(shown["itl.1m.all.n"]) - len(gaps)) <= STREAMS, (shown, len(gaps))
     # The client's TTFT also holds its request's way in (connect, send, the event loop serving 4
     # streams before it reads the headers): up to a few % of a 2-second TTFT on the shared 2 cores.
-    # A gap between two chunks carries only jitter, both ways.
+    # A gap between two chunks carries only jitter, both ways: a write or a read that ran late
+    # lengthens one gap and shortens the next by as much. That leaves the median where it was, but
+    # on a busy machine it spreads the tail: a CI run saw shown p95 78 ms against the clients' 91 ms,
+    # with p50 within 1 ms. So the shown p95 must lie within the clients' p92..p98 (ranks that jitter
+    # may swap), give or take 3 ms, while the median stays within 3 ms.
     for name, samples, allowance in (("ttft", ttfts, lambda v: max(60.0, 0.05 * v)), ("itl", gaps, lambda v: 3.0)):
         for q, p in (("p50", 0.5), ("p95", 0.95)):
-            client_ms = percentile(samples, p) * 1000
+            spread = 0.03 if (name, q) == ("itl", "p95") else 0.0
+            low, high = (percentile(samples, p + d) * 1000 for d in (-spread, spread))
             server_ms = shown_ms(shown[f"{name}.1m.all.{q}"])
-            print(f"{name} {q}: shown {server_ms} ms, clients' {client_ms:.2f} ms")
-            assert abs(server_ms - client_ms) <= 0.5 + allowance(client_ms), (name, q, server_ms, client_ms)
+            print(f"{name} {q}: shown {server_ms} ms, clients' {percentile(samples, p) * 1000:.2f} ms"
+                  f" ({low:.2f}..{high:.2f})")
+            slack = 0.5 + allowance(high)
+            assert low - slack <= server_ms <= high + slack, (name, q, server_ms, low, high)
     # Per lane: an interactive row, none for lanes without samples.
     assert shown["ttft.1m.interactive.n"] == str(STREAMS) and "ttft.1m.default.n" not in shown
     assert shown["step.1m.all.n"] != "0" and shown["queue.1m.all.n"] == str(STREAMS)
