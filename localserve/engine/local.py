@@ -32,6 +32,7 @@ from . import step
 from ..protocol.engine import EngineStats, ModelInfo
 from ..errors import ContextLengthExceededError, InvalidRequestError, OverloadedError, QueueFullError
 from .streams import STREAM_BUFFER_EVENTS, RequestStream, post_events
+from . import core_share
 from .threads import ThreadGovernor
 
 log = logging.getLogger(__name__)
@@ -89,8 +90,8 @@ class Engine:
         self.limits = limits
         self.name = name or backend.info.name
         self.scheduler = Scheduler(declared_capabilities(backend), limits, on_dequeue=self._dequeued)
-        self._threads = (ThreadGovernor(backend) if limits.adaptive_threads and backend.adjustable_threads
-                         and backend.n_threads > 1 else None)
+        self._threads = (ThreadGovernor(backend, share=core_share.current())
+                         if limits.adaptive_threads and backend.adjustable_threads and backend.n_threads > 1 else None)
         self._cond = threading.Condition()
         self._inbox: collections.deque[Sequence] = collections.deque()
         self._jobs: collections.deque[tuple[Callable[[], object], concurrent.futures.Future]] = collections.deque()
@@ -277,6 +278,8 @@ class Engine:
                 with self._cond:
                     while not (self._stopping or self._inbox or self._jobs or self._embeds
                                or self.scheduler.has_work()):
+                        if self._busy and self._threads is not None:
+                            self._threads.idle()
                         self._busy = False
                         self._cond.wait()
                     if self._stopping:
@@ -304,7 +307,11 @@ class Engine:
             self._threads.before_step()
         try:
             plan = self.scheduler.schedule()  # pure planning: KV operations, then which tokens
-            result = step.run(self._backend, plan)  # KV ops, decode, sample; failures as data
+            try:
+                result = step.run(self._backend, plan)  # KV ops, decode, sample; failures as data
+            finally:
+                if self._threads is not None:
+                    self._threads.after_step()  # our other engines may compute while we postprocess
             self.scheduler.postprocess(plan, result)  # advance, finish, or undo and make room
         except Exception:  # a scheduler bug must not kill the engine: fail this step's requests
             log.exception("engine step failed")
@@ -377,8 +384,10 @@ class Engine:
             if job.future.running():
                 job.future.set_exception(asyncio.CancelledError())
             return
+        if self._threads is not None:
+            self._threads.before_step()
         try:
-            may_switch = next(job.steps)
+            may_switch = next(job.steps)  # one decode
         except StopIteration as done:
             self._embeds.popleft()
             job.future.set_result(done.value)
@@ -387,6 +396,9 @@ class Engine:
             self._embeds.popleft()
             job.future.set_exception(e)
             return
+        finally:
+            if self._threads is not None:
+                self._threads.after_step()
         if may_switch and len(self._embeds) > 1:
             self._embeds.rotate(-1)
 
@@ -414,6 +426,8 @@ class Engine:
             if job.started or job.future.set_running_or_notify_cancel():
                 job.future.set_exception(OverloadedError("the model was unloaded"))
         self._busy = False
+        if self._threads is not None:
+            self._threads.close()
         self._stopped.set()
 
     def _wake(self) -> None:

@@ -24,7 +24,9 @@ its first step (part of the model's load, not of a request's wait): a second mod
 started beside a busy one ran its first prompt with 2 threads beside the other's 2, on 2 cores,
 and one step took over 4 s (tests/test_engine_workers.py's hang watchdog caught it).
 The cost that stays: a step running when a process starts runs slowly to its end (the threads
-cannot change inside a llama_decode); the next one is governed.
+cannot change inside a llama_decode); the next one is governed. Our own engines (a second model's
+worker) never cause it: they share the cores through core_share.py, which caps what the governor
+wants by what the other engines' running steps leave.
 
 How long each thread spins at a barrier is backends/llamacpp/openmp.py's: the table's first two
 rows are libgomp's default and the short spin the daemon set before the governor (which kept half a
@@ -42,6 +44,7 @@ import time
 
 from ..backends.base import Backend
 from ..hardware.cpu_load import OtherLoad, cpu_count
+from .core_share import CoreShare
 
 log = logging.getLogger(__name__)
 
@@ -59,35 +62,67 @@ def threads_for(other_cores: float, max_threads: int, n_cpus: int) -> int:
 
 
 class ThreadGovernor:
-    """Sets a backend's compute threads from the machine's load (see the module docstring)."""
+    """Sets a backend's compute threads from the machine's load (see the module docstring), within
+    what `share` leaves it beside our other engines (None: no other engine to share with)."""
 
-    def __init__(self, backend: Backend, *, n_cpus: int | None = None) -> None:
+    def __init__(self, backend: Backend, *, n_cpus: int | None = None, share: CoreShare | None = None) -> None:
         self._backend = backend
         self.max_threads = backend.n_threads
         self._n_cpus = n_cpus or cpu_count()
-        self.threads = self.max_threads
+        self.threads = self.max_threads  # what the step computes on now
+        self.wanted = self.max_threads  # what other processes leave, as the windows voted
+        self._share = share
+        self._slot = share.join() if share is not None else None
         self._load = OtherLoad()
         self._window_start = time.monotonic()
         self._rise_votes = 0
         time.sleep(FIRST_READ_S)
         self.other_cores = self._load.sample()  # the last window's reading, for logs
-        self._choose(threads_for(self.other_cores, self.max_threads, self._n_cpus))
+        self._vote(threads_for(self.other_cores, self.max_threads, self._n_cpus))
+        self._apply(self.wanted)
 
     def before_step(self) -> None:
+        """Before a decode: read the machine if a window has passed, take threads from the share."""
         now = time.monotonic()
-        if now - self._window_start < WINDOW_S:
-            return
-        self._window_start = now
-        self.other_cores = self._load.sample()
-        self._choose(threads_for(self.other_cores, self.max_threads, self._n_cpus))
+        if now - self._window_start >= WINDOW_S:
+            self._window_start = now
+            self.other_cores = self._load.sample()
+            self._vote(threads_for(self.other_cores, self.max_threads, self._n_cpus))
+        if self._slot is None:
+            self._apply(self.wanted)
+        else:
+            assert self._share is not None
+            self._apply(self._share.take(self._slot, self.wanted, self.max_threads))
 
-    def _choose(self, want: int) -> None:
-        if want > self.threads:
+    def after_step(self) -> None:
+        """The decode ended: its threads are free for our other engines."""
+        if self._slot is not None:
+            assert self._share is not None
+            self._share.step_done(self._slot)
+
+    def idle(self) -> None:
+        """No work left: our other engines need not share the cores with this one."""
+        if self._slot is not None:
+            assert self._share is not None
+            self._share.idle(self._slot)
+
+    def close(self) -> None:
+        if self._slot is not None:
+            assert self._share is not None
+            self._share.leave(self._slot)
+            self._slot = None
+
+    def _vote(self, want: int) -> None:
+        if want > self.wanted:
             self._rise_votes += 1
             if self._rise_votes < RISE_WINDOWS:
                 return
         self._rise_votes = 0
-        if want != self.threads:
-            log.debug("compute threads %d -> %d (other processes: %.2f cores)", self.threads, want, self.other_cores)
-            self.threads = want
-            self._backend.set_threads(want)
+        if want != self.wanted:
+            log.debug("wanted threads %d -> %d (other processes: %.2f cores)", self.wanted, want, self.other_cores)
+            self.wanted = want
+
+    def _apply(self, n: int) -> None:
+        if n != self.threads:
+            self.threads = n
+            self._backend.set_threads(n)

@@ -27,7 +27,8 @@ from typing import Any, Callable
 from ...errors import BackendError, LocalserveError
 from ...protocol.engine import ModelEngine
 from ..streams import RequestStream
-from .. import live
+from .. import core_share, live
+from ..core_share import CoreShare
 from .channel import CALLS, Channel
 
 LIVE_VIEWS = {"live_sequences": live.sequences, "live_steps": live.steps_since, "live_parked": live.parked_cells}
@@ -35,9 +36,12 @@ BEAT_S = 1.0  # how often a working engine says it moved on (the daemon's hang w
 
 
 def main(conn: Connection, load: Callable[..., ModelEngine], args: tuple, log_path: Path | None,
-         log_level: int = logging.INFO) -> None:
-    """The process's entry: `load(*args)` -> a started ModelEngine, then serve it until told to stop."""
+         log_level: int = logging.INFO, share: CoreShare | None = None) -> None:
+    """The process's entry: `load(*args)` -> a started ModelEngine, then serve it until told to stop.
+    `share`: the daemon's, so this model's steps and other workers' share the cores."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    if share is not None:
+        core_share.install(share)
     # ggml's abort attaches gdb for a backtrace where gdb is installed: seconds of a dying process,
     # and its last lines in the log are gdb's, not the assert that failed.
     os.environ.setdefault("GGML_NO_BACKTRACE", "1")

@@ -32,7 +32,6 @@ import itertools
 import logging
 import multiprocessing
 import signal
-import sys
 import threading
 import time
 from pathlib import Path
@@ -41,6 +40,8 @@ from typing import Any, Callable
 from ...errors import EngineCrashedError, OverloadedError, redact_paths
 from ...protocol.engine import EngineStats, ModelInfo
 from ...protocol.requests import GenerationEvent, GenerationRequest, Lane
+from .. import core_share
+from ..core_share import worker_context
 from ..streams import EventQueue, post_events
 from .channel import Channel
 
@@ -70,9 +71,9 @@ def _open_vocab(gguf: Path | None) -> Any:
 
 
 def _context() -> multiprocessing.context.BaseContext:
-    if sys.platform == "win32" or "forkserver" not in multiprocessing.get_all_start_methods():
-        return multiprocessing.get_context("spawn")
-    ctx = multiprocessing.get_context("forkserver")
+    ctx = worker_context()
+    if ctx.get_start_method() != "forkserver":
+        return ctx
     # Imported once in the fork server, so a worker starts with our engine code and llama.cpp's
     # library already loaded: 0.4 s less per load here. Importing llama_cpp only maps the library
     # (no backend is initialised, no thread started, nothing a fork would copy mid-use); backends/
@@ -146,7 +147,7 @@ class WorkerEngine:
 
         ctx = _context()
         ours, theirs = ctx.Pipe()
-        process = ctx.Process(target=child.main, args=(theirs, load, args, log_path, log_level),
+        process = ctx.Process(target=child.main, args=(theirs, load, args, log_path, log_level, core_share.current()),
                               name=f"localserve engine {name}", daemon=True)
         process.start()
         theirs.close()  # only the worker holds its end now: its death is our EOF
@@ -311,6 +312,7 @@ class WorkerEngine:
     def _end(self) -> None:
         """The pipe closed: the worker exited, was told to, or died. End everything it held."""
         self._process.join(5.0)
+        core_share.current().forget(self.pid)  # a worker that died inside a step held threads there
         crashed = not self._closing
         reason = self._kill_reason or describe_exit(self._process.exitcode)
         error: Exception
