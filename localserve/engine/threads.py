@@ -29,8 +29,8 @@ worker) never cause it: they share the cores through core_share.py, which caps w
 wants by what the other engines' running steps leave.
 
 How long each thread spins at a barrier is backends/llamacpp/openmp.py's: the table's first two
-rows are libgomp's default and the short spin the daemon set before the governor (which kept half a
-shared machine's throughput and paid a tenth on a quiet one); with the governor, a longer spin.
+rows are libgomp's default (what the daemon uses) and the short spin it set before the governor
+(which kept half a shared machine's throughput and paid a tenth on a quiet one).
 
 llama.cpp's results do not depend on the thread count (each output element is summed by one
 thread; tests/test_thread_governor.py checks the logits are bit-equal), so this changes speed only.
