@@ -16,44 +16,44 @@ import pytest
 from localserve.backends.llamacpp.backend import LlamaCppBackend
 from localserve.batching.limits import EngineLimits
 from localserve.engine import core_share
-from localserve.engine.core_share import CoreShare
+from localserve.engine.core_share import CoreShare, Seat
 from localserve.engine.local import Engine
 from localserve.protocol.requests import GenerationRequest, SamplingParams
 
 
-def _take_in_thread(share: CoreShare, slot: int, want: int, limit: int) -> tuple[threading.Thread, list[int]]:
+def _take_in_thread(seat: Seat, want: int, limit: int) -> tuple[threading.Thread, list[int]]:
     got: list[int] = []
-    thread = threading.Thread(target=lambda: got.append(share.take(slot, want, limit)), daemon=True)
+    thread = threading.Thread(target=lambda: got.append(seat.take(want, limit)), daemon=True)
     thread.start()
     return thread, got
 
 
 def test_an_engine_alone_takes_what_the_governor_wants():
     share = CoreShare()
-    slot = share.join()
-    assert slot is not None
-    assert share.take(slot, 2, 2) == 2 and share.threads_in_use() == 2
-    share.step_done(slot)
+    seat = share.join()
+    assert seat is not None
+    assert seat.take(2, 2) == 2 and share.threads_in_use() == 2
+    seat.step_done()
     assert share.threads_in_use() == 0
-    assert share.take(slot, 1, 2) == 1  # other processes took a core: the governor wants one
-    share.leave(slot)
+    assert seat.take(1, 2) == 1  # other processes took a core: the governor wants one
+    seat.leave()
 
 
 def test_a_second_engine_waits_for_the_running_step_then_both_take_half():
     share = CoreShare()
     a, b = share.join(), share.join()
-    assert share.take(a, 2, 2) == 2  # alone: the whole machine
-    thread, got = _take_in_thread(share, b, 2, 2)
+    assert a.take(2, 2) == 2  # alone: the whole machine
+    thread, got = _take_in_thread(b, 2, 2)
     thread.join(0.2)
     assert thread.is_alive() and not got, "b computed beside a's step, which holds both cores"
-    share.step_done(a)
+    a.step_done()
     thread.join(2)
     assert got == [1]  # a has work too: b's fair share is half
-    assert share.take(a, 2, 2) == 1 and share.threads_in_use() == 2
-    share.step_done(a)
-    share.step_done(b)
-    share.idle(b)  # b's requests ended: a gets the machine back at its next step
-    assert share.take(a, 2, 2) == 2
+    assert a.take(2, 2) == 1 and share.threads_in_use() == 2
+    a.step_done()
+    b.step_done()
+    b.idle()  # b's requests ended: a gets the machine back at its next step
+    assert a.take(2, 2) == 2
 
 
 def test_a_full_share_leaves_an_engine_unshared():
@@ -63,8 +63,7 @@ def test_a_full_share_leaves_an_engine_unshared():
 
 
 def _die_holding_threads(share: CoreShare, ready) -> None:
-    slot = share.join()
-    share.take(slot, 2, 2)
+    share.join().take(2, 2)
     ready.set()
     os._exit(0)  # as a worker that segfaults inside a step: nothing released
 
@@ -89,8 +88,7 @@ def test_a_worker_that_died_inside_a_step_is_forgotten():
     share = CoreShare()
     pid = _child(_die_holding_threads, share)
     assert share.threads_in_use() == 2
-    mine = share.join()
-    thread, got = _take_in_thread(share, mine, 2, 2)
+    thread, got = _take_in_thread(share.join(), 2, 2)
     thread.join(0.2)
     assert thread.is_alive()  # the dead worker's slot still holds both cores...
     share.forget(pid)  # ...until the daemon reads its exit (engine/worker/proxy.py)
@@ -101,9 +99,9 @@ def test_a_worker_that_died_inside_a_step_is_forgotten():
 def test_a_lock_left_by_a_dead_process_costs_a_step_its_share_only():
     share = CoreShare()
     _child(_die_holding_the_lock, share)
-    slot = 0  # join() cannot take the lock either; a slot's cells are written without it
+    seat = Seat(share, 0)  # join() cannot take the lock either
     t = time.monotonic()
-    assert share.take(slot, 2, 2) == 2  # as if unshared, after LOCK_TIMEOUT_S
+    assert seat.take(2, 2) == 2  # as if unshared, after LOCK_TIMEOUT_S
     assert time.monotonic() - t < 1.0
 
 

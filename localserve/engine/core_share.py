@@ -54,22 +54,20 @@ class CoreShare:
         self._lock = ctx.Lock()
         self._cells = ctx.Array("i", SLOTS * 3, lock=False)
 
-    def join(self) -> int | None:
-        """A slot for an engine of this process, or None when every slot is taken."""
+    def join(self) -> "Seat | None":
+        """A seat for an engine of this process, or None when every slot is taken."""
         if not self._lock.acquire(timeout=LOCK_TIMEOUT_S):
             return None
         try:
             for slot in range(SLOTS):
                 if self._cells[slot * 3 + _PID] == 0:
                     self._set(slot, os.getpid(), 0, 0)
-                    return slot
+                    return Seat(self, slot)
             return None
         finally:
             self._lock.release()
 
-    def take(self, slot: int, want: int, limit: int) -> int:
-        """Threads for `slot`'s next step, from 1 to `want`, for an engine that may use `limit`
-        threads; marks the slot busy and holding them until `step_done`."""
+    def _take(self, slot: int, want: int, limit: int) -> int:
         deadline = time.monotonic() + WAIT_LIMIT_S
         while True:
             if not self._lock.acquire(timeout=LOCK_TIMEOUT_S):
@@ -86,16 +84,12 @@ class CoreShare:
                 self._lock.release()
             time.sleep(POLL_S)
 
-    def step_done(self, slot: int) -> None:
+    def _step_done(self, slot: int) -> None:
         self._cells[slot * 3 + _THREADS] = 0  # only this slot's engine writes it
 
-    def idle(self, slot: int) -> None:
-        """The engine has no work: it no longer counts in anyone's fair share."""
+    def _idle(self, slot: int) -> None:
         self._cells[slot * 3 + _THREADS] = 0
         self._cells[slot * 3 + _BUSY] = 0
-
-    def leave(self, slot: int) -> None:
-        self._set(slot, 0, 0, 0)
 
     def forget(self, pid: int) -> None:
         """Free every slot of a process that ended (a worker that died inside a step holds threads)."""
@@ -122,6 +116,28 @@ class CoreShare:
         self._cells[base + _BUSY] = busy
         self._cells[base + _THREADS] = threads
         self._cells[base + _PID] = pid
+
+
+class Seat:
+    """One engine's slot in a CoreShare: what the engine's thread calls around its steps."""
+
+    def __init__(self, share: CoreShare, slot: int) -> None:
+        self.share, self.slot = share, slot
+
+    def take(self, want: int, limit: int) -> int:
+        """Threads for the next step, from 1 to `want`, for an engine that may use `limit`
+        threads; marks the engine busy and holding them until `step_done`."""
+        return self.share._take(self.slot, want, limit)
+
+    def step_done(self) -> None:
+        self.share._step_done(self.slot)
+
+    def idle(self) -> None:
+        """The engine has no work: it no longer counts in anyone's fair share."""
+        self.share._idle(self.slot)
+
+    def leave(self) -> None:
+        self.share._set(self.slot, 0, 0, 0)
 
 
 _current: CoreShare | None = None

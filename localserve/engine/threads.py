@@ -71,8 +71,7 @@ class ThreadGovernor:
         self._n_cpus = n_cpus or cpu_count()
         self.threads = self.max_threads  # what the step computes on now
         self.wanted = self.max_threads  # what other processes leave, as the windows voted
-        self._share = share
-        self._slot = share.join() if share is not None else None
+        self._seat = share.join() if share is not None else None
         self._load = OtherLoad()
         self._window_start = time.monotonic()
         self._rise_votes = 0
@@ -88,29 +87,22 @@ class ThreadGovernor:
             self._window_start = now
             self.other_cores = self._load.sample()
             self._vote(threads_for(self.other_cores, self.max_threads, self._n_cpus))
-        if self._slot is None:
-            self._apply(self.wanted)
-        else:
-            assert self._share is not None
-            self._apply(self._share.take(self._slot, self.wanted, self.max_threads))
+        self._apply(self._seat.take(self.wanted, self.max_threads) if self._seat else self.wanted)
 
     def after_step(self) -> None:
         """The decode ended: its threads are free for our other engines."""
-        if self._slot is not None:
-            assert self._share is not None
-            self._share.step_done(self._slot)
+        if self._seat:
+            self._seat.step_done()
 
     def idle(self) -> None:
         """No work left: our other engines need not share the cores with this one."""
-        if self._slot is not None:
-            assert self._share is not None
-            self._share.idle(self._slot)
+        if self._seat:
+            self._seat.idle()
 
     def close(self) -> None:
-        if self._slot is not None:
-            assert self._share is not None
-            self._share.leave(self._slot)
-            self._slot = None
+        if self._seat:
+            self._seat.leave()
+            self._seat = None
 
     def _vote(self, want: int) -> None:
         if want > self.wanted:
