@@ -176,13 +176,14 @@ async def bench_server(name: str, args: argparse.Namespace, work: Path, sources:
                 "copied": copied, "drafted": after[0] - before[0], "accepted": after[1] - before[1]}
             out[f"texts c={c}"] = [r["text"] for r in results]
             print(f"{name} edit c={c}: {out[f'edit c={c}']}", file=sys.stderr)
-        lo, hi, max_tokens, _ = LOADS["B"]
-        chats = make_chats(args.load_b_requests, args.seed, lo, hi)
-        before = await drafts(url) if launcher == "localserve" else (0, 0)
-        results, seconds = await wave(url, model, chats, max_tokens, bias, 8)
-        after = await drafts(url) if launcher == "localserve" else (0, 0)
-        out["load B c=8"] = summary(results, seconds) | {"drafted": after[0] - before[0], "accepted": after[1] - before[1]}
-        print(f"{name} load B: {out['load B c=8']}", file=sys.stderr)
+        if args.load_b_requests:  # 0: the edit workload alone
+            lo, hi, max_tokens, _ = LOADS["B"]
+            chats = make_chats(args.load_b_requests, args.seed, lo, hi)
+            before = await drafts(url) if launcher == "localserve" else (0, 0)
+            results, seconds = await wave(url, model, chats, max_tokens, bias, 8)
+            after = await drafts(url) if launcher == "localserve" else (0, 0)
+            out["load B c=8"] = summary(results, seconds) | {"drafted": after[0] - before[0], "accepted": after[1] - before[1]}
+            print(f"{name} load B: {out['load B c=8']}", file=sys.stderr)
     finally:
         stop(proc)
     return out
@@ -202,7 +203,7 @@ def cell(values: list[Any], key: str) -> str:
 
 
 def print_table(passes: dict[str, list[dict[str, Any]]], args: argparse.Namespace) -> None:
-    workloads = [f"edit c={c}" for c in args.concurrency] + ["load B c=8"]
+    workloads = [f"edit c={c}" for c in args.concurrency] + (["load B c=8"] if args.load_b_requests else [])
     names = list(passes)
     print("| workload | figure | " + " | ".join(names) + " |")
     print("|---" * (len(names) + 2) + "|")
@@ -245,7 +246,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--servers", default=",".join(SERVERS), type=lambda s: [x for x in s.split(",") if x])
     p.add_argument("--concurrency", default="1,4,8", type=lambda s: [int(x) for x in s.split(",") if x])
     p.add_argument("--max-tokens", type=int, default=512)
-    p.add_argument("--load-b-requests", type=int, default=16)
+    p.add_argument("--load-b-requests", type=int, default=16, help="0 runs the edit workload alone")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--passes", type=int, default=1, help="passes over the servers, alternating (default 1)")

@@ -471,18 +471,27 @@ def test_streams_give_bit_identical_logits_batched_and_alone(streams):
             np.testing.assert_array_equal(a, b)
 
 
-def test_streams_kv_copy_prefix_equals_recompute(streams):
+@pytest.mark.parametrize("source_tail", [2, 150], ids=["cells", "whole-stream"])
+def test_streams_kv_copy_prefix_equals_recompute(streams, monkeypatch, source_tail):
+    """A source under half a stream is copied cell by cell (seq_copy.py), a longer one as the whole
+    stream; either way the copy, cut at k, continues exactly as a recomputed prompt does."""
+    from localserve.backends.llamacpp import seq_copy
+
+    cell_copies = []
+    real_copy = seq_copy.copy_cells
+    monkeypatch.setattr(seq_copy, "copy_cells", lambda *a: cell_copies.append(a) or real_copy(*a))
     streams.kv_clear()
     tokens = streams.tokenize(PROMPTS[1])
     n, k = len(tokens), len(tokens) // 2
     streams.decode(prompt_batch(tokens, 2))
     reference = streams.logits(n - 1)
-    streams.decode(prompt_batch(tokens[:k] + [504, 3575], 0))
-    streams.kv_copy(0, 5, 0, k)  # whole-stream copy, then the tail past k dropped
+    streams.decode(prompt_batch(tokens[:k] + [504, 3575] * (source_tail // 2), 0))
+    streams.kv_copy(0, 5, 0, k)  # all of the source, then the tail past k dropped
+    assert len(cell_copies) == (k + source_tail < streams.n_ctx_seq // 2)
     assert (streams.kv_pos_min(5), streams.kv_pos_max(5)) == (0, k - 1)
     streams.decode(prompt_batch(tokens[k:], 5, start=k))
     np.testing.assert_array_equal(streams.logits(n - k - 1), reference)
-    assert streams.kv_pos_max(0) == k + 1
+    assert streams.kv_pos_max(0) == k + source_tail - 1
     with pytest.raises(ValueError, match="from position 0"):
         streams.kv_copy(0, 6, 1, k)
 

@@ -39,7 +39,7 @@ from .interrupt import InterruptFlag, available as interrupt_available
 from .offload import OffloadFacts, parse_load_log
 from .runtime import captured_log, ensure_runtime, error_count, last_error_since
 from .sampling import LlamaCppSampler
-from . import sizing
+from . import seq_copy, sizing
 
 log = logging.getLogger(__name__)
 
@@ -72,6 +72,7 @@ class LlamaCppBackend(Backend):
         self.n_batch = llama_cpp.llama_n_batch(ctx)
         self.n_ubatch = llama_cpp.llama_n_ubatch(ctx)
         self.n_seq_max = llama_cpp.llama_n_seq_max(ctx)
+        self._cell_copy = seq_copy.cell_copy_possible(model)  # kv_copy across streams, cell by cell
         self.n_threads = n_threads
         self._threads_now = n_threads  # set_threads' last count, which an embeddings context starts with
         self.n_vocab = llama_cpp.llama_vocab_n_tokens(self.vocab)
@@ -113,7 +114,7 @@ class LlamaCppBackend(Backend):
             kv_cells=self.n_ctx,
             kv_cells_per_seq=self.n_ctx_seq,
             max_seqs=self.n_seq_max,
-            # A unified pool shares a copied prefix's cells; with streams seq_cp copies the stream.
+            # A unified pool shares a copied prefix's cells; with streams kv_copy copies them.
             prefix_sharing="share" if self.kv_unified else "copy",
             # With streams llama.cpp's splitter (split_equal) batches only consecutive ids together:
             # other ids cost a pass over the weights each (batching/kvpool.py has the numbers).
@@ -416,11 +417,14 @@ class LlamaCppBackend(Backend):
         if self.kv_unified:
             llama_cpp.llama_memory_seq_cp(self.memory, src, dst, p0, p1)
             return
-        # Separate streams: llama.cpp copies only whole streams (a range GGML_ASSERTs and aborts the
-        # process), so copy all of src and drop what lies past the wanted prefix.
+        # Separate streams: llama.cpp's seq_cp copies only whole streams (a range GGML_ASSERTs and
+        # aborts the process), and seq_copy.py copies all of src's cells: either way all of src,
+        # then what lies past the wanted prefix is dropped.
         if p0 > 0:
             raise ValueError("with per-sequence KV streams only a prefix from position 0 can be copied")
-        llama_cpp.llama_memory_seq_cp(self.memory, src, dst, -1, -1)
+        small = self.kv_pos_max(src) + 1 < self.n_ctx_seq // 2
+        if not (self._cell_copy and small and seq_copy.copy_cells(self.ctx, src, dst)):
+            llama_cpp.llama_memory_seq_cp(self.memory, src, dst, -1, -1)
         if p1 >= 0:
             self.kv_remove(dst, p1, -1)
 
