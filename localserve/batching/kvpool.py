@@ -55,7 +55,7 @@ class KVPool:
         self._free_parked = list(range(self.n_running, n_seq_ids))
         self._refs: dict[int, int] = {}
         self._cell_ids = itertools.count()
-        self.moves = 0  # KV moves to keep running ids consecutive (each a stream copy with streams)
+        self.moves = 0  # KV moves to keep running ids consecutive (each a copy across streams with streams)
         self.ops: list[KVOp] = []  # what the backend's cache must do to match these books, in order
 
     def take_ops(self) -> list[KVOp]:

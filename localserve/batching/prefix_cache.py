@@ -6,10 +6,11 @@ A request that extends a whole entry (the next turn of a chat) takes the entry's
 is copied. So does any hit on a *disposable* entry, one a cancelled request left (an editor's
 completion that the next keystroke superseded: nobody will extend its answer, and the next request
 shares all but its last characters). Any other hit copies, and the entry stays whole for the next
-request with the same system prompt: with per-sequence KV streams (the default) a copy copies a
-whole stream and makes llama.cpp reserve its worst-case graph again (12 + 25 ms on SmolLM2, 2
-cores), so an entry that sits on a running-range id is copied *aside*, above the running range,
-and the request takes the original id over -- one copy, where a copy into a new id and the two
+request with the same system prompt: with per-sequence KV streams (the default) a copy copies
+the entry's cells into another stream (3-4 ms for a chat template on SmolLM2, 2 cores; for an
+entry longer than half a stream, the whole stream and a new worst-case graph, 35-100 ms:
+backends/llamacpp/seq_copy.py), so an entry that sits on a running-range id is copied *aside*,
+above the running range, and the request takes the original id over -- one copy, where a copy into a new id and the two
 moves that kept the running ids consecutive were three. In a unified pool a copy shares cells and
 costs nothing. Entries sitting on ids the running sequences need are moved above them (kvpool.py
 says why).
