@@ -211,6 +211,13 @@ def test_prompt_lookup_proposes_what_followed_the_most_recent_longest_match():
     assert fresh.draft([1, 2, 3, 4], 4) == ([], 0)  # the suffix never matches itself
 
 
+def test_prompt_lookup_goes_round_a_repetition_shorter_than_the_draft():
+    # 1 2 3 repeats: what followed the last earlier "1 2 3" is one period, and the draft goes round.
+    assert PromptLookup().draft([7, 1, 2, 3, 1, 2, 3, 1, 2, 3], 8) == ([1, 2, 3, 1, 2, 3, 1, 2], 3)
+    # A copy longer than k is cut at k, as before.
+    assert PromptLookup().draft([5, 6, 7, 8, 9, 10, 11, 12, 5, 6, 7], 2) == ([8, 9], 3)
+
+
 def test_acceptance_and_expected_tokens():
     assert expected_tokens(0.0, 8) == 1.0 and expected_tokens(1.0, 8) == 9.0
     assert abs(expected_tokens(0.5, 2) - 1.75) < 1e-9
