@@ -10,10 +10,10 @@ request with the same system prompt: with per-sequence KV streams (the default) 
 the entry's cells into another stream (3-4 ms for a chat template on SmolLM2, 2 cores; for an
 entry longer than half a stream, the whole stream and a new worst-case graph, 35-100 ms:
 backends/llamacpp/seq_copy.py), so an entry that sits on a running-range id is copied *aside*,
-above the running range, and the request takes the original id over -- one copy, where a copy into a new id and the two
-moves that kept the running ids consecutive were three. In a unified pool a copy shares cells and
-costs nothing. Entries sitting on ids the running sequences need are moved above them (kvpool.py
-says why).
+above the running range, and the request takes the original id over -- one copy, where a copy
+into a new id and the two moves that kept the running ids consecutive were three. In a unified
+pool a copy shares cells and costs nothing. Entries sitting on ids the running sequences need are
+moved above them (kvpool.py says why).
 Matching is exact on token ids, and at least the backend's `min_recompute` prompt tokens are always
 computed (two for llama.cpp, see `lookup`), so a hit never changes the output -- only how many
 prompt tokens have to be computed.

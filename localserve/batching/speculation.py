@@ -73,7 +73,10 @@ class PromptLookup:
             start = self._index[n].get(hash(tuple(tokens[end - n:])))
             if start is not None and start < end:
                 period = end - start
-                found = tokens[start:start + k] if period >= k else [tokens[start + i % period] for i in range(k)]
+                if period >= k:
+                    found = tokens[start:start + k]
+                else:
+                    found = [tokens[start + i % period] for i in range(k)]
                 size = n
                 break
         self._extend(tokens, end)

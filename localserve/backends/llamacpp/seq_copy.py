@@ -5,7 +5,7 @@ Why: with a KV stream per sequence (the product's layout, for exact batch invari
 not, and the copy runs single-threaded at the start of the next `llama_decode`, which also reserves
 its worst-case graph again. A stream holds n_ctx / n_seq_max cells; with the KV sized from the
 machine's memory that is 8,192 cells (190 MB for SmolLM2) for each of 16 sequences. A prefix-cache
-hit on a 30-token chat template so cost an interactive request's first step 35-100 ms, during which
+hit on a 24-token chat template so cost an interactive request's first step 35-100 ms, during which
 the second compute thread slept (`perf sched` of benchmarks/serve.py --flood, 2026-12-05:
 memmove in the engine thread, the OpenMP worker idle).
 
@@ -13,8 +13,8 @@ memmove in the engine thread, the OpenMP worker idle).
 rows, bit for bit), into free cells of the destination's stream, at once. The result is the same
 KV data at the same positions, so outputs do not change (tests/test_backend_llamacpp.py compares
 logits after both copies). It is used where it is cheaper and exact:
-- the source holds less than half a stream (state copy reads and writes each cell once, the stream
-  copy reads and writes every cell of the stream once);
+- the source holds less than half a stream (the state copy moves each used cell twice, out to a
+  buffer and in; the stream copy moves every cell of the stream once);
 - the model has no sliding window (a sequence's state leaves out cells its window masks, which a
   copy truncated at an earlier position would still need) and is neither recurrent nor hybrid (their
   state is not cells).
