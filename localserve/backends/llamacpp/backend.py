@@ -28,7 +28,7 @@ import llama_cpp
 import numpy as np
 
 from ...protocol.requests import SamplingParams
-from ...errors import BackendError, GGUFError, InvalidRequestError, ModelNotFoundError
+from ...errors import BackendError, GGUFError, ModelNotFoundError
 from ..base import Backend, BatchToken, Capabilities, DecodeInterrupted, KVFullError, KVRequest, KVSizing
 from .batch import PackedBatch, stream_groups
 from ..common.grammar import GRAMMAR_CONSTRAINTS
@@ -39,11 +39,11 @@ from .interrupt import InterruptFlag, available as interrupt_available
 from .offload import OffloadFacts, parse_load_log
 from .runtime import captured_log, ensure_runtime, error_count, last_error_since
 from .sampling import LlamaCppSampler
+from .tokenizer import LlamaTokenizer
 from . import seq_copy, sizing
 
 log = logging.getLogger(__name__)
 
-_INT32_MIN = -(2**31)
 _KV_TYPES = {"f16": llama_cpp.GGML_TYPE_F16, "q8_0": llama_cpp.GGML_TYPE_Q8_0}
 
 
@@ -57,7 +57,7 @@ def _free_native(model, ctx, embedder_box: list) -> None:
         llama_cpp.llama_model_free(model)
 
 
-class LlamaCppBackend(Backend):
+class LlamaCppBackend(LlamaTokenizer, Backend):
     exact_attention = False  # see load()
     adjustable_threads = True  # llama_set_n_threads, between decodes
 
@@ -442,51 +442,6 @@ class LlamaCppBackend(Backend):
         self._check_open()
         llama_cpp.llama_memory_clear(self.memory, True)
         self._n_out = 0
-
-    # --- tokenizer ------------------------------------------------------------------------
-    def tokenize(self, text: str, add_special: bool = True, parse_special: bool = True) -> list[int]:
-        # errors="replace": a lone surrogate from a JSON "\ud800" must not raise UnicodeEncodeError.
-        data = text.encode("utf-8", errors="replace")
-        # Most text runs 3-4 bytes per token; CJK and emoji need more tokens than this guess and
-        # take the retry with the exact size llama.cpp reports back.
-        cap = len(data) // 2 + 8
-        for _ in range(2):
-            buf = (llama_cpp.llama_token * cap)()
-            n = llama_cpp.llama_tokenize(self.vocab, data, len(data), buf, cap, add_special, parse_special)
-            if n >= 0:
-                return buf[:n]
-            if n == _INT32_MIN:
-                raise InvalidRequestError("text is too long to tokenize")
-            cap = -n  # the negative result is the size needed
-        raise BackendError("tokenizer did not converge on a buffer size")
-
-    def token_to_bytes(self, token: int, special: bool = False) -> bytes:
-        key = (token, special)
-        piece = self._pieces.get(key)
-        if piece is None:
-            if not 0 <= token < self.n_vocab:
-                raise ValueError(f"token id {token} out of range 0..{self.n_vocab - 1}")
-            piece = self._piece(token, special)
-            self._pieces[key] = piece
-        return piece
-
-    def _piece(self, token: int, special: bool) -> bytes:
-        size = 32
-        for _ in range(2):
-            buf = ctypes.create_string_buffer(size)
-            n = llama_cpp.llama_token_to_piece(self.vocab, token, buf, size, 0, special)
-            if n >= 0:
-                return buf.raw[:n]
-            size = -n
-        raise BackendError(f"could not render token {token}")
-
-    def token_text(self, token: int) -> str:
-        """Display text of a token, special tokens included (for logprobs listings)."""
-        return self.token_to_bytes(token, special=True).decode("utf-8", errors="replace")
-
-    def is_eog(self, token: int) -> bool:
-        return bool(llama_cpp.llama_vocab_is_eog(self.vocab, token))
-
 
 _ABS_PATH = re.compile(r"(?<![\w.])(?:[A-Za-z]:\\|/)[^\s:'\"]+")
 

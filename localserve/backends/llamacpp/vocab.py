@@ -3,7 +3,7 @@
 A backend that computes elsewhere (ONNX Runtime) must tokenize and render tokens exactly as the
 llama.cpp backend does, or the same prompt would become other ids on each backend. So this class
 does not reimplement anything: it loads the GGUF with `vocab_only` (no weights read, a few MB) and
-borrows LlamaCppBackend's own tokenizer methods, which need only `model`, `vocab`, `n_vocab` and a
+shares LlamaCppBackend's tokenizer (tokenizer.py), which needs only `vocab`, `n_vocab` and a
 piece cache, and reads the model's facts with the same function (llamacpp_info.py).
 """
 
@@ -18,19 +18,13 @@ import llama_cpp
 
 from ...errors import GGUFError
 from ..base import ModelInfo
-from .backend import LlamaCppBackend, _without_paths
+from .backend import _without_paths
 from .info import read_model_info
 from .runtime import ensure_runtime, error_count, last_error_since
+from .tokenizer import LlamaTokenizer
 
 
-class LlamaVocab:
-    # One implementation of the tokenizer for every backend: these are LlamaCppBackend's functions.
-    tokenize = LlamaCppBackend.tokenize
-    token_to_bytes = LlamaCppBackend.token_to_bytes
-    _piece = LlamaCppBackend._piece
-    token_text = LlamaCppBackend.token_text
-    is_eog = LlamaCppBackend.is_eog
-
+class LlamaVocab(LlamaTokenizer):
     def __init__(self, path: str | os.PathLike[str], *, n_ctx_train: int, n_embd: int, n_params: int) -> None:
         path = Path(path)
         ensure_runtime()
