@@ -54,7 +54,7 @@ say() { printf '==> %s\n' "$*"; }
 # folder the user keeps other things in (even $HOME). The names are localserve's own: config.py
 # (models/, run/, logs/ under a LOCALSERVE_HOME), daemon.py (run/daemon.lock, run/daemon.json,
 # logs/localserve.log and its rotations, logs/daemon-stderr.log), daemon_crash.py
-# (logs/daemon-crash.log), engine/worker/ (logs/engine-*.log, each engine worker's stderr), backends/llamacpp_probe.py (run/native-probe.json), store.py's atomic
+# (logs/daemon-crash.log), engine/worker/ (logs/engine-*.log, each engine worker's stderr), backends/llamacpp/probe.py (run/native-probe.json from releases before its verdicts moved to $CACHE), store.py's atomic
 # writes (run/.NAME.PID.tmp), service.py (logs/daemon.log, launchd's), commands/setup.py
 # (logs/setup-*.log), batches/ (batches.sqlite3 and its WAL files, files/file-*, files/.tmp/*.part)
 # and store.py (models/.locks/*.lock, models/.tmp; with --purge each models/NAME/TAG folder that

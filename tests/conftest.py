@@ -41,6 +41,24 @@ def smollm2_gguf() -> Path:
     return pulled("smollm2-135m:Q4_1", SMOLLM2_SHA256)
 
 
+@pytest.fixture(scope="session", autouse=True)
+def native_probe_verdict(request: pytest.FixtureRequest) -> None:
+    """Where the CPU claims AMX and the installed llama.cpp build compiled it (README's wheel on CI's
+    VMs, which advertise AMX and trap it), the product's own probe runs once, before any test, as a
+    daemon's first load would. Its verdict lands in the machine's cache, where every daemon the
+    tests start reads it, and so do the tests' direct LlamaCppBackend loads, which take no hardware
+    report: without it, their first decode with extra buffer types would kill pytest itself."""
+    try:
+        from localserve.backends.llamacpp import probe
+    except ImportError:  # no llama_cpp: nothing loads a GGUF
+        return
+    from localserve.hardware import detect_hardware
+
+    cpu = detect_hardware().cpu
+    if probe.needs_probe(cpu.features):
+        probe.extra_buffers_allowed(request.getfixturevalue("smollm2_gguf"), cpu.model, cpu.features)
+
+
 @pytest.fixture(scope="session")
 def gemma3_gguf() -> Path:
     """Gemma-3 270M (base) Q4_K_M, the second real model of the swap tests: the catalog's source is

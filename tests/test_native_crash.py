@@ -1,8 +1,8 @@
 """Native crashes: the llama.cpp probe and its fallback, and a daemon that dies explaining itself.
 
-This machine's CPU does not claim AMX, so the probe's trigger (a CPU that claims AMX and a build that
-compiled it) is the one thing faked here; the child process, the model, the load and the signals are
-real."""
+The probe's trigger (a CPU that claims AMX and a build that compiled it) is faked here, so that the
+tests run on any CPU and build; the child process, the model, the load and the signals are real.
+Their verdicts go to a folder of the test's own, not the machine's cache (conftest's real probe)."""
 
 from __future__ import annotations
 
@@ -22,9 +22,10 @@ pytestmark = pytest.mark.model
 
 
 @pytest.fixture
-def claims_amx(monkeypatch: pytest.MonkeyPatch):
+def claims_amx(monkeypatch: pytest.MonkeyPatch, tmp_path: Path):
     """This machine's real hardware report with AMX among the CPU's features, wherever a report is
-    taken (a load's plan, hw, show), and a build that says it compiled AMX. Returns the CPU."""
+    taken (a load's plan, hw, show), and a build that says it compiled AMX; verdicts in tmp_path.
+    Returns the CPU."""
     import dataclasses
 
     from localserve.backends.llamacpp import probe as llamacpp_probe
@@ -34,23 +35,32 @@ def claims_amx(monkeypatch: pytest.MonkeyPatch):
     real = detect_hardware()
     amx = dataclasses.replace(real, cpu=dataclasses.replace(real.cpu, features=[*real.cpu.features, "AMX"]))
     monkeypatch.setattr(llamacpp_probe, "build_uses_amx", lambda: True)
+    monkeypatch.setattr(llamacpp_probe, "VERDICT_DIR", tmp_path / "native-probe")
     monkeypatch.setattr(planning, "hardware_report", lambda: amx)
     monkeypatch.setattr("localserve.hardware.detect_hardware", lambda *a, **k: amx)
     monkeypatch.setattr("localserve.commands.hw.detect_hardware", lambda *a, **k: amx)
     return amx.cpu
 
 
-def test_the_probe_loads_and_decodes_the_real_model_here(smollm2_gguf: Path, tmp_path: Path, claims_amx) -> None:
+def test_the_probe_loads_and_decodes_the_real_model_here(smollm2_gguf: Path, claims_amx) -> None:
+    import llama_cpp
+
     from localserve.backends.llamacpp import probe as llamacpp_probe
 
     cpu = claims_amx
-    assert llamacpp_probe.extra_buffers_allowed(tmp_path, smollm2_gguf, cpu.model, cpu.features) is True
-    verdict = llamacpp_probe.read_verdict(tmp_path, llamacpp_probe.build_key(cpu.model, cpu.features))
-    assert verdict is not None and verdict.ok and verdict.signal is None and verdict.seconds > 0
-    assert "probed on this CPU and runs" in llamacpp_probe.condition(tmp_path, cpu.model, cpu.features)
+    allowed = llamacpp_probe.extra_buffers_allowed(smollm2_gguf, cpu.model, cpu.features)
+    verdict = llamacpp_probe.read_verdict(llamacpp_probe.build_key(cpu.model, cpu.features))
+    assert verdict is not None and verdict.ok is allowed and verdict.seconds > 0
+    if verdict.ok:
+        assert verdict.signal is None
+        assert "probed on this CPU and runs" in llamacpp_probe.condition(cpu.model, cpu.features)
+    else:  # only a build that compiled AMX may die, and from a fault: README's wheel on CI's VMs
+        assert b"AMX_INT8 = 1" in llama_cpp.llama_print_system_info(), verdict
+        assert verdict.signal in ("SIGSEGV", "SIGILL", "SIGBUS"), verdict
+        assert f"died with {verdict.signal}" in llamacpp_probe.condition(cpu.model, cpu.features)
     # Never probed where the CPU does not claim AMX, whatever the build.
     plain = [f for f in cpu.features if f != "AMX"]
-    assert llamacpp_probe.condition(tmp_path, cpu.model, plain) is None
+    assert llamacpp_probe.condition(cpu.model, plain) is None
 
 
 def dying_probe_child(sig: int) -> str:
@@ -81,15 +91,17 @@ def test_a_probe_child_killed_by_a_signal_makes_the_load_take_the_fallback(
     monkeypatch.setattr(llamacpp_probe, "probe", lambda path, key: real_probe(
         path, key, command=[sys.executable, "-c", dying_probe_child(sig), str(path)]))
     cpu = claims_amx
-    result = [llamacpp_probe.extra_buffers_allowed(tmp_path, smollm2_gguf, cpu.model, cpu.features)]
+    result = [llamacpp_probe.extra_buffers_allowed(smollm2_gguf, cpu.model, cpu.features)]
     assert result == [False]
     key = llamacpp_probe.build_key(cpu.model, cpu.features)
-    verdict = llamacpp_probe.read_verdict(tmp_path, key)
+    verdict = llamacpp_probe.read_verdict(key)
     assert verdict is not None and not verdict.ok and verdict.signal == signal.Signals(sig).name
-    record = json.loads((tmp_path / llamacpp_probe.VERDICT_NAME).read_text())
+    record = json.loads((tmp_path / "native-probe" / f"{key}.json").read_text())
     assert record["key"] == key
-    assert f"died with {signal.Signals(sig).name}" in llamacpp_probe.condition(tmp_path, cpu.model, cpu.features)
-    assert "localserve setup" in llamacpp_probe.condition(tmp_path, cpu.model, cpu.features)
+    assert f"died with {signal.Signals(sig).name}" in llamacpp_probe.condition(cpu.model, cpu.features)
+    assert "localserve setup" in llamacpp_probe.condition(cpu.model, cpu.features)
+    # A load that does not say (a tool's, a benchmark's) follows this build's verdict on the machine.
+    assert llamacpp_probe.build_died_here()
 
     # Remembered: the next load asks no child, and goes through the registry without extra buffers.
     monkeypatch.setattr(llamacpp_probe, "probe", lambda *a, **k: pytest.fail("probed twice"))
@@ -102,8 +114,6 @@ def test_a_probe_child_killed_by_a_signal_makes_the_load_take_the_fallback(
     settings = load_settings(flags={"home": str(tmp_path), "context_length": 512, "max_sequences": 2,
                                     "engine_workers": False},
                              environ={}, config_path=tmp_path / "no-config.toml")
-    settings.run_dir.mkdir(parents=True, exist_ok=True)
-    (settings.run_dir / llamacpp_probe.VERDICT_NAME).write_text((tmp_path / llamacpp_probe.VERDICT_NAME).read_text())
     installed = ModelStore(settings).register_local(smollm2_gguf, "smol")
     seen: list[bool] = []
     original = LlamaCppBackend.load.__func__
@@ -122,6 +132,10 @@ def test_the_fallback_load_gives_the_full_builds_greedy_tokens(smollm2_gguf: Pat
     """What the fallback changes is where weights live, not what the model says."""
     from localserve.backends.base import BatchToken
     from localserve.backends.llamacpp.backend import LlamaCppBackend
+    from localserve.backends.llamacpp.probe import build_died_here
+
+    if build_died_here():  # conftest's probe: the full build's first decode would kill pytest
+        pytest.skip("this build's extra buffer types die on this machine: there is no full build to compare with")
 
     def greedy(extra_buffers: bool) -> list[int]:
         import numpy as np
@@ -214,14 +228,15 @@ def test_hw_and_show_name_the_condition_and_the_command(smollm2_gguf: Path, tmp_
                                                         capsys: pytest.CaptureFixture[str]) -> None:
     from dataclasses import asdict
 
-    from localserve.backends.llamacpp.probe import VERDICT_NAME, Verdict, build_key
+    from localserve.backends.llamacpp import probe as llamacpp_probe
     from localserve.cli import main
 
     env = cli_env(tmp_path, free_port())
     register_model(env, smollm2_gguf, "smol")
-    (tmp_path / "run").mkdir(exist_ok=True)
-    key = build_key(claims_amx.model, claims_amx.features)
-    (tmp_path / "run" / VERDICT_NAME).write_text(json.dumps(asdict(Verdict(key, False, "SIGILL", 0.6, 1.0))))
+    key = llamacpp_probe.build_key(claims_amx.model, claims_amx.features)
+    llamacpp_probe.VERDICT_DIR.mkdir(parents=True)
+    (llamacpp_probe.VERDICT_DIR / f"{key}.json").write_text(
+        json.dumps(asdict(llamacpp_probe.Verdict(key, False, "SIGILL", 0.6, 1.0))))
     config = ["--home", str(tmp_path)]
     assert main(["hw", *config]) == 0
     out = capsys.readouterr().out

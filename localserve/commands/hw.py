@@ -26,7 +26,7 @@ def run_hw(args: argparse.Namespace, settings: Settings) -> int:
     report = detect_hardware()
     build = build_summary(report, Toolkits.probe())
     placements = model_placements(report, settings)
-    build["native"] = native_condition(settings, report)
+    build["native"] = native_condition(report)
     if args.json:
         print(json.dumps({**report.to_dict(), "llama_build": build, "models": placements}, indent=2))
     else:

@@ -194,7 +194,7 @@ def describe_model(model: InstalledModel, settings: Settings, n_ctx: int | None 
         "ctx_given": ctx_given,
     }
     info["placement"] = place = _placement(estimate, model, settings, report)
-    info["native"] = native_condition(settings, report) if place.get("backend") == "llamacpp" else None
+    info["native"] = native_condition(report) if place.get("backend") == "llamacpp" else None
     # Layers a load would put on the GPU (llama.cpp's count: the output layer is one more) and
     # their memory; `ps` / /api/ps show what a loaded model actually got.
     layers = place.get("n_gpu_layers") or 0
@@ -203,13 +203,13 @@ def describe_model(model: InstalledModel, settings: Settings, n_ctx: int | None 
     return info
 
 
-def native_condition(settings: Settings, report: Any) -> str | None:
+def native_condition(report: Any) -> str | None:
     """A condition of this machine's llama.cpp build that decides how models load (llamacpp/probe.py)."""
     try:
         from ..backends.llamacpp.probe import condition
     except ImportError:  # no llama_cpp: nothing to say about its build
         return None
-    return condition(settings.run_dir, report.cpu.model, report.cpu.features)
+    return condition(report.cpu.model, report.cpu.features)
 
 
 def _placement(estimate: Any, model: InstalledModel, settings: Settings, report: Any) -> dict[str, Any]:

@@ -60,7 +60,7 @@ def _load_llamacpp(installed: "InstalledModel", variant: "StoredVariant", plan: 
         kv_unified=limits.kv_unified,
         flash_attention=limits.flash_attention,
         kv_type=limits.kv_type,
-        extra_buffers=extra_buffers_allowed(settings.run_dir, variant.path, cpu.model, cpu.features),
+        extra_buffers=extra_buffers_allowed(variant.path, cpu.model, cpu.features),
     )
     engine = Engine(backend, limits, installed.ref)
     engine.start()

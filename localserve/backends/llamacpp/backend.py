@@ -37,6 +37,7 @@ from .embed import EmbeddingContext
 from .info import read_model_info
 from .interrupt import InterruptFlag, available as interrupt_available
 from .offload import OffloadFacts, parse_load_log
+from .probe import build_died_here
 from .runtime import captured_log, ensure_runtime, error_count, last_error_since
 from .sampling import LlamaCppSampler
 from .tokenizer import LlamaTokenizer
@@ -149,7 +150,7 @@ class LlamaCppBackend(LlamaTokenizer, Backend):
         kv_unified: bool = True,
         flash_attention: bool = True,
         kv_type: str = "f16",
-        extra_buffers: bool = True,
+        extra_buffers: bool | None = None,
     ) -> LlamaCppBackend:
         """Load a GGUF model and create its batching context.
 
@@ -185,7 +186,8 @@ class LlamaCppBackend(LlamaTokenizer, Backend):
             attention for a quantized V cache, so it turns flash attention on). Ignored with
             exact_attention, which keeps F32.
         extra_buffers: llama.cpp's extra CPU buffer types (AMX, repacked Q4_0/Q4_K layouts). False
-            where the build's AMX path kills the process here (llamacpp_probe.py).
+            where the build's AMX path kills the process here (probe.py); None, the default, follows
+            this build's recorded probe verdict on this machine (no probe is run).
         """
         path = Path(path)
         max_seq = llama_cpp.llama_max_parallel_sequences()
@@ -201,7 +203,7 @@ class LlamaCppBackend(LlamaTokenizer, Backend):
         errors_before = error_count()
         mparams = llama_cpp.llama_model_default_params()
         mparams.n_gpu_layers = n_gpu_layers
-        mparams.use_extra_bufts = extra_buffers
+        mparams.use_extra_bufts = not build_died_here() if extra_buffers is None else extra_buffers
         with captured_log() as load_lines:
             model = llama_cpp.llama_model_load_from_file(os.fsencode(path), mparams)
         if not model:

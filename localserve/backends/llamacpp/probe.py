@@ -13,8 +13,12 @@ model and decodes a prompt of a few dozen tokens. If the child dies from a signa
 llama.cpp's extra buffer types off (`use_extra_bufts = false`): the weights stay in plain CPU
 buffers and the AMX kernels never run. The same switch also turns off the CPU repack layouts
 (Q4_0 / IQ4_NL / Q4_K weights interleaved for AVX2/AVX-512 gemm), which is the fallback's cost.
-The verdict is kept per build (the libggml-cpu files' hash) and CPU in the data directory, so the
-probe's price is paid once. A CPU that does not claim AMX, or a build without it, is never probed.
+The verdict is kept per build (the libggml-cpu files' hash) and CPU in the user's cache directory,
+one file each, so the probe's price is paid once per machine and build: it is a fact about them, not
+about a data home, and every LOCALSERVE_HOME on the machine (the installer's, a developer's, each
+test's) reads the same one. A CPU that does not claim AMX, or a build without it, is never probed.
+A load that does not say whether to use extra buffer types (LlamaCppBackend.load's default: tools,
+benchmarks, tests) follows this build's recorded verdict too, without probing.
 """
 
 from __future__ import annotations
@@ -32,9 +36,13 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Sequence
 
+import platformdirs
+
 log = logging.getLogger(__name__)
 
-VERDICT_NAME = "native-probe.json"  # in settings.run_dir
+# One file per build and CPU ("BUILD-CPU.json"): the installer's environment and a developer's hold
+# other builds on the same machine. Read at each call, so tests can point it elsewhere.
+VERDICT_DIR = Path(platformdirs.user_cache_dir("localserve")) / "native-probe"
 PROBE_TOKENS = 48  # the crash came in "the first prompt of a few dozen tokens"
 PROBE_TIMEOUT_S = 600.0  # a 30 GB model's first load from a cold disk is minutes, not hours
 
@@ -74,15 +82,22 @@ def _cpu_libraries() -> list[Path]:
     return sorted({path.resolve() for path in found})  # the .so, .so.0 links name one file
 
 
-def build_key(cpu_model: str, cpu_features: Sequence[str]) -> str:
-    """The build (its CPU libraries' bytes) and the CPU (the hardware report's model and features): a
-    new build, or the same data directory on another machine, is probed again."""
+@functools.lru_cache(maxsize=1)
+def _build_digest() -> str:
+    """The installed build (its CPU libraries' bytes); hashed once, as the loaded library is the one
+    this process keeps even if pip replaces the files under it."""
     digest = hashlib.sha256()
     for path in _cpu_libraries():
         digest.update(path.name.encode())
         digest.update(path.read_bytes())
-    digest.update(f"{cpu_model}\n{' '.join(cpu_features)}".encode())
-    return digest.hexdigest()[:24]
+    return digest.hexdigest()[:16]
+
+
+def build_key(cpu_model: str, cpu_features: Sequence[str]) -> str:
+    """The build and the CPU (the hardware report's model and features): a new build, or the same
+    cache directory on another machine, is probed again."""
+    cpu = hashlib.sha256(f"{cpu_model}\n{' '.join(cpu_features)}".encode()).hexdigest()[:16]
+    return f"{_build_digest()}-{cpu}"
 
 
 def needs_probe(cpu_features: Sequence[str]) -> bool:
@@ -90,14 +105,27 @@ def needs_probe(cpu_features: Sequence[str]) -> bool:
     return "AMX" in cpu_features and build_uses_amx()
 
 
-def read_verdict(run_dir: Path, key: str) -> Verdict | None:
+def read_verdict(key: str) -> Verdict | None:
     """The recorded verdict for this build and CPU (`key`), or None (never probed, or another build)."""
+    return _read(VERDICT_DIR / f"{key}.json", key)
+
+
+def _read(path: Path, key: str | None = None) -> Verdict | None:
     try:
-        data = json.loads((run_dir / VERDICT_NAME).read_text(encoding="utf-8"))
-        verdict = Verdict(**data)
+        verdict = Verdict(**json.loads(path.read_text(encoding="utf-8")))
     except (OSError, ValueError, TypeError):
         return None
-    return verdict if verdict.key == key else None
+    return verdict if key is None or verdict.key == key else None
+
+
+def build_died_here() -> bool:
+    """Whether a probe of the installed build died on this machine: the default of a load that does
+    not say (LlamaCppBackend.load), which knows no hardware report and so reads any CPU's verdict
+    for this build in this machine's cache. Never probes."""
+    if not build_uses_amx():
+        return False
+    return any(not verdict.ok for path in VERDICT_DIR.glob(f"{_build_digest()}-*.json")
+               if (verdict := _read(path)) is not None)
 
 
 def probe(model_path: Path, key: str, command: list[str] | None = None, timeout: float = PROBE_TIMEOUT_S) -> Verdict | None:
@@ -134,12 +162,12 @@ def _signal_name(number: int) -> str:
         return f"signal {number}"
 
 
-def extra_buffers_allowed(run_dir: Path, model_path: Path, cpu_model: str, cpu_features: Sequence[str]) -> bool:
+def extra_buffers_allowed(model_path: Path, cpu_model: str, cpu_features: Sequence[str]) -> bool:
     """Whether a load here may use llama.cpp's extra buffer types: probed first where it could kill us."""
     if not needs_probe(cpu_features):
         return True
     key = build_key(cpu_model, cpu_features)
-    verdict = read_verdict(run_dir, key)
+    verdict = read_verdict(key)
     if verdict is None:
         log.info("this CPU claims AMX and llama.cpp was built with it: probing it in a child process first")
         verdict = probe(model_path, key)
@@ -147,18 +175,18 @@ def extra_buffers_allowed(run_dir: Path, model_path: Path, cpu_model: str, cpu_f
             return True
         from ...store.cache import atomic_write_json
 
-        run_dir.mkdir(parents=True, exist_ok=True)
-        atomic_write_json(run_dir / VERDICT_NAME, asdict(verdict))
+        VERDICT_DIR.mkdir(parents=True, exist_ok=True)
+        atomic_write_json(VERDICT_DIR / f"{key}.json", asdict(verdict))
     return verdict.ok
 
 
-def condition(run_dir: Path, cpu_model: str, cpu_features: Sequence[str]) -> str | None:
+def condition(cpu_model: str, cpu_features: Sequence[str]) -> str | None:
     """One line for `hw` and `show` where this machine has the condition, else None."""
     if "AMX" not in cpu_features:
         return None
     if not build_uses_amx():
         return "this CPU claims AMX; the installed llama.cpp build was compiled without it (nothing to probe)"
-    verdict = read_verdict(run_dir, build_key(cpu_model, cpu_features))
+    verdict = read_verdict(build_key(cpu_model, cpu_features))
     if verdict is None:
         return ("this CPU claims AMX and the llama.cpp build uses it: the first load probes it in a child process, "
                 "since some VMs advertise AMX and trap it")
@@ -170,7 +198,9 @@ def _child(model_path: str) -> int:
     from ..base import BatchToken
     from .backend import LlamaCppBackend
 
-    with LlamaCppBackend.load(model_path, n_ctx=256, n_seq_max=1, n_batch=64, kv_unified=True) as backend:
+    # extra_buffers said outright: the default would follow a verdict this probe is here to make.
+    with LlamaCppBackend.load(model_path, n_ctx=256, n_seq_max=1, n_batch=64, kv_unified=True,
+                              extra_buffers=True) as backend:
         tokens = backend.tokenize("The quick brown fox jumps over the lazy dog. " * 8)[:PROBE_TOKENS]
         backend.decode([BatchToken(t, 0, i, i == len(tokens) - 1) for i, t in enumerate(tokens)])
         for step in range(4):  # single rows take the GEMV kernels, which the prompt did not
