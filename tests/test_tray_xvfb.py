@@ -183,3 +183,54 @@ def shot(display: str) -> None:
     x, y, w, h = PANEL
     image = ImageGrab.grab(xdisplay=display).crop((x, y, x + w, y + h))
     image.resize((w * 2, h * 2), Image.NEAREST).quantize(colors=32).save(SCREENSHOT, optimize=True)
+
+
+def test_icon_changes_from_another_thread_survive_a_flood_of_redraws(desktop):
+    """pystray's own cross-thread dispatch froze within 13-124 title changes here (python-xlib loses
+    a wake-up between the caller's flush and the loop's redraw: localserve/tray/xorg.py); with the
+    message sent on a connection of our own, 3,000 changes go through. Each Expose makes the loop
+    ask the server for the window's geometry, which is the request that was left waiting."""
+    import Xlib.display
+    from PIL import Image
+    from Xlib import X
+    from Xlib.protocol import event
+
+    import pystray
+    from localserve.tray.xorg import dispatch_on_own_connection, wake_x_loop
+
+    icon = pystray.Icon("race", Image.new("RGB", (16, 16)), "race")
+    dispatch_on_own_connection(icon)
+    changed, stop = [0], threading.Event()
+
+    def setup(ic: Any) -> None:
+        ic.visible = True
+        for i in range(3000):
+            ic.title = f"title {i}"
+            if i % 100 == 0:
+                ic.icon = Image.new("RGB", (16, 16), (i % 256, 0, 0))
+            changed[0] = i + 1
+        stop.set()
+
+    def flood() -> None:
+        d = Xlib.display.Display(desktop.display)
+        window = d.create_resource_object("window", icon._window.id)
+        while not stop.is_set():
+            window.send_event(event.Expose(window=window, x=0, y=0, width=1, height=1, count=0),
+                              event_mask=X.ExposureMask)
+            d.flush()
+            time.sleep(0.0005)
+        d.close()
+
+    flooder = threading.Thread(target=flood, daemon=True)
+    runner = threading.Thread(target=icon.run, kwargs={"setup": setup}, daemon=True)
+    flooder.start()
+    runner.start()
+    try:
+        assert stop.wait(LIVE_S), f"the icon froze after {changed[0]} of 3000 changes"
+    finally:
+        stop.set()
+        if changed[0] == 3000:
+            icon.stop()
+            wake_x_loop(icon._window.id)
+    runner.join(10)
+    assert not runner.is_alive()

@@ -18,6 +18,7 @@ from .actions import TrayActions
 from .icon import icon_image
 from .menu import SEPARATOR, Item, build_menu, tooltip
 from .state import DaemonState, read_state
+from .xorg import dispatch_on_own_connection, is_xorg, wake_x_loop
 
 log = logging.getLogger(__name__)
 POLL_S = 2.0
@@ -47,6 +48,8 @@ class TrayApp:
         self.actions = TrayActions(settings, self.quit, **action_options)
         self.icon = self.pystray.Icon("localserve", icon_image("stopped"), tooltip(self.state),
                                       menu=self.pystray.Menu(lambda: self._items(build_menu(self.state))))
+        if is_xorg(self.icon):
+            dispatch_on_own_connection(self.icon)
 
     # --- pystray wiring ------------------------------------------------------------------------
     def _items(self, items: tuple[Item, ...]) -> list[Any]:
@@ -136,32 +139,8 @@ class TrayApp:
         with self.icon_lock:
             self.stopped.set()
         self.icon.stop()
-        if type(self.icon).__module__.endswith("_xorg"):
+        if is_xorg(self.icon):
             wake_x_loop(self.icon._window.id)
-
-
-def wake_x_loop(window_id: int) -> None:
-    """Deliver a no-op event to the icon's window from a second X connection.
-
-    pystray's X backend stops by asking its own loop to destroy the icon, but that loop sits in
-    python-xlib's next_event, which can hold the request until some event arrives: under Xvfb, half
-    of 20 stops never ended. Any event wakes it; the window may already be gone, which is fine."""
-    import Xlib.display
-    from Xlib import X
-    from Xlib.protocol import event
-
-    try:
-        display = Xlib.display.Display()
-    except Exception:  # no display left to wake: nothing waits on it either
-        return
-    try:
-        display.set_error_handler(lambda *_: None)  # BadWindow when the loop already ended
-        window = display.create_resource_object("window", window_id)
-        window.send_event(event.ClientMessage(window=window, client_type=display.intern_atom("_LOCALSERVE_WAKE"),
-                                              data=(32, [0] * 5)), event_mask=X.NoEventMask)
-        display.sync()
-    finally:
-        display.close()
 
 
 def run_tray(settings: Settings) -> int:
