@@ -17,8 +17,11 @@ the event it already handles.
 
 from __future__ import annotations
 
+import logging
 import threading
 from typing import Any
+
+log = logging.getLogger(__name__)
 
 # pystray's X backend runs these on its loop thread ("_PYSTRAY_" + the name upper-cased is the
 # ClientMessage type it listens for).
@@ -36,7 +39,11 @@ def dispatch_on_own_connection(icon: Any) -> None:
     from Xlib import X
     from Xlib.protocol import event
 
-    display = Xlib.display.Display()
+    try:
+        display = Xlib.display.Display()
+    except Exception:  # noqa: BLE001 - the icon's own connection just opened; keep pystray's dispatch
+        log.warning("no second X connection for the tray icon: its changes go through pystray's own")
+        return
     window = display.create_resource_object("window", icon._window.id)
     lock = threading.Lock()  # one caller at a time: the connection, and pystray's one result queue
 
