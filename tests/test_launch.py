@@ -105,7 +105,10 @@ def installed_agent(name: str) -> Path:
 def daemon(tmp_path: Path, smollm2_gguf: Path):
     """A daemon serving SmolLM2 with its full trained context, and the env `launch` runs in: the
     agents' own state under a fresh HOME, the agents first on PATH."""
-    env = cli_env(tmp_path / "home", free_port(), LOCALSERVE_CONTEXT_LENGTH="8192", HOME=str(tmp_path))
+    # Codex names no output limit and samples at temperature 1: SmolLM2 sometimes rambles on (a CI
+    # run saw 2,700 tokens, 156 s here against 47 s), so the daemon caps an answer that names none.
+    env = cli_env(tmp_path / "home", free_port(), LOCALSERVE_CONTEXT_LENGTH="8192", LOCALSERVE_DEFAULT_MAX_TOKENS="256",
+                  HOME=str(tmp_path))
     register_model(env, smollm2_gguf)
     proc = start_serve(env)
     try:
@@ -147,10 +150,10 @@ CODEX_SMALL = ["--disable", "multi_agent", "--disable", "goals", "--disable", "i
 def test_codex_answers_from_the_local_model_over_the_responses_api(daemon: dict[str, str]) -> None:
     result = launch(daemon, "codex", "exec", "--skip-git-repo-check", *CODEX_SMALL, "Say hello", timeout=800)
     out = result.stdout + result.stderr
-    # Codex shows the model's answer after a line "codex". SmolLM2 sometimes rambles until the
-    # context is full (a CI run saw 2,700 tokens of "I'm a bit of a tech wizard"): then our answer
-    # is `incomplete` with reason max_output_tokens, as OpenAI's would be, and Codex exits 1 after
-    # showing it. Either way the answer came from the local model over the Responses API.
+    # Codex shows the model's answer after a line "codex". Where SmolLM2 rambles past the daemon's
+    # default_max_tokens, our answer is `incomplete` with reason max_output_tokens, as OpenAI's would
+    # be, and Codex exits 1 after showing it. Either way the answer came from the local model over
+    # the Responses API.
     answer = out.split("\ncodex\n", 1)[1] if "\ncodex\n" in out else ""
     assert answer.strip(), out
     assert result.returncode == 0 or "Incomplete response returned, reason: max_output_tokens" in out, out

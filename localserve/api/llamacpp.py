@@ -79,14 +79,15 @@ def _json_schema(body: Body) -> dict | None:
     return schema
 
 
-def _native_fields(body: Body, default_model: str, priority: str | None) -> dict[str, Any]:
+def _native_fields(body: Body, default_model: str, priority: str | None, default_n_predict: int) -> dict[str, Any]:
     if body.raw("grammar") not in (None, ""):
         raise invalid("'grammar' (GBNF) is not supported; send 'json_schema' instead", "grammar")
     n_predict = body.get_int("n_predict", None, lo=-1, hi=(1 << 31) - 1)
     fields = dict(
         body=body,
         model=body.get_str("model", None, max_len=512) or default_model,
-        n_predict=None if n_predict is None or n_predict < 0 else n_predict,
+        # Absent or -1: the setting default_max_tokens, as llama-server's -n (0 there: no limit).
+        n_predict=(default_n_predict or None) if n_predict is None or n_predict < 0 else n_predict,
         stream=body.get_bool("stream", False),
         priority=priority,
         t_max_predict_ms=body.get_int("t_max_predict_ms", None, lo=0, hi=1 << 31) or None,
@@ -118,14 +119,14 @@ class InfillCall(NativeCall):
         return [self.request(engine, fim.tokens, "input_prefix")]
 
 
-def parse_infill(body: Body, default_model: str, priority: str | None) -> InfillCall:
+def parse_infill(body: Body, default_model: str, priority: str | None, *, default_n_predict: int = 0) -> InfillCall:
     extra = []
     for i, chunk in enumerate(body.get_list("input_extra", max_items=MAX_EXTRA_CHUNKS) or []):
         if not isinstance(chunk, dict):
             raise invalid("'input_extra' items must be objects with 'filename' and 'text'", f"input_extra[{i}]")
         item = Body(chunk, f"input_extra[{i}].")
         extra.append((item.get_str("filename", "") or "", item.get_str("text", "") or ""))
-    return InfillCall(**_native_fields(body, default_model, priority),
+    return InfillCall(**_native_fields(body, default_model, priority, default_n_predict),
                       prefix=body.get_str("input_prefix", "") or "",
                       suffix=body.get_str("input_suffix", "") or "",
                       middle=body.get_str("prompt", "") or "",
@@ -147,7 +148,8 @@ class CompletionCall(NativeCall):
         return [self.request(engine, tokens, "prompt")]
 
 
-def parse_native_completion(body: Body, default_model: str, priority: str | None) -> CompletionCall:
+def parse_native_completion(body: Body, default_model: str, priority: str | None, *,
+                            default_n_predict: int = 0) -> CompletionCall:
     raw = body.raw("prompt")
     if isinstance(raw, str):
         prompt: str | list[int] = raw
@@ -157,7 +159,7 @@ def parse_native_completion(body: Body, default_model: str, priority: str | None
         prompt = list(raw)
     else:
         raise invalid("'prompt' must be a string or a list of token ids (one prompt per request)", "prompt")
-    return CompletionCall(**_native_fields(body, default_model, priority), prompt=prompt,
+    return CompletionCall(**_native_fields(body, default_model, priority, default_n_predict), prompt=prompt,
                           return_tokens=body.get_bool("return_tokens", False))
 
 
@@ -220,13 +222,14 @@ def chunk_object(call: NativeCall, text: str, tokens: list[int]) -> dict[str, An
     return out
 
 
-def props_body(model: str, context: int, slots: int, version: str) -> dict[str, Any]:
-    """GET /props: the served context and slots, the defaults a request gets, no filesystem path."""
+def props_body(model: str, context: int, slots: int, version: str, n_predict: int = 0) -> dict[str, Any]:
+    """GET /props: the served context and slots, the defaults a request gets (`n_predict`: the
+    setting default_max_tokens, -1 for none, as llama-server shows its -n), no filesystem path."""
     d = SamplingParams()
     return {
         "default_generation_settings": {
             "n_ctx": context,
-            "params": {"n_predict": -1, "temperature": d.temperature, "top_k": d.top_k, "top_p": d.top_p,
+            "params": {"n_predict": n_predict or -1, "temperature": d.temperature, "top_k": d.top_k, "top_p": d.top_p,
                        "min_p": d.min_p, "repeat_penalty": d.repeat_penalty},
         },
         "total_slots": slots,

@@ -124,8 +124,9 @@ def model_name(body: Body) -> str:
 
 
 def build_request(body: Body, priority: str | None, engine: ModelEngine | None, tokens: list[int], *,
-                  interactive: bool) -> GenerationRequest:
-    """The engine request; with engine=None only checks the body (before a model is loaded for it)."""
+                  interactive: bool, default_max_tokens: int = 0) -> GenerationRequest:
+    """The engine request; with engine=None only checks the body (before a model is loaded for it).
+    `default_max_tokens`: the setting, for a num_predict that is absent or -1 / -2."""
     n_vocab, n_ctx = (engine.info.n_vocab, engine.n_ctx_per_seq) if engine else (None, 1 << 24)
     options = body.get_object("options") or Body({}, "options.")
     # The context is fixed when the model loads: clients that each send their own num_ctx
@@ -144,18 +145,19 @@ def build_request(body: Body, priority: str | None, engine: ModelEngine | None, 
     return GenerationRequest(
         prompt_tokens=tokens,
         sampling=sampling,
-        max_tokens=clamp_max_tokens(requested, len(tokens), n_ctx, ctx_param, whose),
+        max_tokens=clamp_max_tokens(requested, len(tokens), n_ctx, ctx_param, whose, default=default_max_tokens),
         stop=parse_stop(options.raw("stop"), "options.stop"),
         lane=parse_lane(body, priority, "interactive" if interactive else "default"),
     )
 
 
-def fim_request_tokens(body: Body, engine: ModelEngine, model: str, prefix: str, suffix: str) -> list[int]:
+def fim_request_tokens(body: Body, engine: ModelEngine, model: str, prefix: str, suffix: str,
+                       default_max_tokens: int = 0) -> list[int]:
     """/api/generate with a `suffix`: the model's own FIM prompt (raw or not: Ollama's coder
     templates build exactly this from .Prompt and .Suffix), leaving the answer its num_predict."""
     options = body.get_object("options") or Body({}, "options.")
     asked = options.get_int("num_predict", None, lo=-2, hi=(1 << 63) - 1)
-    budget = prompt_budget(engine, asked if asked and asked > 0 else None)
+    budget = prompt_budget(engine, asked if asked and asked > 0 else default_max_tokens or None)
     return fim_prompt(engine, model, prefix, suffix, budget=budget).tokens
 
 

@@ -99,6 +99,7 @@ class Options:
     lane: Lane
     keep_alive: float | None
     speculative: bool = True  # our extension: false turns speculative decoding off for this request
+    default_max_tokens: int = 0  # where max_tokens is None, the setting default_max_tokens (0: no limit)
 
 
 def parse_options(body: Body, env: ApiEnv, *, chat: bool) -> Options:
@@ -133,6 +134,7 @@ def parse_options(body: Body, env: ApiEnv, *, chat: bool) -> Options:
                         "interactive" if (chat and stream) or body.raw("suffix") is not None else "default"),
         keep_alive=parse_keep_alive(body.raw("keep_alive")),
         speculative=body.get_bool("speculative", True),
+        default_max_tokens=env.settings.default_max_tokens,
     )
     build_request(body, options, None, [1])  # sampling fields fail here, before any model load
     return options
@@ -148,7 +150,7 @@ def build_request(body: Body, opts: Options, engine: ModelEngine | None, tokens:
     return GenerationRequest(
         prompt_tokens=tokens,
         sampling=sampling,
-        max_tokens=clamp_max_tokens(opts.max_tokens, len(tokens), n_ctx, param),
+        max_tokens=clamp_max_tokens(opts.max_tokens, len(tokens), n_ctx, param, default=opts.default_max_tokens),
         stop=opts.stop,
         lane=opts.lane,
         speculative=opts.speculative,

@@ -255,8 +255,9 @@ def sampling_from(body: Body, *, n_vocab: int | None, seed: int | None, names: d
 
 
 def clamp_max_tokens(requested: int | None, prompt_tokens: int, n_ctx: int, param: str = "messages",
-                     whose: str = "this model's context") -> int:
-    """Tokens the request may generate: what it asked for, cut to the context left after its prompt."""
+                     whose: str = "this model's context", default: int = 0) -> int:
+    """Tokens the request may generate: what it asked for, or `default` (setting default_max_tokens)
+    where it named no limit, cut to the context left after its prompt; no limit at all: that rest."""
     if prompt_tokens >= n_ctx:
         raise ContextLengthExceededError(
             f"{whose} is {n_ctx} tokens; the prompt has {prompt_tokens} tokens, which leaves no room "
@@ -264,7 +265,8 @@ def clamp_max_tokens(requested: int | None, prompt_tokens: int, n_ctx: int, para
             param=param,
         )
     left = n_ctx - prompt_tokens
-    return left if requested is None else max(1, min(requested, left))
+    asked = requested if requested is not None else default or None
+    return left if asked is None else max(1, min(asked, left))
 
 
 def parse_n(body: Body) -> int:

@@ -63,6 +63,11 @@ class Settings:
     engine_hang_timeout: float = 300.0
     shutdown_timeout: float = 10.0  # seconds in-flight requests get to finish when the daemon stops
     context_length: int = 0  # per request; 0 = min(trained context, 8192)
+    # Output tokens a local model's answer may take when the request names no limit (OpenAI chat's
+    # max_tokens, Responses' max_output_tokens, Ollama's num_predict, llama.cpp's n_predict): llama-server's
+    # -n, Ollama's num_predict in a Modelfile. A small model that loops would otherwise fill the whole
+    # context while an agent that sends no limit waits. 0 = up to the context's end.
+    default_max_tokens: int = 0
     max_sequences: int = 0  # 0 = sized from memory and the machine
     batch_tokens: int = 0  # per-step token budget; 0 = sized from the machine
     queue_size: int = 64  # per lane

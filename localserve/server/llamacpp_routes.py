@@ -14,7 +14,6 @@ from ..api.errors import ClientGone, json_dumps, openai_exception_body
 from ..api.generation import Run, generation, raise_if_failed
 from ..api.llamacpp import (NativeCall, bounded, chunk_object, final_object, parse_infill, parse_native_completion,
                             props_body)
-from ..api.validation import Body
 from ..errors import GenerationError, LocalserveError
 from .body import read_json
 from .disconnect import guard_disconnect
@@ -42,13 +41,15 @@ async def props(request: web.Request) -> web.Response:
     name = request.query.get("model") or request.app[SETTINGS_KEY].default_model
     model = await asyncio.to_thread(request.app[STORE_KEY].find, name)
     limits = await served(request, model)
-    return web.json_response(props_body(model.ref, limits.context, limits.slots, __version__), dumps=json_dumps)
+    return web.json_response(props_body(model.ref, limits.context, limits.slots, __version__,
+                                        request.app[SETTINGS_KEY].default_max_tokens), dumps=json_dumps)
 
 
-async def _answer(request: web.Request, parse: Callable[[Body, str, str | None], NativeCall],
-                  what: str) -> web.StreamResponse:
+async def _answer(request: web.Request, parse: Callable[..., NativeCall], what: str) -> web.StreamResponse:
+    settings = request.app[SETTINGS_KEY]
     body = await read_json(request)
-    call = parse(body, request.app[SETTINGS_KEY].default_model, request.headers.get("X-Priority"))
+    call = parse(body, settings.default_model, request.headers.get("X-Priority"),
+                 default_n_predict=settings.default_max_tokens)
     client = request.headers.get("User-Agent", "")
     async with request.app[SLOTS_KEY].claim(call.model, call.id_slot, client) as claim:
         async with generation(request.app[MANAGER_KEY], call.model, None, call.prepare, lane=call.lane) as run:

@@ -111,11 +111,13 @@ async def generate(request: web.Request) -> web.StreamResponse:
         raise invalid("'context' must be an array of token ids", "context")
     # Bad options fail before any model load; the lane is also the one a wait for the load takes.
     lane = build_request(body, request.headers.get("X-Priority"), None, [], interactive=suffix is not None).lane
+    default_max_tokens = request.app[SETTINGS_KEY].default_max_tokens
 
     async def prepare(engine: ModelEngine) -> list[GenerationRequest]:
         if suffix is not None:  # someone typing waits on it: interactive unless the client says otherwise
-            tokens = fim_request_tokens(body, engine, model, prompt, suffix)
-            return [build_request(body, request.headers.get("X-Priority"), engine, tokens, interactive=True)]
+            tokens = fim_request_tokens(body, engine, model, prompt, suffix, default_max_tokens)
+            return [build_request(body, request.headers.get("X-Priority"), engine, tokens, interactive=True,
+                                  default_max_tokens=default_max_tokens)]
         if raw:
             text, template = prompt, None
         else:
@@ -125,7 +127,8 @@ async def generate(request: web.Request) -> web.StreamResponse:
         # A continuation of `context`: the earlier turn already began with BOS.
         earlier = check_tokens(context, engine.info.n_vocab, "context") if context else []
         tokens = earlier + await tokenize_async(engine, text, template, add_special=not context)
-        return [build_request(body, request.headers.get("X-Priority"), engine, tokens, interactive=False)]
+        return [build_request(body, request.headers.get("X-Priority"), engine, tokens, interactive=False,
+                              default_max_tokens=default_max_tokens)]
 
     clock = Clock()
     async with generation(request.app[MANAGER_KEY], model, keep_alive, prepare, clock, lane) as run:
@@ -168,12 +171,14 @@ async def chat(request: web.Request) -> web.StreamResponse:
     tools = parse_tools(body.raw("tools"))
     # Bad options fail before any model load; the lane is also the one a wait for the load takes.
     lane = build_request(body, request.headers.get("X-Priority"), None, [], interactive=stream).lane
+    default_max_tokens = request.app[SETTINGS_KEY].default_max_tokens
 
     async def prepare(engine: ModelEngine) -> list[GenerationRequest]:
         template = chat_template(engine)
         prompt = await template.render_async(messages, tools=tools or None)
         tokens = await tokenize_async(engine, prompt, template)
-        return [build_request(body, request.headers.get("X-Priority"), engine, tokens, interactive=stream)]
+        return [build_request(body, request.headers.get("X-Priority"), engine, tokens, interactive=stream,
+                              default_max_tokens=default_max_tokens)]
 
     clock = Clock()
     async with generation(request.app[MANAGER_KEY], model, keep_alive, prepare, clock, lane) as run:
