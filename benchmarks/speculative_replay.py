@@ -13,7 +13,8 @@ except at near-ties (docs/architecture.md).
 Records once into --record (the answers in process, as the engine loads the model: a KV stream
 per sequence, flash attention off, end-of-generation banned; then one sequence's step at the first
 answer's context for 1 to 65 rows, best of 5), then prints per --k-max the replayed decode tokens/s
-over all answers, per answer, the steps that found no draft, and drafts accepted / verified.
+over all answers, per answer, the steps that found no draft, drafts accepted / verified, and what a
+policy that knew each draft's accepted length would give (the bound of the lookup itself).
 """
 
 from __future__ import annotations
@@ -82,8 +83,10 @@ def step_seconds(curve: list[tuple[int, float]], rows: int) -> float:
     return curve[0][1] + OUTSIDE_DECODE_S
 
 
-def replay(prompt: list[int], answer: list[int], k_max: int, curve: list[tuple[int, float]]) -> dict:
-    """One answer decoded as the engine would alone: each step drafts what the policy picks."""
+def replay(prompt: list[int], answer: list[int], k_max: int, curve: list[tuple[int, float]],
+           knowing: bool = False) -> dict:
+    """One answer decoded as the engine would alone: each step drafts what the policy picks, or with
+    `knowing`, exactly the draft tokens that will be accepted (the bound of the lookup itself)."""
     state, policy = speculation.DraftState(), speculation.DraftPolicy("auto", separate_calls=True)
     tokens, emitted, seconds = prompt + answer[:1], 1, 0.0
     steps = novel = 0
@@ -91,8 +94,11 @@ def replay(prompt: list[int], answer: list[int], k_max: int, curve: list[tuple[i
         room = min(k_max, len(answer) - emitted - 1)
         draft, match = state.lookup.draft(tokens, room) if room >= 1 else ([], 0)
         novel += not draft
-        chosen = policy.choose([speculation.Candidate(0, state, draft, match)], 1, 1, 1) if draft else []
-        k = chosen[0][1] if chosen else 0
+        if knowing:
+            k = next((i for i, t in enumerate(draft) if t != answer[emitted + i]), len(draft))
+        else:
+            chosen = policy.choose([speculation.Candidate(0, state, draft, match)], 1, 1, 1) if draft else []
+            k = chosen[0][1] if chosen else 0
         accepted = 0
         while accepted < k and draft[accepted] == answer[emitted + accepted]:
             accepted += 1
@@ -126,9 +132,11 @@ def main() -> None:
     for k_max in (int(k) for k in args.k_max.split(",")):
         runs = [replay(a["prompt"], a["answer"], k_max, curve) for a in data["answers"]]
         total = sum(r["tokens"] for r in runs) / sum(r["seconds"] for r in runs)
+        known = [replay(a["prompt"], a["answer"], k_max, curve, knowing=True) for a in data["answers"]]
+        bound = sum(r["tokens"] for r in known) / sum(r["seconds"] for r in known)
         print(f"K_MAX {k_max:3d}: {total:6.1f} tok/s (per answer {[round(r['tokens'] / r['seconds'], 1) for r in runs]}), "
               f"steps without a draft {[r['novel'] for r in runs]}, accepted {sum(r['accepted'] for r in runs)}"
-              f"/{sum(r['drafted'] for r in runs)}")
+              f"/{sum(r['drafted'] for r in runs)}; knowing each draft's accepted length: {bound:.1f}")
 
 
 if __name__ == "__main__":

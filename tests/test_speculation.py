@@ -223,10 +223,19 @@ def test_acceptance_and_expected_tokens():
     assert abs(expected_tokens(0.5, 2) - 1.75) < 1e-9
     state = DraftState()
     assert state.rate(8) == 0.9 and state.rate(3) == 0.4  # priors by match length
-    state.observe(8, 8)
-    assert state.accept == 1.0
-    state.observe(4, 0)
-    assert 0.0 < state.accept < 1.0 and (state.drafted, state.accepted) == (12, 8)
+    state.observe(32, 32)  # a copy: every draft token accepted
+    copying = state.rate(3)
+    assert copying > 0.85
+    state.observe(4, 0)  # new text: the first draft token missed
+    # One miss counts one token against the 32 accepted: the estimate dips, it does not sink.
+    assert 0.8 < state.rate(3) < copying and (state.drafted, state.accepted) == (36, 32)
+    for _ in range(8):
+        state.observe(4, 0)
+    # A run of misses takes it below the prior, never to 0 (misses are forgotten at the pace hits
+    # are), and the next copy brings it back at once.
+    assert 0.2 < state.rate(3) < 0.4
+    state.observe(16, 16)
+    assert state.rate(3) > 0.8
 
 
 def test_step_costs_fit_calls_and_rows():
@@ -238,12 +247,12 @@ def test_step_costs_fit_calls_and_rows():
 
 def test_the_policy_drafts_alone_and_not_under_load_with_poor_acceptance():
     policy = DraftPolicy("auto", separate_calls=True)
-    sure = Candidate("edit", DraftState(accept=0.98), list(range(16)), 8)
+    sure = Candidate("edit", DraftState(hits=65.0, misses=1.0), list(range(16)), 8)  # rate 0.98
     [(key, k)] = policy.choose([sure], decoders=1, calls=1, rows=1)
     # With the prior costs (a row with logits costs about what a call does) the best k is 8: more
     # rows cost more than the tokens they are expected to add.
     assert key == "edit" and k == 8
-    doubtful = [Candidate(f"chat{i}", DraftState(accept=0.3), [1, 2, 3, 4], 3) for i in range(8)]
+    doubtful = [Candidate(f"chat{i}", DraftState(misses=1.4), [1, 2, 3, 4], 3) for i in range(8)]  # rate 0.3
     assert policy.choose(doubtful, decoders=8, calls=1, rows=8) == []
     forced = DraftPolicy("ngram", separate_calls=True)
     assert forced.choose(doubtful[:2], decoders=8, calls=1, rows=8) == [("chat0", 4), ("chat1", 4)]

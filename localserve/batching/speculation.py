@@ -16,8 +16,8 @@ drafting sequence is computed in a llama_decode call of its own, which is one mo
 weights. Alone, k drafts cost k rows of the one call; beside seven other decoders they cost a whole
 call. llama.cpp measured lookup decoding at 1.10x with 1 slot and 0.77x with 8 (its server drafts
 for every slot regardless). So `DraftPolicy` keeps a step-cost model, seconds = calls * c + rows *
-r, fitted to every step this engine runs (`StepCosts`), and per sequence an acceptance rate by
-draft position; each step it adds a sequence's drafts only while they raise the step's expected
+r, fitted to every step this engine runs (`StepCosts`), and per sequence the chance that a draft
+token is accepted given the one before it was (`DraftState.rate`); each step it adds a sequence's drafts only while they raise the step's expected
 tokens per second, with the k that raises it most. Under load the answer is no drafts, by itself.
 """
 
@@ -41,8 +41,15 @@ K_FORCED = 8  # "ngram" mode: drafts whenever a match exists, at most this many
 # first draft paid by 8% on 2 cores, and step-time noise often declined it, so acceptance was never
 # measured and auto never drafted.
 _PRIOR = {8: 0.9, 3: 0.4}
-_ALPHA = 0.3  # weight of the newest verification in a sequence's acceptance
-_RECOVER = 0.02  # per step without drafts, acceptance drifts back toward the prior (a re-probe)
+# A sequence's acceptance is counted in tokens: accepted drafts and first misses, each verification's
+# counts added to the earlier ones weighed down by _DECAY, with the prior worth _PRIOR_WEIGHT tokens.
+# An answer alternates between copying (every draft accepted) and new text (drafts missed or none),
+# so the estimate must follow the latest stretch. Counted per verification instead (an average of
+# accepted / (accepted + miss), weight 0.3), one 32-token copy weighed as much as one missed draft,
+# three misses in new text sank it near 0, and it took dozens of steps to climb back, declining good
+# drafts meanwhile.
+_DECAY = 0.6
+_PRIOR_WEIGHT = 4.0
 
 
 class PromptLookup:
@@ -92,27 +99,26 @@ class PromptLookup:
 
 @dataclass(slots=True)
 class DraftState:
-    """One sequence's speculation: its lookup index, its acceptance by draft position (the chance
-    that a draft token is accepted given the one before it was), and its counts."""
+    """One sequence's speculation: its lookup index, its recent acceptance counts (decayed, see
+    _DECAY), and its totals."""
 
     lookup: PromptLookup = field(default_factory=PromptLookup)
-    accept: float | None = None  # None until its first verification: the match's prior counts
+    hits: float = 0.0  # draft tokens accepted, recent ones weighing most
+    misses: float = 0.0  # draft tokens rejected (one per verification that missed), likewise
     drafted: int = 0
     accepted: int = 0
 
     def rate(self, match: int) -> float:
-        return _PRIOR[match] if self.accept is None else self.accept
+        """The chance that a draft token is accepted given the one before it was: the recent
+        counts, with the prior of the match that proposed the draft worth _PRIOR_WEIGHT tokens."""
+        return (self.hits + _PRIOR_WEIGHT * _PRIOR[match]) / (self.hits + self.misses + _PRIOR_WEIGHT)
 
     def observe(self, drafted: int, accepted: int) -> None:
         """A verification: `accepted` of `drafted` tokens matched (then one mismatch, unless all did)."""
         self.drafted += drafted
         self.accepted += accepted
-        seen = accepted / (accepted + (accepted < drafted))
-        self.accept = seen if self.accept is None else (1 - _ALPHA) * self.accept + _ALPHA * seen
-
-    def idle(self, match: int) -> None:
-        if self.accept is not None:
-            self.accept += _RECOVER * (_PRIOR[match] - self.accept)
+        self.hits = _DECAY * self.hits + accepted
+        self.misses = _DECAY * self.misses + (accepted < drafted)
 
 
 def expected_tokens(accept: float, k: int) -> float:
@@ -212,8 +218,6 @@ class DraftPolicy:
                 tokens += expected_tokens(rate, best_k) - 1.0
                 seconds += self.costs.seconds(int(extra_call), best_k)
                 shared -= 1
-            else:
-                cand.state.idle(cand.match)
         return chosen
 
     def record(self, lane: str, state: DraftState, drafted: int, accepted: int) -> None:
