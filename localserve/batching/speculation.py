@@ -17,8 +17,9 @@ weights. Alone, k drafts cost k rows of the one call; beside seven other decoder
 call. llama.cpp measured lookup decoding at 1.10x with 1 slot and 0.77x with 8 (its server drafts
 for every slot regardless). So `DraftPolicy` keeps a step-cost model, seconds = calls * c + rows *
 r, fitted to every step this engine runs (`StepCosts`), and per sequence the chance that a draft
-token is accepted given the one before it was (`DraftState.rate`); each step it adds a sequence's drafts only while they raise the step's expected
-tokens per second, with the k that raises it most. Under load the answer is no drafts, by itself.
+token is accepted given the one before it was (`DraftState.rate`); each step it adds a sequence's
+drafts only while they raise the step's expected tokens per second, with the k that raises it most.
+Under load the answer is no drafts, by itself.
 """
 
 from __future__ import annotations
