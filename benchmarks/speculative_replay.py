@@ -113,6 +113,11 @@ def replay(prompt: list[int], answer: list[int], k_max: int, curve: list[tuple[i
             "drafted": state.drafted, "accepted": state.accepted}
 
 
+def tokens_per_s(runs: list[dict]) -> float:
+    """Replayed answers' decode tokens over their replayed seconds."""
+    return sum(r["tokens"] for r in runs) / sum(r["seconds"] for r in runs)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model-path", type=Path, required=True)
@@ -131,12 +136,11 @@ def main() -> None:
     print(f"plain decode: {1 / step_seconds(curve, 1):.1f} tok/s")
     for k_max in (int(k) for k in args.k_max.split(",")):
         runs = [replay(a["prompt"], a["answer"], k_max, curve) for a in data["answers"]]
-        total = sum(r["tokens"] for r in runs) / sum(r["seconds"] for r in runs)
         known = [replay(a["prompt"], a["answer"], k_max, curve, knowing=True) for a in data["answers"]]
-        bound = sum(r["tokens"] for r in known) / sum(r["seconds"] for r in known)
-        print(f"K_MAX {k_max:3d}: {total:6.1f} tok/s (per answer {[round(r['tokens'] / r['seconds'], 1) for r in runs]}), "
+        per_answer = [round(tokens_per_s([r]), 1) for r in runs]
+        print(f"K_MAX {k_max:3d}: {tokens_per_s(runs):6.1f} tok/s (per answer {per_answer}), "
               f"steps without a draft {[r['novel'] for r in runs]}, accepted {sum(r['accepted'] for r in runs)}"
-              f"/{sum(r['drafted'] for r in runs)}; knowing each draft's accepted length: {bound:.1f}")
+              f"/{sum(r['drafted'] for r in runs)}; knowing each draft's accepted length: {tokens_per_s(known):.1f}")
 
 
 if __name__ == "__main__":
