@@ -38,7 +38,6 @@ import logging
 import sqlite3
 import time
 from collections import deque
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ..config.settings import Settings
@@ -65,16 +64,12 @@ ENDED = {"cancelled": "batch_cancelled", "expired": "batch_expired"}
 QUIET = ("finalizing", "cancelling")  # states that run no lines: they hold no queue
 
 
-def batches_dir(settings: Settings) -> Path:
-    return settings.home / "batches"
-
-
 class BatchRunner:
     def __init__(self, settings: Settings, manager: "ModelManager", metrics: "Metrics | None" = None):
         self.settings = settings
         self.manager = manager
-        self.store = BatchStore(batches_dir(settings) / "batches.sqlite3")
-        self.files = FileStorage(batches_dir(settings) / "files", settings.batch_min_free_disk)
+        self.store = BatchStore(settings.batches_dir / "batches.sqlite3")
+        self.files = FileStorage(settings.batches_dir / "files", settings.batch_min_free_disk)
         self.env = ApiEnv(settings, manager, metrics, "batch")
         self._wake = asyncio.Event()
         self._lock = asyncio.Lock()  # starting a batch vs cancelling one

@@ -169,6 +169,16 @@ class Settings:
         return self.home / "models"
 
     @property
+    def responses_dir(self) -> Path:
+        """The Responses API's store (api/response_store.py)."""
+        return self.home / "responses"
+
+    @property
+    def batches_dir(self) -> Path:
+        """The Batch API's database and files (batches/)."""
+        return self.home / "batches"
+
+    @property
     def run_dir(self) -> Path:
         """Pid/lock files of the daemon; beside the data so two LOCALSERVE_HOMEs never collide."""
         return self.home / "run"

@@ -23,6 +23,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from ..config.private import private_dir
 from ..config.settings import Settings
 from .daemon_crash import explain
 from ..errors import DaemonError
@@ -167,14 +168,15 @@ def serve_command(settings: Settings) -> list[str]:
 
 def start_background(settings: Settings, timeout: float = 60.0) -> DaemonInfo:
     """Start `localserve serve` detached from this terminal and wait until it is healthy."""
-    settings.log_dir.mkdir(parents=True, exist_ok=True)
+    private_dir(settings.log_dir)
     kwargs: dict[str, Any] = {}
     if sys.platform == "win32":
         kwargs["creationflags"] = subprocess.DETACHED_PROCESS | subprocess.CREATE_NEW_PROCESS_GROUP  # type: ignore[attr-defined]
     else:
         # Own session: Ctrl-C in the terminal that ran `localserve run` must not reach the daemon.
         kwargs["start_new_session"] = True
-    with open(settings.log_dir / STDERR_NAME, "ab") as err:
+    # 0600: what the daemon prints before its umask is set may quote a request (config/private.py).
+    with os.fdopen(os.open(settings.log_dir / STDERR_NAME, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600), "ab") as err:
         proc = subprocess.Popen(
             serve_command(settings), stdin=subprocess.DEVNULL, stdout=err, stderr=err, close_fds=True, **kwargs
         )

@@ -11,6 +11,7 @@ import sys
 import time
 from typing import Any
 
+from ..config.private import make_private
 from ..config.settings import Settings
 from ..desktop.daemon import LOG_NAME, DaemonInfo, DaemonLock
 from ..desktop.daemon_crash import enable_fault_record, explain, last_death
@@ -46,10 +47,17 @@ def run_daemon(settings: Settings, *, background: bool = False) -> int:
     import asyncio
 
     # create_app refuses a non-loopback bind without an API key before anything listens.
+    # Before the lock, the log or any store is opened: every file from here on is user-only.
+    tightened = make_private(settings)
     lock = DaemonLock(settings)
     lock.acquire()
     try:
         _setup_logging(settings, background)
+        if tightened:
+            import logging
+
+            logging.getLogger("localserve.daemon").info(
+                "made %d files and folders that hold prompts, answers or logs user-only (0600/0700)", len(tightened))
         _report_previous_death(settings, announce=not background)
         enable_fault_record(settings.log_dir)
         asyncio.run(_serve(settings, lock, announce=not background))
