@@ -9,6 +9,7 @@ by hand, since SmolLM2 neither thinks nor calls tools unforced.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import json
 import sqlite3
@@ -20,11 +21,13 @@ import openai
 import pytest
 
 from localserve.api.openai import ApiEnv
+from localserve.api.response_store import PreviousResponseNotFoundError, ResponseStore, StoredItem
 from localserve.api.responses import Conversation, finished_output, parse_responses
 from localserve.api.responses_stream import ResponseEvents
 from localserve.api.templates import RENDER_TIME_LIMIT_S
 from localserve.api.validation import Body
 from localserve.config.settings import Settings
+from localserve.errors import ConfigError, InvalidRequestError, NotFoundError
 from localserve.protocol.requests import GenerationEvent, Usage
 from server_harness import MODEL, MODEL_TAG, LiveServer, install_model, model_server, server_settings
 from test_error_channel import SCHEMA, banned  # noqa: F401 - the fixture
@@ -360,8 +363,9 @@ def test_stored_responses_are_in_the_data_directory_and_expire(tmp_path, smollm2
         c = openai.OpenAI(base_url=live.url + "/v1", api_key="x", max_retries=0, timeout=120)
         kept = c.responses.create(model=MODEL, input="Hi", max_output_tokens=2, **GREEDY)
     with sqlite3.connect(database) as db:  # committed to the file, read by a connection of its own
-        (data,) = db.execute("SELECT data FROM responses WHERE id=?", (kept.id,)).fetchone()
-    assert json.loads(data)["output"][0]["content"][0]["text"] == kept.output_text
+        (data,) = db.execute("SELECT i.data FROM items i JOIN responses r ON r.n = i.owner "
+                             "WHERE r.id=? AND i.output=1", (kept.id,)).fetchone()
+    assert json.loads(data)["content"][0]["text"] == kept.output_text
     with LiveServer(server_settings(home)) as live:  # a new app on the same data directory
         c = openai.OpenAI(base_url=live.url + "/v1", api_key="x", max_retries=0, timeout=120)
         assert c.responses.retrieve(kept.id).output_text == kept.output_text
@@ -586,3 +590,115 @@ def test_an_empty_answer_is_still_one_message():
     events, final = _streamed(_conversation(), "", 1, reason="length")
     assert [item["type"] for item in final["output"]] == ["message"]
     assert final["status"] == "incomplete" and events[-1]["type"] == "response.incomplete"
+
+
+# --- the store without a model (api/response_store.py) ----------------------------------------------
+def _message(item_id: str, text: str, role: str = "user") -> dict:
+    return {"id": item_id, "type": "message", "role": role, "status": "completed",
+            "content": [{"type": "input_text", "text": text}]}
+
+
+def _answer(response_id: str, text: str) -> dict:
+    return {"id": response_id, "object": "response", "output": [_message(f"out_{response_id}", text, "assistant")]}
+
+
+def _texts(items: list) -> list[str]:
+    return [item["content"][0]["text"] for item in (s.item if isinstance(s, StoredItem) else s for s in items)]
+
+
+def _rows(path: Path) -> dict[str, int]:
+    with sqlite3.connect(path) as db:
+        return {table: db.execute(f"SELECT COUNT(*) FROM {table}").fetchone()[0]
+                for table in ("responses", "items", "inputs")}
+
+
+def test_deleting_a_response_keeps_only_what_live_ones_still_need(tmp_path):
+    path = tmp_path / "responses.sqlite3"
+    store = ResponseStore(path, 30)
+
+    async def scenario() -> None:
+        await store.save(_answer("resp_a", "hello"), None, [_message("a1", "alpha")])
+        await store.save(_answer("resp_b", "bye"), "resp_a", [_message("b1", "beta")])  # continues a
+        referred = (await store.resolve(None, ["a1"], 1 << 20)).references["a1"]
+        await store.save(_answer("resp_c", "ok"), None, [referred, _message("c1", "gamma")])  # refers to a1
+        await store.delete("resp_a")
+        with pytest.raises(NotFoundError):
+            await store.get("resp_a")
+        with pytest.raises(PreviousResponseNotFoundError):
+            await store.resolve("resp_a", [], 1 << 20)
+        assert (await store.resolve(None, ["a1"], 1 << 20)).references == {}  # its ids resolve no more
+        # ... but the conversations that ran through it are whole, as OpenAI keeps them.
+        assert _texts((await store.input_items("resp_b", False, 100, None))[0]) == ["alpha", "hello", "beta"]
+        assert _texts((await store.input_items("resp_c", False, 100, None))[0]) == ["alpha", "gamma"]
+        assert _texts((await store.resolve("resp_b", [], 1 << 20)).history) == ["alpha", "hello", "beta", "bye"]
+        await store.delete("resp_b")
+        assert _rows(path) == {"responses": 2, "items": 3, "inputs": 2}  # a's row holds a1 for c
+        await store.delete("resp_c")
+        assert _rows(path) == {"responses": 0, "items": 0, "inputs": 0}
+        with pytest.raises(NotFoundError):
+            await store.delete("resp_c")
+
+    asyncio.run(scenario())
+
+
+def test_items_belong_to_their_response_and_an_id_names_what_first_held_it(tmp_path):
+    store = ResponseStore(tmp_path / "responses.sqlite3", 30)
+
+    async def scenario() -> None:
+        await store.save(_answer("resp_a", "ok"), None, [_message("shared", "The meeting is at noon.")])
+        await store.save(_answer("resp_b", "ok"), None, [_message("shared", "The meeting is cancelled.")])
+        assert _texts([(await store.resolve(None, ["shared"], 1 << 20)).references["shared"]]) == \
+            ["The meeting is at noon."]
+        assert _texts((await store.input_items("resp_a", False, 10, None))[0]) == ["The meeting is at noon."]
+        assert _texts((await store.input_items("resp_b", False, 10, None))[0]) == ["The meeting is cancelled."]
+        await store.delete("resp_a")  # the next holder of the id
+        assert _texts([(await store.resolve(None, ["shared"], 1 << 20)).references["shared"]]) == \
+            ["The meeting is cancelled."]
+
+    asyncio.run(scenario())
+
+
+def test_references_and_chains_are_bounded_by_the_body_limit(tmp_path):
+    store = ResponseStore(tmp_path / "responses.sqlite3", 30)
+
+    async def scenario() -> None:
+        await store.save(_answer("resp_a", "ok"), None, [_message("big", "x" * 10_000)])
+        resolved = await store.resolve(None, ["big"] * 4, 50_000)
+        assert resolved.references["big"].size > 10_000
+        with pytest.raises(InvalidRequestError) as e:
+            await store.resolve(None, ["big"] * 5, 50_000)  # each reference counts
+        assert e.value.param == "input"
+        with pytest.raises(InvalidRequestError) as e:
+            await store.resolve("resp_a", [], 1_000)  # the chain may hold 8 bodies: not 10 KB of 1 KB ones
+        assert e.value.param == "previous_response_id"
+
+    asyncio.run(scenario())
+
+
+def test_a_schema_1_file_is_reset_and_a_newer_one_refused(tmp_path):
+    old = tmp_path / "old" / "responses.sqlite3"
+    old.parent.mkdir()
+    with sqlite3.connect(old) as db:  # what localserve wrote before schema 2
+        db.executescript("""
+            PRAGMA journal_mode=WAL;
+            CREATE TABLE meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
+            INSERT INTO meta VALUES ('schema_version', '1');
+            CREATE TABLE responses (id TEXT PRIMARY KEY, created REAL NOT NULL, data TEXT NOT NULL,
+                                    context TEXT NOT NULL);
+            CREATE TABLE items (id TEXT PRIMARY KEY, created REAL NOT NULL, data TEXT NOT NULL);""")
+        db.execute("INSERT INTO responses VALUES ('resp_old', 1e12, '{}', ?)", (json.dumps(["OLD-SECRET" * 100]),))
+    db.close()
+    store = ResponseStore(old, 30)
+    with pytest.raises(NotFoundError):
+        asyncio.run(store.get("resp_old"))
+    asyncio.run(store.save(_answer("resp_new", "ok"), None, [_message("m", "new")]))
+    assert asyncio.run(store.get("resp_new"))["output"][0]["content"][0]["text"] == "ok"
+    assert not any(b"OLD-SECRET" in p.read_bytes() for p in old.parent.iterdir())
+    newer = tmp_path / "newer" / "responses.sqlite3"
+    newer.parent.mkdir()
+    with sqlite3.connect(newer) as db:
+        db.executescript("CREATE TABLE meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);"
+                         "INSERT INTO meta VALUES ('schema_version', '3');")
+    db.close()
+    with pytest.raises(ConfigError):
+        asyncio.run(ResponseStore(newer, 30).get("resp_x"))

@@ -11,10 +11,11 @@ stop, keep_alive) pass through too. An error the chat path raises names the Resp
 "auto") are 400s naming them rather than silently different behaviour.
 
 State: with `store` (the default) the answered response and the conversation it answered are kept
-(response_store.py); `previous_response_id` rebuilds that conversation, its output included, in
-front of the new input, so the new prompt starts with the previous one's tokens and the prefix
-cache serves them (usage.input_tokens_details.cached_tokens). `instructions` are not carried over,
-as OpenAI documents.
+(response_store.py: each item once, a continuation as a link to the response it continues, an
+`item_reference` as a link to the item); `previous_response_id` rebuilds that conversation, its
+output included, in front of the new input, so the new prompt starts with the previous one's
+tokens and the prefix cache serves them (usage.input_tokens_details.cached_tokens).
+`instructions` are not carried over, as OpenAI documents.
 
 `create_response` is the non-streamed endpoint (the Batch API runs lines through it);
 responses_stream.py turns the same generation into the Responses event stream.
@@ -34,7 +35,7 @@ from .tools import ToolCall, parse_tool_calls
 from .generation import Choice, Run, collect, generation
 from .reasoning import OPEN as THINK_OPEN, split_thinking
 from .openai import ApiEnv, ChatCall, observe, parse_chat
-from .response_store import ResponseStore
+from .response_store import ResponseStore, StoredItem
 from .responses_items import chat_messages, new_id, parse_input
 from .responses_tools import ResponsesTools, chat_tool_choice, parse_tools
 from .validation import Body, invalid
@@ -153,10 +154,16 @@ def _echo(body: Body, chat: ChatCall, tools: ResponsesTools) -> dict[str, Any]:
         "temperature": body.get_float("temperature", defaults.temperature, lo=0, hi=2),
         "top_p": body.get_float("top_p", defaults.top_p, lo=0, hi=1),
         "text": {"format": fmt if isinstance(fmt, dict) else {"type": "text"}},
-        "tool_choice": body.raw("tool_choice", "auto"),
+        "tool_choice": _tool_choice_echo(body.raw("tool_choice", "auto")),
         "tools": tools.echo,
         "truncation": "disabled",
     }
+
+
+def _tool_choice_echo(value: Any) -> Any:
+    """tool_choice as the response repeats (and stores) it: a named function by its name alone,
+    not whatever else the client put in the object (chat_tool_choice checked it already)."""
+    return {"type": "function", "name": value["name"]} if isinstance(value, dict) else value
 
 
 def _metadata(value: Any) -> dict[str, str]:
@@ -178,7 +185,9 @@ class Conversation:
 
     call: ResponsesCall
     chat: ChatCall
-    context: list[dict[str, Any]]  # every item before the answer (stored with it, for continuations)
+    # This request's input as it is stored: a new item, or a stored one (an item_reference, by its
+    # row). The earlier turns are the previous response's and stay there.
+    inputs: list[dict[str, Any] | StoredItem]
     thinking_open: bool = False  # the template's prompt ends inside a <think> block (set by prepare)
 
     async def prepare(self, engine: ModelEngine) -> list[GenerationRequest]:
@@ -195,28 +204,23 @@ class Conversation:
 
 async def conversation(call: ResponsesCall, env: ApiEnv) -> Conversation:
     """The call's conversation: a stored previous response's rebuilt in front (404 if none), and
-    item references replaced by the stored items they name (400 if none)."""
-    references = [item for item in call.items if item["type"] == "item_reference"]
+    item references replaced by the stored items they name (400 if none, or if they add up to
+    more than a request body may hold: response_store.py)."""
+    references = [item["id"] for item in call.items if item["type"] == "item_reference"]
     if call.previous_id is None and not references:
-        return Conversation(call, call.chat, call.items)
-    store = ResponseStore.of(env.settings)
-    history: list[dict[str, Any]] = []
-    if call.previous_id is not None:
-        previous = await store.get(call.previous_id, "previous_response_id")
-        history = previous.context + previous.response["output"]
-    known = {item["id"]: item for item in history}
-    missing = [ref["id"] for ref in references if ref["id"] not in known]
-    if missing:
-        known.update(await store.items(missing))
-    items = []
+        return Conversation(call, call.chat, list(call.items))
+    resolved = await ResponseStore.of(env.settings).resolve(call.previous_id, references,
+                                                            env.settings.max_body_bytes)
+    inputs: list[dict[str, Any] | StoredItem] = []
     for item in call.items:
         if item["type"] == "item_reference":
-            if item["id"] not in known:
+            if item["id"] not in resolved.references:
                 raise invalid(f"'{item['_param']}': no stored item with id {item['id'][:80]!r}", item["_param"])
-            item = known[item["id"]]
-        items.append(item)
-    context = history + items
-    return Conversation(call, _chat_call(call.body, env, call.instructions, context, call.tools), context)
+            inputs.append(resolved.references[item["id"]])
+        else:
+            inputs.append(item)
+    context = [s.item for s in resolved.history] + [e.item if isinstance(e, StoredItem) else e for e in inputs]
+    return Conversation(call, _chat_call(call.body, env, call.instructions, context, call.tools), inputs)
 
 
 def start(conv: Conversation, env: ApiEnv) -> AsyncContextManager[Run]:
@@ -311,7 +315,7 @@ def final_response(conv: Conversation, model: str, choice: Choice, engine: Model
 async def keep(conv: Conversation, response: dict[str, Any], env: ApiEnv) -> None:
     """Store the answered response (when the request asked to) for GET and continuations."""
     if conv.call.store:
-        await ResponseStore.of(env.settings).save(response, conv.context)
+        await ResponseStore.of(env.settings).save(response, conv.call.previous_id, conv.inputs)
 
 
 async def create_response(call: ResponsesCall, env: ApiEnv) -> dict[str, Any]:
@@ -328,7 +332,7 @@ async def create_response(call: ResponsesCall, env: ApiEnv) -> dict[str, Any]:
 
 # --- stored responses ----------------------------------------------------------------------------
 async def get_response(env: ApiEnv, response_id: str) -> dict[str, Any]:
-    return (await ResponseStore.of(env.settings).get(response_id)).response
+    return await ResponseStore.of(env.settings).get(response_id)
 
 
 async def delete_response(env: ApiEnv, response_id: str) -> dict[str, Any]:
@@ -342,14 +346,6 @@ async def input_items(env: ApiEnv, response_id: str, query: Body) -> dict[str, A
     order = query.get_str("order", "desc", choices=("asc", "desc"))
     limit = query.get_int("limit", 20, lo=1, hi=100) or 20
     after = query.get_str("after", None, max_len=256)
-    items = (await ResponseStore.of(env.settings).get(response_id)).context
-    if order == "desc":
-        items = items[::-1]
-    if after is not None:
-        ids = [item.get("id") for item in items]
-        if after not in ids:
-            raise invalid(f"'after' names no item of this response ({after[:80]!r})", "after")
-        items = items[ids.index(after) + 1:]
-    page = items[:limit]
+    page, more = await ResponseStore.of(env.settings).input_items(response_id, order == "desc", limit, after)
     return {"object": "list", "data": page, "first_id": page[0]["id"] if page else None,
-            "last_id": page[-1]["id"] if page else None, "has_more": len(items) > limit}
+            "last_id": page[-1]["id"] if page else None, "has_more": more}

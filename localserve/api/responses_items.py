@@ -4,7 +4,11 @@ A Responses `input` is a string or a list of items: messages (roles user, system
 assistant; content a string or `input_text` / `output_text` parts), `function_call`s the model
 made, the client's `function_call_output`s, and `item_reference`s to items of stored responses.
 Each item is checked here with its own `input[i]` param and kept in one canonical shape with an
-id (what is stored, listed by input_items, and continued by `previous_response_id`);
+id (what is stored, listed by input_items, and continued by `previous_response_id`); a field is
+bounded by what the model can see of it, since what is stored outlives the request (a
+`namespace`, which no prompt shows, to MAX_NAMESPACE); a client's id is kept (agents send back the
+ids we gave them), except that a repeated one within a request gets a fresh id, so that one
+response's items have one id each;
 `chat_messages` then turns a whole item list into the messages /v1/chat/completions would get for
 the same conversation: consecutive function calls join the assistant message before them as its
 `tool_calls`, an output becomes a `tool` message.
@@ -22,6 +26,8 @@ from .validation import MAX_MESSAGES, invalid, type_name
 MESSAGE_ROLES = ("user", "system", "developer", "assistant")
 TEXT_PARTS = ("input_text", "output_text", "text")
 MAX_CALL_ID = 512
+MAX_ITEM_ID = 256
+MAX_NAMESPACE = 256  # a namespace tool's name (responses_tools.py): stored, never in a prompt
 
 
 def new_id(prefix: str) -> str:
@@ -65,7 +71,8 @@ def parse_input(value: Any, param: str = "input") -> list[dict[str, Any]]:
         raise invalid(f"'{param}' must be a string or a non-empty array of items", param)
     if len(value) > MAX_MESSAGES:
         raise invalid(f"'{param}' has more than {MAX_MESSAGES} items", param)
-    items = []
+    items: list[dict[str, Any]] = []
+    ids: set[str] = set()
     for i, item in enumerate(value):
         p = f"{param}[{i}]"
         if not isinstance(item, dict):
@@ -80,24 +87,27 @@ def parse_input(value: Any, param: str = "input") -> list[dict[str, Any]]:
             content: dict[str, Any] = {"type": part, "text": text}
             if role == "assistant":
                 content["annotations"] = []
-            items.append({"id": _own_id(item, "msg"), "type": "message", "role": role, "content": [content],
+            items.append({"id": _own_id(item, "msg", ids), "type": "message", "role": role, "content": [content],
                           "status": "completed"})
         elif kind == "function_call":
             if not isinstance(item.get("arguments"), str):
                 raise invalid(f"'{p}.arguments' must be a string (the call's arguments as JSON)", f"{p}.arguments")
-            call = {"id": _own_id(item, "fc"), "type": "function_call", "status": "completed",
+            call = {"id": _own_id(item, "fc", ids), "type": "function_call", "status": "completed",
                     "call_id": _string(item, "call_id", p, MAX_CALL_ID), "name": _string(item, "name", p, 256),
                     "arguments": item["arguments"]}
-            if isinstance(item.get("namespace"), str):
-                call["namespace"] = item["namespace"]  # a namespace tool's function (responses_tools.py)
+            namespace = item.get("namespace")
+            if isinstance(namespace, str):  # a namespace tool's function (responses_tools.py)
+                if len(namespace) > MAX_NAMESPACE:
+                    raise invalid(f"'{p}.namespace' must be at most {MAX_NAMESPACE} characters", f"{p}.namespace")
+                call["namespace"] = namespace
             items.append(call)
         elif kind == "function_call_output":
-            items.append({"id": _own_id(item, "fco"), "type": "function_call_output", "status": "completed",
+            items.append({"id": _own_id(item, "fco", ids), "type": "function_call_output", "status": "completed",
                           "call_id": _string(item, "call_id", p, MAX_CALL_ID),
                           "output": _text_of(item.get("output"), f"{p}.output")})
         elif kind == "item_reference":
             # An item of a stored response, by id: api/responses.py reads it before the answer.
-            items.append({"type": "item_reference", "id": _string(item, "id", p, 256), "_param": f"{p}.id"})
+            items.append({"type": "item_reference", "id": _string(item, "id", p, MAX_ITEM_ID), "_param": f"{p}.id"})
         elif kind == "reasoning":
             continue  # an earlier turn's reasoning: nothing here can read it back
         else:
@@ -108,9 +118,13 @@ def parse_input(value: Any, param: str = "input") -> list[dict[str, Any]]:
     return items
 
 
-def _own_id(item: dict[str, Any], prefix: str) -> str:
+def _own_id(item: dict[str, Any], prefix: str, taken: set[str]) -> str:
+    """The client's id for an item (Codex and the SDKs send ours back), or a new one."""
     given = item.get("id")
-    return given if isinstance(given, str) and 0 < len(given) <= 256 else new_id(prefix)
+    chosen = given if isinstance(given, str) and 0 < len(given) <= MAX_ITEM_ID and given not in taken \
+        else new_id(prefix)
+    taken.add(chosen)
+    return chosen
 
 
 def chat_messages(instructions: str | None, items: list[dict[str, Any]]) -> list[dict[str, Any]]:
