@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import multiprocessing
 import os
+import signal
 import threading
 import time
 
@@ -69,40 +70,179 @@ def _die_holding_threads(share: CoreShare, ready) -> None:
 
 
 def _die_holding_the_lock(share: CoreShare, ready) -> None:
-    share._lock.acquire()
+    share._lock.acquire()  # the semaphore itself, as a process killed inside join() leaves it
     ready.set()
     os._exit(0)
 
 
-def _child(target, share: CoreShare) -> int:
-    ctx = multiprocessing.get_context("fork")  # the share travels by inheritance, as into a worker
-    ready = ctx.Event()
-    process = ctx.Process(target=target, args=(share, ready))
+def _freeze_inside_a_step(share: CoreShare, ready, moved, release) -> None:
+    """Takes both threads and stops (SIGSTOP, as a native hang would hold them); once continued,
+    ends that step and takes again (it moved), then holds them until `release`."""
+    seat = share.join()
+    seat.take(2, 2)
+    ready.set()
+    os.kill(os.getpid(), signal.SIGSTOP)
+    seat.step_done()
+    seat.take(2, 2)
+    moved.set()
+    release.wait(30)
+    seat.step_done()  # and has work still, until the test ends it
+    time.sleep(60)
+
+
+class _StopHere:
+    """Stands in for core_share's fence: the process stops between a claim's write and its check."""
+
+    def __enter__(self) -> None:
+        os.kill(os.getpid(), signal.SIGSTOP)
+
+    def __exit__(self, *exc: object) -> None:
+        pass
+
+
+def _freeze_inside_a_claim(share: CoreShare, ready) -> None:
+    seat = share.join()
+    core_share._FENCE = _StopHere()
+    ready.set()
+    seat.take(2, 2)
+
+
+ROUNDS, PAUSE_S = 500, 0.0005
+
+
+def _race(share: CoreShare, ready, go, rounds: int, over, done) -> None:
+    seat = share.join()
+    clock = core_share._now_ms
+    # The clock is read between a take's first look and its claim: a pause there makes the look
+    # stale by the time it claims (the other engine went idle, or claimed), which the claim's
+    # check must catch. With the check removed, a quarter to a third of the rounds held 3 threads.
+    core_share._now_ms = lambda: (time.sleep(PAUSE_S), clock())[1]
+    ready.set()
+    go.wait(30)
+    for _ in range(rounds):
+        seat.take(2, 2)
+        time.sleep(PAUSE_S)  # a step
+        if share.threads_in_use() > 2:
+            with over.get_lock():
+                over.value += 1
+        seat.step_done()
+        seat.idle()
+        time.sleep(PAUSE_S)  # idle: the other engine may claim the whole machine
+    with done.get_lock():
+        done.value += 1
+
+
+_FORK = multiprocessing.get_context("fork")  # the share travels by inheritance, as into a worker
+
+
+def _start(target, share: CoreShare, *args) -> tuple[multiprocessing.Process, object]:
+    ready = _FORK.Event()
+    process = _FORK.Process(target=target, args=(share, ready, *args), daemon=True)
     process.start()
     assert ready.wait(30)
+    return process, ready
+
+
+def _child(target, share: CoreShare) -> int:
+    process, _ = _start(target, share)
     process.join(30)
     return process.pid
 
 
-def test_a_worker_that_died_inside_a_step_is_forgotten():
+def _takes(seat: Seat, n: int) -> list[int]:
+    got = []
+    for _ in range(n):
+        got.append(seat.take(2, 2))
+        seat.step_done()
+    return got
+
+
+def _slot_of(share: CoreShare, pid: int) -> int:
+    return next(slot for slot in range(core_share.SLOTS) if share._cells[slot * core_share._FIELDS] == pid)
+
+
+def test_a_worker_that_died_inside_a_step_is_not_waited_for_and_is_forgotten():
     share = CoreShare()
+    seat = share.join()
     pid = _child(_die_holding_threads, share)
-    assert share.threads_in_use() == 2
-    thread, got = _take_in_thread(share.join(), 2, 2)
-    thread.join(0.2)
-    assert thread.is_alive()  # the dead worker's slot still holds both cores...
-    share.forget(pid)  # ...until the daemon reads its exit (engine/worker/proxy.py)
-    thread.join(2)
-    assert got == [2]
+    assert share.threads_in_use() == 2  # the dead worker's slot still says it holds both cores...
+    assert _takes(seat, 3) == [2, 2, 2]  # ...and nobody waits for a process that is gone
+    assert seat.waits == 0 and list(seat.stalled) == [_slot_of(share, pid)]
+    share.forget(pid)  # the daemon reads its exit (engine/worker/proxy.py): the slot is free
+    assert share.threads_in_use() == 0
+    assert _takes(seat, 1) == [2] and seat.stalled == {}
+    assert share.join() is not None
 
 
-def test_a_lock_left_by_a_dead_process_costs_a_step_its_share_only():
+def test_an_engine_frozen_inside_a_step_costs_the_others_one_wait_once():
     share = CoreShare()
+    seat = share.join()
+    moved, release = _FORK.Event(), _FORK.Event()
+    process, _ = _start(_freeze_inside_a_step, share, moved, release)
+    try:
+        frozen = _slot_of(share, process.pid)
+        t0 = time.monotonic()
+        assert _takes(seat, 21) == [2] * 21  # the frozen step's threads no longer count...
+        assert time.monotonic() - t0 < core_share.WAIT_LIMIT_S + 2  # (a hang guard only)
+        assert seat.waits == 1  # ...after one wait, by the first take only
+        assert seat.stalled == {frozen: (process.pid, 1)}
+        # It moves again: its next step counts, and this engine waits for it as for any other.
+        seat.idle()
+        os.kill(process.pid, signal.SIGCONT)
+        assert moved.wait(30)
+        thread, got = _take_in_thread(seat, 2, 2)
+        thread.join(0.2)
+        assert thread.is_alive() and seat.stalled == {}, (got, seat.stalled)
+        release.set()
+        thread.join(5)
+        assert got == [1] and seat.waits == 2  # it still has work: half each
+    finally:
+        process.kill()
+        process.join(30)
+
+
+def test_an_engine_frozen_inside_its_claim_costs_one_short_wait():
+    """Stopped between writing a claim and checking it (the take's two writes): the claim is
+    pending for ever, and counts only until it is older than a claim ever is."""
+    share = CoreShare()
+    seat = share.join()
+    process, _ = _start(_freeze_inside_a_claim, share)
+    try:
+        frozen = _slot_of(share, process.pid)
+        deadline = time.monotonic() + 30
+        while not share._cells[frozen * core_share._FIELDS + core_share._CLAIM]:  # it reached the fence
+            assert time.monotonic() < deadline
+            time.sleep(0.001)
+        assert _takes(seat, 21) == [2] * 21
+        assert seat.waits == 1 and list(seat.stalled) == [frozen]
+        assert share.threads_in_use() == 0  # a claim is not a step: nothing to undo
+    finally:
+        process.kill()
+        process.join(30)
+
+
+def test_a_lock_left_by_a_dead_process_costs_one_timeout_and_no_take():
+    share = CoreShare()
+    seat = share.join()
     _child(_die_holding_the_lock, share)
-    seat = Seat(share, 0)  # join() cannot take the lock either
-    t = time.monotonic()
-    assert seat.take(2, 2) == 2  # as if unshared, after LOCK_TIMEOUT_S
-    assert time.monotonic() - t < 1.0
+    assert _takes(seat, 20) == [2] * 20 and seat.waits == 0  # a take never takes the lock
+    assert share.join() is not None  # after one LOCK_TIMEOUT_S, released for the dead process
+    assert share._lock.acquire(timeout=0)  # and free again: later joins do not wait
+    share._lock.release()
+    assert share.join() is not None
+
+
+def test_engines_claiming_at_once_never_compute_on_more_threads_than_the_limit():
+    """Two processes take, end and idle ROUNDS times each, each take racing the other's for the whole
+    machine: without a lock, never more than 2 threads are held by running steps."""
+    share = CoreShare()
+    go, over, done = _FORK.Event(), _FORK.Value("i", 0), _FORK.Value("i", 0)
+    processes = [_start(_race, share, go, ROUNDS, over, done)[0] for _ in range(2)]
+    go.set()
+    for process in processes:
+        process.join(120)
+    assert done.value == 2 and over.value == 0, (done.value, over.value)
+    assert share.threads_in_use() == 0
 
 
 @pytest.mark.model
