@@ -7,7 +7,7 @@ import json
 import pytest
 
 from localserve.api.tools import ToolCallStream, forced_call_schema, parse_tool_calls
-from localserve.api.validation import parse_tool_choice, parse_tools
+from localserve.api.validation import parse_messages, parse_tool_call_arguments, parse_tool_choice, parse_tools
 from localserve.errors import InvalidRequestError
 
 TOOLS = parse_tools([
@@ -92,3 +92,16 @@ def test_forced_call_schema_and_tool_choice():
     with pytest.raises(InvalidRequestError) as e:
         parse_tools([{"type": "function", "function": {"parameters": {}}}])
     assert e.value.param == "tools[0].function.name"
+
+
+def test_tool_call_arguments_python_cannot_hold_stay_as_they_came():
+    """Review 4 #9: a 5,000-digit integer is valid JSON that Python's int limit refuses
+    (ValueError, not JSONDecodeError), and deep nesting hits the recursion limit; either was a 500."""
+    assert parse_tool_call_arguments('{"a": 1}') == {"a": 1}
+    assert parse_tool_call_arguments("not json") == "not json"
+    for text in ['{"n": ' + "9" * 5000 + "}", "[" * 100_000 + "]" * 100_000]:
+        assert parse_tool_call_arguments(text) == text
+    big = '{"n": ' + "9" * 5000 + "}"
+    messages = parse_messages([{"role": "assistant", "content": None, "tool_calls": [
+        {"id": "c1", "type": "function", "function": {"name": "add", "arguments": big}}]}])
+    assert messages[0]["tool_calls"][0]["function"]["arguments"] == big

@@ -19,7 +19,7 @@ import threading
 import time
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, AsyncIterator, Awaitable, Callable, Sequence
+from typing import TYPE_CHECKING, Any, AsyncIterator, Awaitable, Callable, Sequence, TypeVar
 
 from ..protocol.engine import EventStream, ModelEngine
 from ..errors import (ContextLengthExceededError, GenerationError, InvalidRequestError, RequestCancelledError,
@@ -34,6 +34,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 LONG_PROMPT_CHARS = 20_000  # tokenize longer texts in a thread so the event loop keeps serving
+T = TypeVar("T")
 
 
 def chat_template(engine: ModelEngine) -> ChatTemplate:
@@ -50,11 +51,18 @@ def tokenize_prompt(engine: ModelEngine, text: str, template: ChatTemplate | Non
     return list(engine.tokenize(text, add_special=add_special and not has_bos))
 
 
+async def off_loop_if_long(chars: int, work: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+    """`work(*args, **kwargs)`, in a worker thread when it tokenizes more than LONG_PROMPT_CHARS
+    characters (`chars`), so the event loop keeps serving every other client meanwhile; inline
+    below that, where a thread hop would cost more than the work."""
+    if chars > LONG_PROMPT_CHARS:
+        return await asyncio.to_thread(work, *args, **kwargs)
+    return work(*args, **kwargs)
+
+
 async def tokenize_async(engine: ModelEngine, text: str, template: ChatTemplate | None = None, *,
                          add_special: bool = True) -> list[int]:
-    if len(text) > LONG_PROMPT_CHARS:
-        return await asyncio.to_thread(tokenize_prompt, engine, text, template, add_special=add_special)
-    return tokenize_prompt(engine, text, template, add_special=add_special)
+    return await off_loop_if_long(len(text), tokenize_prompt, engine, text, template, add_special=add_special)
 
 
 def is_token_list(items: Any) -> bool:

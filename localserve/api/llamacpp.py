@@ -22,11 +22,16 @@ from typing import Any, AsyncIterator
 
 from ..protocol.engine import EventStream, ModelEngine
 from ..protocol.requests import GenerationEvent, GenerationRequest, Lane, SamplingParams, Usage
-from .fim import fim_prompt, prompt_budget
-from .generation import check_tokens, is_token_list
+from .fim import fim_prompt_async, prompt_budget
+from .generation import check_tokens, is_token_list, tokenize_async
 from .validation import Body, check_schema, clamp_max_tokens, invalid, parse_lane, parse_seed, parse_stop, sampling_from
 
+# llama-server checks only input_extra's shape and takes what fits the context. llama.vscode sends
+# its ring of recently seen chunks (16 of 64 lines by default); these bounds are far above any
+# ring's, and keep one request from holding megabytes of text the context could never show.
 MAX_EXTRA_CHUNKS = 256
+MAX_EXTRA_CHARS = 1 << 21  # all chunks' names and texts together
+MAX_FILENAME_CHARS = 4096  # a path (PATH_MAX)
 MAX_PROMPT_TOKENS = 1 << 20
 
 
@@ -113,24 +118,37 @@ class InfillCall(NativeCall):
     extra: list[tuple[str, str]] = field(default_factory=list)
 
     async def prepare(self, engine: ModelEngine) -> list[GenerationRequest]:
-        fim = fim_prompt(engine, self.model, self.prefix, self.suffix, budget=prompt_budget(engine, self.n_predict),
-                         param="input_suffix", extra=self.extra, middle=self.middle)
+        fim = await fim_prompt_async(engine, self.model, self.prefix, self.suffix,
+                                     budget=prompt_budget(engine, self.n_predict), param="input_suffix",
+                                     extra=self.extra, middle=self.middle)
         self.truncated = fim.truncated
         return [self.request(engine, fim.tokens, "input_prefix")]
 
 
 def parse_infill(body: Body, default_model: str, priority: str | None, *, default_n_predict: int = 0) -> InfillCall:
-    extra = []
-    for i, chunk in enumerate(body.get_list("input_extra", max_items=MAX_EXTRA_CHUNKS) or []):
-        if not isinstance(chunk, dict):
-            raise invalid("'input_extra' items must be objects with 'filename' and 'text'", f"input_extra[{i}]")
-        item = Body(chunk, f"input_extra[{i}].")
-        extra.append((item.get_str("filename", "") or "", item.get_str("text", "") or ""))
     return InfillCall(**_native_fields(body, default_model, priority, default_n_predict),
                       prefix=body.get_str("input_prefix", "") or "",
                       suffix=body.get_str("input_suffix", "") or "",
                       middle=body.get_str("prompt", "") or "",
-                      extra=extra)
+                      extra=_input_extra(body))
+
+
+def _input_extra(body: Body) -> list[tuple[str, str]]:
+    """`input_extra` as (filename, text) pairs, refused (400) past its bounds before any work."""
+    extra = []
+    chars = 0
+    for i, chunk in enumerate(body.get_list("input_extra", max_items=MAX_EXTRA_CHUNKS) or []):
+        if not isinstance(chunk, dict):
+            raise invalid("'input_extra' items must be objects with 'filename' and 'text'", f"input_extra[{i}]")
+        item = Body(chunk, f"input_extra[{i}].")
+        filename = item.get_str("filename", "", max_len=MAX_FILENAME_CHARS) or ""
+        text = item.get_str("text", "", max_len=MAX_EXTRA_CHARS) or ""
+        chars += len(filename) + len(text)
+        if chars > MAX_EXTRA_CHARS:
+            raise invalid(f"'input_extra' holds more than {MAX_EXTRA_CHARS} characters in all; the context shows "
+                          "only the chunks nearest the end that fit", "input_extra")
+        extra.append((filename, text))
+    return extra
 
 
 @dataclass
@@ -144,7 +162,7 @@ class CompletionCall(NativeCall):
         else:
             # llama-server tokenizes /completion prompts with BOS and special tokens parsed, so a
             # client-side FIM template (`<|fim_prefix|>...`) reaches the model as its tokens.
-            tokens = list(engine.tokenize(self.prompt, add_special=True))
+            tokens = await tokenize_async(engine, self.prompt)
         return [self.request(engine, tokens, "prompt")]
 
 

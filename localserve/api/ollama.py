@@ -19,7 +19,7 @@ from typing import Any
 from ..protocol.engine import ModelEngine
 from ..protocol.requests import GenerationRequest, Usage
 from ..store.cache import InstalledModel
-from .fim import fim_prompt, prompt_budget
+from .fim import fim_prompt_async, prompt_budget
 from .generation import Clock
 from .templates import ChatTemplate, is_reasoning_template
 from .validation import (Body, clamp_max_tokens, invalid, parse_json_format, parse_lane, parse_seed, parse_stop,
@@ -151,14 +151,14 @@ def build_request(body: Body, priority: str | None, engine: ModelEngine | None, 
     )
 
 
-def fim_request_tokens(body: Body, engine: ModelEngine, model: str, prefix: str, suffix: str,
-                       default_max_tokens: int = 0) -> list[int]:
+async def fim_request_tokens(body: Body, engine: ModelEngine, model: str, prefix: str, suffix: str,
+                             default_max_tokens: int = 0) -> list[int]:
     """/api/generate with a `suffix`: the model's own FIM prompt (raw or not: Ollama's coder
     templates build exactly this from .Prompt and .Suffix), leaving the answer its num_predict."""
     options = body.get_object("options") or Body({}, "options.")
     asked = options.get_int("num_predict", None, lo=-2, hi=(1 << 63) - 1)
     budget = prompt_budget(engine, asked if asked and asked > 0 else default_max_tokens or None)
-    return fim_prompt(engine, model, prefix, suffix, budget=budget).tokens
+    return (await fim_prompt_async(engine, model, prefix, suffix, budget=budget)).tokens
 
 
 def context_note(body: Body, engine: ModelEngine) -> dict[str, Any]:

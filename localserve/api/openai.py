@@ -41,7 +41,7 @@ from .generation import (
     tokenize_async,
     with_seed_offset,
 )
-from .fim import fim_prompt, prompt_budget
+from .fim import fim_prompt_async, prompt_budget
 from .metrics import Metrics
 from .tools import forced_call_schema, parse_tool_calls
 from .validation import (
@@ -335,7 +335,7 @@ class CompletionCall:
         requests = []
         for p in self.prompts:
             if self.suffix is not None:
-                tokens = self._fim_tokens(engine, p)
+                tokens = await self._fim_tokens(engine, p)
                 base = build_request(self.body, self.opts, engine, tokens, param="prompt")
                 requests.extend(with_seed_offset(base, i) for i in range(self.opts.n))
                 continue
@@ -354,12 +354,12 @@ class CompletionCall:
         return requests
 
 
-    def _fim_tokens(self, engine: ModelEngine, prefix: str | list[int]) -> list[int]:
+    async def _fim_tokens(self, engine: ModelEngine, prefix: str | list[int]) -> list[int]:
         if isinstance(engine, TextEngine):
             raise invalid("fill-in-the-middle ('suffix') is served for local models only", "suffix")
         assert isinstance(prefix, str)  # parse_completion refuses token prompts with a suffix
         budget = prompt_budget(engine, self.opts.max_tokens)
-        return fim_prompt(engine, self.opts.model, prefix, self.suffix or "", budget=budget).tokens
+        return (await fim_prompt_async(engine, self.opts.model, prefix, self.suffix or "", budget=budget)).tokens
 
 
 def parse_completion(body: Body, env: ApiEnv) -> CompletionCall:

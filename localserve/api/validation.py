@@ -298,11 +298,13 @@ def parse_content(value: Any, param: str) -> str:
 
 def parse_tool_call_arguments(value: Any) -> Any:
     """Arguments arrive as a JSON string (OpenAI) or an object (Ollama); templates such as Qwen's
-    apply `tojson` to them and expect the object, so a parseable string is decoded."""
+    apply `tojson` to them and expect the object, so a parseable string is decoded. Any other
+    string is kept as it came: not JSON, or JSON Python will not hold (an integer past its
+    4300-digit limit is a ValueError, nesting past the recursion limit a RecursionError)."""
     if isinstance(value, str):
         try:
             return json.loads(value)
-        except json.JSONDecodeError:
+        except (ValueError, RecursionError):  # JSONDecodeError is a ValueError
             return value
     return value if value is not None else {}
 

@@ -115,7 +115,7 @@ async def generate(request: web.Request) -> web.StreamResponse:
 
     async def prepare(engine: ModelEngine) -> list[GenerationRequest]:
         if suffix is not None:  # someone typing waits on it: interactive unless the client says otherwise
-            tokens = fim_request_tokens(body, engine, model, prompt, suffix, default_max_tokens)
+            tokens = await fim_request_tokens(body, engine, model, prompt, suffix, default_max_tokens)
             return [build_request(body, request.headers.get("X-Priority"), engine, tokens, interactive=True,
                                   default_max_tokens=default_max_tokens)]
         if raw:
