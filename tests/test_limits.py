@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from localserve.backends.llamacpp.sizing import plan_kv
 from localserve.batching.limits import EngineLimits
 from localserve.config.settings import Settings
 from localserve.errors import ConfigError
@@ -18,9 +19,9 @@ UNIFIED = Settings(kv_layout="unified")
 
 def test_zero_settings_are_derived_from_cores_ram_and_model():
     small = EngineLimits.from_settings(UNIFIED, n_ctx_train=8192, model_bytes=100 * 2**20,
-                                       kv_bytes_per_token=23_040, cores=2, ram_bytes=16 * GIB)
+                                       kv_bytes_per_token=23_040, cores=2, ram_bytes=16 * GIB, plan_kv=plan_kv)
     big = EngineLimits.from_settings(UNIFIED, n_ctx_train=32768, model_bytes=4 * GIB,
-                                     kv_bytes_per_token=131_072, cores=16, ram_bytes=64 * GIB)
+                                     kv_bytes_per_token=131_072, cores=16, ram_bytes=64 * GIB, plan_kv=plan_kv)
     assert small.n_ctx_seq == 8192 and big.n_ctx_seq == 8192  # capped for automatic sizing
     assert small.max_sequences < big.max_sequences and small.batch_tokens < big.batch_tokens
     assert small.batch_tokens >= small.max_sequences
@@ -30,7 +31,7 @@ def test_zero_settings_are_derived_from_cores_ram_and_model():
 
 def test_kv_cells_shrink_to_the_ram_left_after_the_weights():
     tight = EngineLimits.from_settings(UNIFIED, n_ctx_train=4096, model_bytes=7 * GIB,
-                                       kv_bytes_per_token=512 * 1024, cores=8, ram_bytes=8 * GIB)
+                                       kv_bytes_per_token=512 * 1024, cores=8, ram_bytes=8 * GIB, plan_kv=plan_kv)
     # A quarter of the 1 GiB left is 512 cells: less than one full context, so one full context.
     assert tight.n_ctx == 4096 and tight.n_ctx_seq == 4096
 
@@ -38,12 +39,12 @@ def test_kv_cells_shrink_to_the_ram_left_after_the_weights():
 def test_settings_win_and_are_kept_consistent():
     settings = Settings(context_length=2048, max_sequences=64, batch_tokens=32, queue_size=5,
                         queue_timeout=9.0, prefix_cache=False)
-    limits = EngineLimits.from_settings(settings, n_ctx_train=8192, model_bytes=0, cores=2, ram_bytes=8 * GIB)
+    limits = EngineLimits.from_settings(settings, n_ctx_train=8192, model_bytes=0, cores=2, ram_bytes=8 * GIB, plan_kv=plan_kv)
     assert limits.n_ctx_seq == 2048 and limits.queue_size == 5 and limits.queue_timeout == 9.0
     assert limits.max_sequences == 32  # every running sequence needs a token of the step budget
     assert not limits.prefix_cache and limits.n_seq_max == 32
     # A context longer than the model was trained for is cut to what it was trained for.
-    assert EngineLimits.from_settings(Settings(context_length=16384), n_ctx_train=8192, model_bytes=0).n_ctx_seq == 8192
+    assert EngineLimits.from_settings(Settings(context_length=16384), n_ctx_train=8192, model_bytes=0, plan_kv=plan_kv).n_ctx_seq == 8192
 
 
 def test_nonsense_limits_are_a_config_error():
@@ -54,7 +55,7 @@ def test_nonsense_limits_are_a_config_error():
 def test_streams_give_every_sequence_id_a_full_stream():
     # Where they fit, streams: one KV stream per sequence id, parked prefix-cache ids included.
     limits = EngineLimits.from_settings(Settings(), n_ctx_train=8192, model_bytes=100 * 2**20,
-                                        kv_bytes_per_token=23_040, cores=2, ram_bytes=16 * GIB)
+                                        kv_bytes_per_token=23_040, cores=2, ram_bytes=16 * GIB, plan_kv=plan_kv)
     assert not limits.kv_unified and limits.kv_type == "f16" and not limits.flash_attention
     assert limits.n_ctx_seq == 8192
     assert limits.n_ctx == limits.n_ctx_seq * limits.n_seq_max
@@ -64,11 +65,11 @@ def test_streams_shrink_the_sequence_count_before_the_context():
     # 1 GiB left, a quarter of it is 512 cells of 512 KiB: too little for 32 streams of 2048, so
     # run fewer sequences; never cramp a request below 2048 tokens.
     tight = EngineLimits.from_settings(Settings(kv_layout="streams"), n_ctx_train=4096, model_bytes=7 * GIB,
-                                       kv_bytes_per_token=512 * 1024, cores=8, ram_bytes=8 * GIB)
+                                       kv_bytes_per_token=512 * 1024, cores=8, ram_bytes=8 * GIB, plan_kv=plan_kv)
     assert tight.max_sequences == 1 and tight.n_ctx_seq == 2048
     assert tight.n_ctx == tight.n_ctx_seq * tight.n_seq_max
     roomy = EngineLimits.from_settings(Settings(kv_layout="streams", context_length=8192), n_ctx_train=8192, model_bytes=GIB,
-                                       kv_bytes_per_token=23_040, cores=4, ram_bytes=64 * GIB)
+                                       kv_bytes_per_token=23_040, cores=4, ram_bytes=64 * GIB, plan_kv=plan_kv)
     assert roomy.n_ctx_seq == 8192 and roomy.max_sequences == 16
 
 
@@ -77,7 +78,7 @@ def test_streams_are_sized_for_the_sequences_that_can_run():
     # are sized: one stream per usable id, none allocated for sequences that can never run.
     for settings in (Settings(context_length=2048, max_sequences=64, batch_tokens=32, prefix_cache=False),
                      Settings(kv_layout="streams", max_sequences=200, prefix_cache=False)):
-        limits = EngineLimits.from_settings(settings, n_ctx_train=8192, model_bytes=0, cores=2, ram_bytes=64 * GIB)
+        limits = EngineLimits.from_settings(settings, n_ctx_train=8192, model_bytes=0, cores=2, ram_bytes=64 * GIB, plan_kv=plan_kv)
         assert limits.max_sequences <= min(limits.batch_tokens, 128)
         assert limits.n_ctx == limits.n_ctx_seq * limits.n_seq_max
 
@@ -109,7 +110,7 @@ SMOLLM2 = _facts(n_layers=30, n_heads=9, n_kv_heads=3, n_embd=576, head_dim=64, 
 def _auto(facts: GGUFFacts, ram_gib: int, cores: int, settings: Settings = Settings()) -> EngineLimits:
     return EngineLimits.from_settings(settings, n_ctx_train=facts.context_length, model_bytes=facts.weights_bytes,
                                       kv_bytes_per_token=kv_cache_bytes(facts, 1), cores=cores,
-                                      ram_bytes=ram_gib * GIB)
+                                      ram_bytes=ram_gib * GIB, plan_kv=plan_kv)
 
 
 def _kv_bytes(facts: GGUFFacts, limits: EngineLimits) -> int:
@@ -171,14 +172,14 @@ def test_unknown_kv_settings_are_a_config_error(name, value):
 def test_llamacpp_rules_are_the_llamacpp_backends_own():
     from localserve.backends.llamacpp.backend import LlamaCppBackend
 
-    # What a load is sized by when the caller names no backend is llama.cpp's plan, rule for rule.
+    # What runtime/planning.py sizes a load by (the sizing module's rules) is the backend's own plan.
     for settings in (Settings(), UNIFIED, Settings(kv_layout="streams"), Settings(kv_cache_type="f16"),
                      Settings(kv_layout="streams", max_sequences=200, prefix_cache=False)):
         for facts, ram_gib, cores in ((LLAMA_8B, 16, 8), (SMOLLM2, 24, 2), (QWEN_1_5B, 8, 4)):
             kw = dict(n_ctx_train=facts.context_length, model_bytes=facts.weights_bytes,
                       kv_bytes_per_token=kv_cache_bytes(facts, 1), cores=cores, ram_bytes=ram_gib * GIB)
             assert (EngineLimits.from_settings(settings, plan_kv=LlamaCppBackend.plan_kv, **kw)
-                    == EngineLimits.from_settings(settings, **kw))
+                    == EngineLimits.from_settings(settings, **kw, plan_kv=plan_kv))
 
 
 def test_a_backend_without_layout_rules_gets_one_unpadded_pool():
@@ -193,7 +194,7 @@ def test_a_backend_without_layout_rules_gets_one_unpadded_pool():
     assert plain.max_sequences == 200 and plain.n_seq_max == 400
     assert plain.n_ctx == 200 * 1000 and plain.n_ctx_seq == 1000
     llama = EngineLimits.from_settings(settings, n_ctx_train=8192, model_bytes=0, kv_bytes_per_token=1000,
-                                       cores=2, ram_bytes=64 * GIB)
+                                       cores=2, ram_bytes=64 * GIB, plan_kv=plan_kv)
     assert llama.max_sequences == 128 and llama.n_seq_max == 256 and llama.n_ctx % 256 == 0
     # Tight memory: the budget's cells exactly, never below one request's context.
     tight = EngineLimits.from_settings(Settings(context_length=1000, max_sequences=4), n_ctx_train=8192,

@@ -12,7 +12,8 @@ import pytest
 from localserve.protocol.requests import GenerationRequest, SamplingParams
 from localserve.config.settings import Settings, load_settings
 from localserve.errors import BackendError, GGUFError, ModelNotFoundError, OverloadedError
-from localserve.runtime.manager import ModelManager, load_engine, plan_model
+from localserve.runtime.manager import ModelManager
+from localserve.runtime.planning import load_engine, plan_model
 from localserve.store.cache import ModelStore
 
 pytestmark = pytest.mark.model

@@ -106,7 +106,7 @@ def test_a_probe_child_killed_by_a_signal_makes_the_load_take_the_fallback(
     # Remembered: the next load asks no child, and goes through the registry without extra buffers.
     monkeypatch.setattr(llamacpp_probe, "probe", lambda *a, **k: pytest.fail("probed twice"))
     from localserve.config.settings import load_settings
-    from localserve.runtime.manager import plan_model
+    from localserve.runtime.planning import plan_model
     from localserve.store.cache import ModelStore
     from localserve.runtime import registry
 

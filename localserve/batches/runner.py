@@ -51,7 +51,8 @@ from .queues import queues_of, overlap
 from .store import TERMINAL, BatchStore
 
 if TYPE_CHECKING:
-    from ..runtime.manager import Lease, ModelManager
+    from ..runtime.loaded import Lease
+    from ..runtime.manager import ModelManager
     from ..api.metrics import Metrics
 
 log = logging.getLogger(__name__)

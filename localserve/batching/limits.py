@@ -99,14 +99,13 @@ class EngineLimits:
         kv_bytes_per_token: int = 0,
         cores: int | None = None,
         ram_bytes: int | None = None,
-        plan_kv: Callable[[KVRequest], KVSizing] | None = None,
+        plan_kv: Callable[[KVRequest], KVSizing],
     ) -> "EngineLimits":
         """Limits for one model. Settings win where they are non-zero; the rest is derived.
 
         `kv_bytes_per_token` is the f16 cache's figure (memory.kv_cache_bytes(facts, 1)). The
-        cache itself is sized by the backend's rules, `plan_kv` (a Backend class's plan_kv);
-        without one, llama.cpp's: the caller (runtime/manager.py) plans before it chooses the
-        backend, and every load was sized for llama.cpp so far."""
+        cache itself is sized by the backend's rules, `plan_kv` (a Backend class's plan_kv),
+        which the caller hands in: batching/ never imports a concrete backend."""
         if settings.kv_layout not in _KV_LAYOUTS:
             raise ConfigError(f"setting kv_layout must be one of {', '.join(_KV_LAYOUTS)} (got {settings.kv_layout!r})")
         if settings.kv_cache_type not in ("auto", *KV_ELEMENT_BYTES):
@@ -131,18 +130,12 @@ class EngineLimits:
             kv_bytes_per_token=kv_bytes_per_token or _DEFAULT_KV_BYTES_PER_TOKEN,
             layout=settings.kv_layout, kv_type=settings.kv_cache_type, flash_attention=settings.flash_attention,
         )
-        kv = (plan_kv or _llamacpp_plan_kv())(want)
+        kv = plan_kv(want)
         return cls(max_sequences=kv.max_sequences, batch_tokens=batch_tokens, n_ctx=kv.n_ctx, n_ctx_seq=kv.n_ctx_seq,
                    queue_size=settings.queue_size or 64, batch_step_s=settings.batch_step_ms / 1000,
                    queue_timeout=settings.queue_timeout or 600.0, prefix_cache=settings.prefix_cache,
                    kv_unified=kv.kv_unified, kv_type=kv.kv_type, flash_attention=kv.flash_attention,
                    speculative=settings.speculative.strip().lower(), adaptive_threads=settings.adaptive_threads)
-
-
-def _llamacpp_plan_kv() -> Callable[[KVRequest], KVSizing]:
-    from ..backends.llamacpp.sizing import plan_kv  # rules only: no llama_cpp import
-
-    return plan_kv
 
 
 def _max_running(max_sequences: int, batch_tokens: int) -> int:

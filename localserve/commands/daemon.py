@@ -242,7 +242,7 @@ def _convert_if_planned(ref: str, settings: Settings) -> None:
     installed = ModelStore(settings).find(ref)
     if not registry.convertible(installed):  # no hardware probe (0.2 s) unless the onnx backend could take it
         return
-    from ..runtime.manager import plan_model
+    from ..runtime.planning import plan_model
 
     choice = plan_model(installed, settings).choice  # what the daemon's load will decide, memory included
     if not choice.convert:

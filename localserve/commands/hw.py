@@ -13,7 +13,7 @@ from ..runtime.buildinfo import Toolkits, installed_build, installed_version, re
 from ..config.settings import Settings
 from ..hardware import HardwareReport, detect_hardware
 from ..runtime.memory import format_bytes
-from .models import native_condition
+from ..runtime.describe import native_condition
 
 
 def register(subparsers: argparse._SubParsersAction, common: argparse.ArgumentParser) -> None:

@@ -127,7 +127,7 @@ def _signal_of(proc: subprocess.Popen[bytes] | None) -> str | None:
 def _fix(sig: str | None) -> str:
     if sig in ("SIGILL", "SIGSEGV", "SIGBUS"):
         from ..backends.llamacpp.probe import needs_probe
-        from ..runtime.manager import hardware_report
+        from ..runtime.planning import hardware_report
 
         try:
             amx = needs_probe(hardware_report().cpu.features)

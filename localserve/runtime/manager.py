@@ -40,12 +40,7 @@ from .crashes import CrashBook
 from .resolve import resolve
 from .loaded import Lease, LoadedModel
 from .status_rows import failed_row, loaded_row, loading_row
-from .planning import (ModelPlan, gguf_limits, hardware_report, load_engine, memory_budget, plan_model,
-                       planned_vram)
-
-# The planning names lived here before planning.py; their importers keep working.
-__all__ = ["ModelManager", "LoadedModel", "Lease", "ModelPlan", "gguf_limits", "hardware_report", "load_engine",
-           "memory_budget", "plan_model", "planned_vram"]
+from .planning import ModelPlan, load_engine, memory_budget, plan_model
 
 log = logging.getLogger(__name__)
 

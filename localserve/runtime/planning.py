@@ -43,6 +43,7 @@ def plan_model(installed: InstalledModel, settings: Settings) -> ModelPlan:
     chooses). Sizes come from the GGUF's facts; a tag with only folder variants is charged its
     files' size, since its KV layout is the (future) ONNX backend's to say."""
     from . import registry
+    from ..backends.llamacpp.sizing import plan_kv as llamacpp_plan_kv
     from ..batching.limits import EngineLimits
     from ..store.gguf_facts import GGUFFacts, read_gguf_facts
 
@@ -57,7 +58,7 @@ def plan_model(installed: InstalledModel, settings: Settings) -> ModelPlan:
     else:
         folder = next(iter(installed.variants.values()))
         limits = EngineLimits.from_settings(settings, n_ctx_train=int(folder.meta.get("context_length") or 0),
-                                            model_bytes=folder.size)
+                                            model_bytes=folder.size, plan_kv=llamacpp_plan_kv)
         memory = folder.size
     limits.speculative = speculative_mode(settings, installed.ref)
     report = hardware_report()
@@ -97,11 +98,14 @@ def planned_vram(n_gpu_layers: int, estimate: "MemoryEstimate | None", memory: i
 
 def gguf_limits(facts: "GGUFFacts", settings: Settings) -> tuple["EngineLimits", "MemoryEstimate"]:
     """The engine limits a load of this GGUF gets here and their memory (what `show` prints too)."""
+    # Sized by llama.cpp's rules (pure arithmetic, no llama_cpp import): a plan is made before the
+    # registry chooses the backend, and every load has been sized for llama.cpp so far.
+    from ..backends.llamacpp.sizing import plan_kv as llamacpp_plan_kv
     from ..batching.limits import EngineLimits
     from .memory import KV_BYTES, estimate_memory, kv_cache_bytes
 
     limits = EngineLimits.from_settings(settings, n_ctx_train=facts.context_length, model_bytes=facts.weights_bytes,
-                                        kv_bytes_per_token=kv_cache_bytes(facts, 1))
+                                        kv_bytes_per_token=kv_cache_bytes(facts, 1), plan_kv=llamacpp_plan_kv)
     streams = 1 if limits.kv_unified else limits.n_seq_max
     estimate = estimate_memory(facts, limits.n_ctx // streams, KV_BYTES[limits.kv_type], n_seq=streams,
                                flash_attention=limits.flash_attention)

@@ -162,9 +162,9 @@ async def hardware(request: web.Request) -> web.Response:
     settings, store = request.app[SETTINGS_KEY], request.app[STORE_KEY]
 
     def gather() -> dict[str, Any]:
-        from ..commands.models import describe_model
+        from ..runtime.describe import describe_model
         from ..errors import LocalserveError
-        from ..runtime.manager import hardware_report
+        from ..runtime.planning import hardware_report
 
         placements = []
         for model in store.list():

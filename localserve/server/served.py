@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from aiohttp import web
 
-from ..runtime.manager import plan_model
+from ..runtime.planning import plan_model
 from ..store.cache import InstalledModel
 from .state import MANAGER_KEY, SETTINGS_KEY
 

@@ -38,7 +38,7 @@ from .runtime import error_count, last_error_since, native_stderr_captured
 
 class ChainHost(Protocol):
     """What a LlamaCppSampler reads from its backend: LlamaCppBackend, or numpy logits seen through
-    llama.cpp's vocabulary (numpy_sampling.LlamaVocabLogits, for the ONNX backend's grammars)."""
+    llama.cpp's vocabulary (onnx/sampling.py's LlamaVocabLogits, for the ONNX backend's grammars)."""
 
     vocab: object  # the llama_vocab pointer the grammar sampler is built on
     n_vocab: int

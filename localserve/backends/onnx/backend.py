@@ -5,7 +5,7 @@ the scheduler's mixed prompt chunks and decodes. The KV cache is one pool of slo
 (onnx_kv.SlotTable) held in OrtValues that are bound as both the graph's cache inputs and its
 cache outputs, so each run writes its new rows in place and nothing is copied per step. The
 tokenizer is llama.cpp's own (llamacpp_vocab), the chat template the GGUF's, and sampling has the
-llama.cpp backend's parameters and semantics (numpy_sampling; grammars and JSON schemas through
+llama.cpp backend's parameters and semantics (sampling.py; grammars and JSON schemas through
 llama.cpp's own grammar sampler). Embeddings come from the graph's embeddings output, pooled as the
 llama.cpp backend pools them (onnx_embed).
 
@@ -29,7 +29,7 @@ from ..base import Backend, BatchToken, Capabilities, DecodeInterrupted, Sampler
 from ..common.threads import default_threads
 from ..llamacpp.vocab import LlamaVocab
 from ..common.grammar import GRAMMAR_CONSTRAINTS
-from ..common.numpy_sampling import LlamaVocabLogits, numpy_sampler
+from .sampling import LlamaVocabLogits, numpy_sampler
 from .embed import OnnxEmbedder, has_embeddings
 from .kv import SlotTable
 

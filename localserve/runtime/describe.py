@@ -1,0 +1,102 @@
+"""A model described as data: GGUF facts, the memory a load here takes, where it would run.
+
+`localserve show` prints it and the dashboard's hardware panel reads its placement; it sits in
+runtime/ because both are above it and it asks what only the runtime knows (the registry's choice,
+the limits a load gets), so neither of them imports the other.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from ..config.settings import Settings
+from ..errors import InvalidRequestError
+from ..store.cache import InstalledModel
+
+
+def summary(m: InstalledModel) -> dict[str, Any]:
+    return {
+        "name": m.name,
+        "tag": m.tag,
+        "model": m.ref,
+        "size": m.size,
+        "quant": m.quant,
+        "format": m.format,
+        "sha256": m.sha256,
+        "modified": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(m.modified)),
+        "path": str(m.path),
+        "in_place": m.in_place,
+        "variants": {fmt: {"path": str(v.path), "size": v.size, "sha256": v.sha256, "available": v.available,
+                           **({"files": len(v.files)} if v.files else {})}
+                     for fmt, v in m.variants.items()},
+    }
+
+
+def describe_model(model: InstalledModel, settings: Settings, n_ctx: int | None = None) -> dict[str, Any]:
+    """Everything `show` prints, as data: GGUF facts, memory at a context, where it would run."""
+    from ..hardware import detect_hardware
+    from ..store.gguf_facts import read_gguf_facts
+    from .memory import estimate_memory
+    from .planning import gguf_limits, planned_vram
+
+    if n_ctx is not None and n_ctx <= 0:
+        raise InvalidRequestError("--ctx must be a positive number of tokens")
+    report = detect_hardware()
+    if model.gguf is None:  # folder variants only: no GGUF facts to size it from
+        meta = next(iter(model.variants.values())).meta
+        return {**summary(model), "architecture": meta.get("architecture") or meta.get("model_type"),
+                "context_length": meta.get("context_length"), "memory": None,
+                "placement": _placement(None, model, settings, report)}
+    facts = read_gguf_facts(model.gguf.path)
+    limits, estimate = gguf_limits(facts, settings)  # what a load here gets
+    ctx_given = n_ctx is not None
+    if n_ctx is None:
+        n_ctx = limits.n_ctx  # all KV cells, every stream or the whole pool
+    else:
+        estimate = estimate_memory(facts, n_ctx)
+    info: dict[str, Any] = {
+        **summary(model),
+        "architecture": facts.architecture,
+        "parameters": facts.n_params,
+        "context_length": facts.context_length,
+        "layers": facts.n_layers,
+        "embedding_length": facts.n_embd,
+        "heads": facts.n_heads,
+        "kv_heads": facts.n_kv_heads,
+        "quantization": facts.quant,
+        "chat_template": bool(facts.chat_template),
+        "license": model.manifest.get("license") or facts.license,
+        "source": (model.manifest.get("source") or {}).get("ref"),
+        "memory": {"n_ctx": n_ctx, **estimate.as_dict()},
+        "engine": limits.describe(),
+        "ctx_given": ctx_given,
+    }
+    info["placement"] = place = _placement(estimate, model, settings, report)
+    info["native"] = native_condition(report) if place.get("backend") == "llamacpp" else None
+    # Layers a load would put on the GPU (llama.cpp's count: the output layer is one more) and
+    # their memory; `ps` / /api/ps show what a loaded model actually got.
+    layers = place.get("n_gpu_layers") or 0
+    info["gpu"] = {"layers": facts.n_layers + 1 if layers < 0 else layers, "of_layers": facts.n_layers + 1,
+                   "memory_bytes": planned_vram(layers, estimate, estimate.total_bytes)}
+    return info
+
+
+def native_condition(report: Any) -> str | None:
+    """A condition of this machine's llama.cpp build that decides how models load (llamacpp/probe.py)."""
+    try:
+        from ..backends.llamacpp.probe import condition
+    except ImportError:  # no llama_cpp: nothing to say about its build
+        return None
+    return condition(report.cpu.model, report.cpu.features)
+
+
+def _placement(estimate: Any, model: InstalledModel, settings: Settings, report: Any) -> dict[str, Any]:
+    """What a load would pick, asked the way a load asks (the registry, over every variant)."""
+    from .registry import choose
+    from ..errors import LocalserveError
+
+    try:
+        return choose(model, settings, report, estimate).as_dict()
+    except LocalserveError as e:  # nothing installed here runs it: `show` still shows the model
+        return {"backend": None, "reason": str(e)}
