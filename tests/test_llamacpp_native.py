@@ -156,3 +156,57 @@ def test_an_anthropic_stream_that_waits_gets_anthropics_ping_events(server) -> N
     assert waited[0] == b"message_start" and waited.count(b"ping") >= 2
     assert b": ping" not in lines  # Anthropic's own ping event, not the comment
     assert events[-1] == b"message_stop"
+
+
+def test_id_slot_is_superseded_only_by_the_same_client(server) -> None:
+    """Issue 49 #10. A second /completion for id_slot 0 with the same User-Agent from the same process
+    (its own connection: one request at a time per HTTP/1.1 connection) ends the first; one from
+    another process with the same User-Agent is another client, and both are answered (here one
+    after the other: this server runs one sequence)."""
+    import asyncio
+    import subprocess
+    import sys
+
+    import aiohttp
+
+    body = {"model": MODEL, "prompt": COUNTING, "id_slot": 0, "temperature": 0, "ignore_eos": True}
+    editor = {"User-Agent": "axios/1.7.9"}
+    other_process = (
+        "import json, sys, urllib.request\n"
+        "req = urllib.request.Request(sys.argv[1] + '/completion', data=sys.argv[2].encode(),\n"
+        "                             headers={'Content-Type': 'application/json', 'User-Agent': 'axios/1.7.9'})\n"
+        "with urllib.request.urlopen(req, timeout=300) as resp:\n"
+        "    print(resp.status, json.loads(resp.read())['stop'])\n")
+
+    async def first_frames(http: aiohttp.ClientSession, n_predict: int):
+        response = await http.post("/completion", json={**body, "n_predict": n_predict, "stream": True}, headers=editor)
+        lines = response.content.__aiter__()
+        async for line in lines:
+            if line.startswith(b"data: "):
+                assert json.loads(line[6:])["stop"] is False  # it is generating
+                return response, lines
+        raise AssertionError("no frame")
+
+    async def run() -> None:
+        async with aiohttp.ClientSession(server.url) as http:
+            # Another process, the same User-Agent: the first runs to its end.
+            first, lines = await first_frames(http, 40)
+            async with first:
+                other = await asyncio.create_subprocess_exec(
+                    sys.executable, "-c", other_process, server.url, json.dumps({**body, "n_predict": 2}),
+                    stdout=subprocess.PIPE)
+                rest = [json.loads(line[6:]) async for line in lines if line.startswith(b"data: ")]
+            out, _ = await other.communicate()
+            assert out.split() == [b"200", b"True"], out
+            assert "error" not in rest[-1] and rest[-1]["stop"] is True, rest[-1]
+            assert rest[-1]["tokens_predicted"] == 40
+
+            # The same process, the same User-Agent: the first is superseded.
+            first, lines = await first_frames(http, 400)
+            async with first:
+                async with http.post("/completion", json={**body, "n_predict": 2}, headers=editor) as newer:
+                    assert newer.status == 200 and (await newer.json())["tokens_predicted"] == 2
+                rest = [json.loads(line[6:]) async for line in lines if line.startswith(b"data: ")]
+            assert "superseded" in rest[-1]["error"]["message"], rest[-1]
+
+    asyncio.run(run())

@@ -18,7 +18,7 @@ from ..errors import GenerationError, LocalserveError
 from .body import read_json
 from .disconnect import guard_disconnect
 from .served import served
-from .slots import SlotClaim
+from .slots import Client, SlotClaim
 from .sse import open_sse, send_sse
 from .state import MANAGER_KEY, SETTINGS_KEY, SLOTS_KEY, STORE_KEY
 
@@ -50,13 +50,24 @@ async def _answer(request: web.Request, parse: Callable[..., NativeCall], what: 
     body = await read_json(request)
     call = parse(body, settings.default_model, request.headers.get("X-Priority"),
                  default_n_predict=settings.default_max_tokens)
-    client = request.headers.get("User-Agent", "")
-    async with request.app[SLOTS_KEY].claim(call.model, call.id_slot, client) as claim:
+    async with request.app[SLOTS_KEY].claim(call.model, call.id_slot, _client(request)) as claim:
         async with generation(request.app[MANAGER_KEY], call.model, None, call.prepare, lane=call.lane) as run:
             if call.stream:
                 return await _stream(request, call, run, what, claim)
             final = await guard_disconnect(request, _collected(call, run), claim)
     return web.json_response(final, dumps=json_dumps)
+
+
+def _client(request: web.Request) -> Client:
+    """Who sent the request, for id_slot's superseding (server/slots.py): the User-Agent and both
+    ends of the connection, as (host, port) (an IPv6 address comes with flow and scope ids)."""
+    transport = request.transport
+
+    def address(name: str) -> tuple[str, int] | None:
+        value = transport.get_extra_info(name) if transport is not None else None
+        return (value[0], value[1]) if isinstance(value, tuple) and len(value) >= 2 else None
+
+    return Client(request.headers.get("User-Agent", ""), address("peername"), address("sockname"))
 
 
 async def _collected(call: NativeCall, run: Run) -> dict:
