@@ -145,7 +145,7 @@ def main() -> int:
     ap.add_argument("--no-oga", action="store_true", help="leave out onnxruntime-genai's engine")
     args = ap.parse_args()
     from localserve.backends.llamacpp.backend import LlamaCppBackend
-    from localserve.backends.onnx.backend import OnnxBackend
+    from localserve.backends.onnx.load import load_onnx
     from localserve.convert import convert_gguf
 
     gguf = args.model or next((HERE.parent / ".test-cache" / "home").rglob("*.gguf"))
@@ -158,7 +158,7 @@ def main() -> int:
             convert_gguf(gguf, Path(tmp) / "onnx", weights=weights)
             convert_s = time.perf_counter() - t0
             rss = _rss()
-            onnx = OnnxBackend.load(Path(tmp) / "onnx", gguf, n_ctx=args.slots, n_seq_max=16, n_batch=512,
+            onnx = load_onnx(Path(tmp) / "onnx", gguf, n_ctx=args.slots, n_seq_max=16, n_batch=512,
                                     n_threads=args.threads)
             rss = _rss() - rss
             results[f"onnx-{weights}"] = {b: decode_tok_s(onnx, b, args.steps) for b in BATCHES}

@@ -30,9 +30,9 @@ PROMPTS = ["What is the capital of France?", "Write a haiku about rain.", "List 
 
 @pytest.fixture(scope="module")
 def onnx_backend(smollm2_onnx, smollm2_gguf):  # noqa: F811
-    from localserve.backends.onnx.backend import OnnxBackend
+    from localserve.backends.onnx.load import load_onnx
 
-    b = OnnxBackend.load(smollm2_onnx, smollm2_gguf, n_ctx=2048, n_seq_max=16, n_batch=256, n_threads=2)
+    b = load_onnx(smollm2_onnx, smollm2_gguf, n_ctx=2048, n_seq_max=16, n_batch=256, n_threads=2)
     yield b
     b.close()
 
@@ -142,9 +142,9 @@ def test_kv_copy_shares_the_prefix(onnx_backend):
 
 
 def test_kv_full_keeps_nothing(smollm2_onnx, smollm2_gguf):  # noqa: F811
-    from localserve.backends.onnx.backend import OnnxBackend
+    from localserve.backends.onnx.load import load_onnx
 
-    small = OnnxBackend.load(smollm2_onnx, smollm2_gguf, n_ctx=16, n_seq_max=2, n_batch=32, n_threads=1)
+    small = load_onnx(smollm2_onnx, smollm2_gguf, n_ctx=16, n_seq_max=2, n_batch=32, n_threads=1)
     try:
         prefill(small, 0, list(range(10, 22)))
         with pytest.raises(KVFullError):

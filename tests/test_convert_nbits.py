@@ -239,9 +239,9 @@ def llamacpp_answers(smollm2_gguf) -> dict[str, tuple[list[int], list[int]]]:
 
 
 def _agreement(folder, gguf, answers) -> int:
-    from localserve.backends.onnx.backend import OnnxBackend
+    from localserve.backends.onnx.load import load_onnx
 
-    backend = OnnxBackend.load(folder, gguf, n_ctx=1024, n_seq_max=4, n_batch=256, n_threads=2)
+    backend = load_onnx(folder, gguf, n_ctx=1024, n_seq_max=4, n_batch=256, n_threads=2)
     try:
         return sum(greedy(backend, ids) == want for ids, want in answers.values())
     finally:
@@ -303,12 +303,12 @@ def test_int8_blocks_with_float_activations_keep_llamacpps_answers(smollm2_gguf,
 def test_static_int8_gives_the_dynamic_int8_tokens(int8_folder, smollm2_gguf, tmp_path):
     """The static flavour converted with int8 weights (its buckets sharing one memory-mapped copy
     of the uint8 blocks) answers each prompt with the dynamic int8 folder's greedy tokens."""
-    from localserve.backends.onnx.backend import OnnxBackend
+    from localserve.backends.onnx.load import load_onnx
 
     convert_gguf(smollm2_gguf, tmp_path / "static", flavour="static", static_tokens=(1, 16), static_slots=256,
                  weights="int8")
-    dynamic = OnnxBackend.load(int8_folder, smollm2_gguf, n_ctx=256, n_seq_max=4, n_batch=64, n_threads=2)
-    static = OnnxBackend.load(tmp_path / "static", smollm2_gguf, n_ctx=256, n_seq_max=4, n_batch=64, n_threads=2)
+    dynamic = load_onnx(int8_folder, smollm2_gguf, n_ctx=256, n_seq_max=4, n_batch=64, n_threads=2)
+    static = load_onnx(tmp_path / "static", smollm2_gguf, n_ctx=256, n_seq_max=4, n_batch=64, n_threads=2)
     try:
         for text in PROMPTS[:4]:
             ids = chat(static, text)

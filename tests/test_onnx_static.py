@@ -39,19 +39,19 @@ def static_dir(smollm2_gguf, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def static(static_dir, smollm2_gguf):
-    from localserve.backends.onnx.backend import OnnxBackend
+    from localserve.backends.onnx.load import load_onnx
 
     # n_ctx is the graphs' to fix: the load ignores the caller's 4096 for the static flavour.
-    b = OnnxBackend.load(static_dir, smollm2_gguf, n_ctx=4096, n_seq_max=8, n_batch=64, n_threads=2)
+    b = load_onnx(static_dir, smollm2_gguf, n_ctx=4096, n_seq_max=8, n_batch=64, n_threads=2)
     yield b
     b.close()
 
 
 @pytest.fixture(scope="module")
 def dynamic(smollm2_onnx, smollm2_gguf):  # noqa: F811
-    from localserve.backends.onnx.backend import OnnxBackend
+    from localserve.backends.onnx.load import load_onnx
 
-    b = OnnxBackend.load(smollm2_onnx, smollm2_gguf, n_ctx=1024, n_seq_max=8, n_batch=512, n_threads=2)
+    b = load_onnx(smollm2_onnx, smollm2_gguf, n_ctx=1024, n_seq_max=8, n_batch=512, n_threads=2)
     yield b
     b.close()
 
@@ -190,7 +190,7 @@ def test_sequences_decoding_together_match_the_dynamic_alone(static, dynamic, re
 
 
 def _broken(static_dir, tmp_path, edit) -> BackendError:
-    from localserve.backends.onnx.backend import OnnxBackend
+    from localserve.backends.onnx.load import load_onnx
 
     folder = tmp_path / "broken"
     folder.mkdir()
@@ -200,7 +200,7 @@ def _broken(static_dir, tmp_path, edit) -> BackendError:
     edit(meta)
     (folder / "localserve-onnx.json").write_text(json.dumps(meta))
     with pytest.raises(BackendError) as e:
-        OnnxBackend.load(folder, "unused.gguf", n_ctx=64, n_seq_max=2, n_batch=16)
+        load_onnx(folder, "unused.gguf", n_ctx=64, n_seq_max=2, n_batch=16)
     assert str(folder.parent) not in str(e.value)  # no host paths in the message
     return e.value
 

@@ -48,9 +48,9 @@ def backend(request: pytest.FixtureRequest) -> Iterator[Backend]:
         b: Backend = LlamaCppBackend.load(gguf, n_ctx=2048, n_seq_max=N_SEQ, n_batch=N_BATCH, n_threads=2,
                                           kv_unified=False, flash_attention=False)
     else:
-        from localserve.backends.onnx.backend import OnnxBackend
+        from localserve.backends.onnx.load import load_onnx
 
-        b = OnnxBackend.load(request.getfixturevalue("smollm2_onnx"), gguf, n_ctx=N_CTX, n_seq_max=N_SEQ,
+        b = load_onnx(request.getfixturevalue("smollm2_onnx"), gguf, n_ctx=N_CTX, n_seq_max=N_SEQ,
                              n_batch=N_BATCH, n_threads=2)
     yield b
     b.close()

@@ -28,7 +28,7 @@ def providers_for(ep: str | None, ref: str) -> list[str]:
     """[ep, CPU] when onnxruntime has `ep`, else [CPU] with the reason logged."""
     import onnxruntime as ort
 
-    from ..backends.onnx.backend import CPU_EP
+    from ..backends.onnx.session import CPU_EP
 
     if not ep or ep == CPU_EP:
         return [CPU_EP]
@@ -53,7 +53,7 @@ def load_onnx_engine(installed: "InstalledModel", variant: "StoredVariant", plan
                      settings: Settings) -> "ModelEngine":
     from ..engine.local import Engine
     from ..store.model_dirs import ONNX, check_layout
-    from ..backends.onnx.backend import OnnxBackend
+    from ..backends.onnx.load import load_onnx
 
     # Again at load, not only at add: a folder stored before the graph checks existed, or changed
     # since, must not hand onnxruntime an external-data name that leaves it.
@@ -64,7 +64,7 @@ def load_onnx_engine(installed: "InstalledModel", variant: "StoredVariant", plan
         raise BackendError(f"{installed.ref}: the ONNX variant needs the GGUF it was converted from "
                            "(its tokenizer); pull that GGUF into the same tag or convert again")
     limits = dataclasses.replace(plan.limits, n_ctx=kv_slots(variant.meta, plan.limits.n_ctx))
-    backend = OnnxBackend.load(
+    backend = load_onnx(
         variant.path, gguf.path,
         n_ctx=limits.n_ctx, n_seq_max=limits.n_seq_max, n_batch=limits.batch_tokens,
         n_threads=settings.threads or None,

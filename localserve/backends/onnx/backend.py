@@ -15,7 +15,6 @@ token_to_bytes and is_eog are safe from any thread.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 from pathlib import Path
@@ -26,74 +25,14 @@ import numpy as np
 from ...errors import BackendError
 from ...protocol.requests import SamplingParams
 from ..base import Backend, BatchToken, Capabilities, DecodeInterrupted, Sampler
-from ..common.threads import default_threads
 from ..llamacpp.vocab import LlamaVocab
 from ..common.grammar import GRAMMAR_CONSTRAINTS
 from .sampling import LlamaVocabLogits, numpy_sampler
 from .embed import OnnxEmbedder, has_embeddings
 from .kv import SlotTable
+from .session import MODEL_FILE, bind_caches, open_session, open_vocab
 
 log = logging.getLogger(__name__)
-
-MODEL_FILE = "model.onnx"
-META_FILE = "localserve-onnx.json"
-CPU_EP = "CPUExecutionProvider"
-
-
-def _read_meta(model_dir: Path) -> dict:
-    try:
-        meta = json.loads((model_dir / META_FILE).read_text(encoding="utf-8"))
-    except (OSError, ValueError) as e:
-        raise BackendError(f"the ONNX folder's {META_FILE} cannot be read ({type(e).__name__})") from None
-    if not isinstance(meta, dict) or meta.get("flavour") not in ("dynamic", "static"):
-        flavour = meta.get("flavour") if isinstance(meta, dict) else None
-        raise BackendError(f"the ONNX folder is not an export of localserve convert "
-                           f"(flavour: {flavour or 'none'}); convert the model again")
-    return meta
-
-
-def open_session(path: Path, n_threads: int, providers: Sequence[str], shared: dict | None = None,
-                 prepack: bool = False):
-    """An onnxruntime session for one graph file; BackendError (no host path) when it cannot load.
-    `shared`: initializer name -> OrtValue used in place of the file's (onnx_static.shared_weights),
-    unpacked unless `prepack`."""
-    import onnxruntime as ort
-
-    opts = ort.SessionOptions()
-    for name, value in (shared or {}).items():
-        opts.add_initializer(name, value)
-    if shared and not prepack:  # prepacking would give each session its own packed copy of every weight
-        opts.add_session_config_entry("session.disable_prepacking", "1")
-    opts.intra_op_num_threads = n_threads
-    opts.inter_op_num_threads = 1
-    opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
-    opts.log_severity_level = 3  # ORT warns about every unused initializer: noise in our logs
-    try:
-        return ort.InferenceSession(str(path), opts, providers=list(providers))
-    except Exception as e:  # noqa: BLE001 - ORT raises its own exception types with paths inside
-        if len(providers) > 1 and providers[-1] == CPU_EP:
-            # An EP that is installed but fails to start (a DirectML adapter the driver rejects,
-            # an NPU runtime that is missing a library) must not cost the model: the CPU runs it.
-            log.warning("%s failed to initialise for %s (%s); running on the CPU EP", providers[0], path.name, e)
-            return open_session(path, n_threads, [CPU_EP], shared, prepack)
-        log.warning("onnxruntime could not load %s: %s", path.name, e)
-        raise BackendError(f"onnxruntime could not load the ONNX model in {path.parent.name!r} "
-                           f"({type(e).__name__})") from None
-
-
-def bind_caches(io, caches: Sequence) -> None:
-    """Bind each layer's key and value cache (in that order in `caches`) as input and output."""
-    for n, cache in enumerate(caches):
-        name = f"{n // 2}.{('key', 'value')[n % 2]}"
-        # The same buffer in and out: ScatterElements writes this step's rows into it in place.
-        io.bind_ortvalue_input(f"cache.{name}", cache)
-        io.bind_ortvalue_output(f"cache_out.{name}", cache)
-
-
-def open_vocab(gguf_path: str | os.PathLike[str], meta: dict) -> LlamaVocab:
-    return LlamaVocab(gguf_path, n_ctx_train=int(meta["context_length"]), n_embd=int(meta["n_embd"]),
-                      n_params=int(meta.get("n_params", 0)))
-
 
 class OnnxBackend(Backend):
     sink_rows = 0  # cache rows past the n_ctx slots (the static flavour's padding sink)
@@ -155,23 +94,9 @@ class OnnxBackend(Backend):
         return self._capabilities
 
     @classmethod
-    def load(cls, model_dir: str | os.PathLike[str], gguf_path: str | os.PathLike[str], *, n_ctx: int,
-             n_seq_max: int, n_batch: int, n_threads: int | None = None,
-             providers: Sequence[str] = (CPU_EP,)) -> OnnxBackend:
-        """Load a converted folder; `gguf_path` is the GGUF it came from (its tokenizer and template).
-
-        n_ctx: KV slots of all sequences together (one pool); n_seq_max: sequence ids; n_batch:
-        most tokens per decode. The session runs on `providers` in order (CPU last as fallback)."""
-        if n_ctx < 1 or n_seq_max < 1 or n_batch < 1:
-            raise ValueError("n_ctx, n_seq_max and n_batch must be positive")
-        model_dir = Path(model_dir)
-        meta = _read_meta(model_dir)
-        n_threads = n_threads or default_threads()
-        if meta["flavour"] == "static":  # fixed shapes: the graphs fix the slot count, not n_ctx
-            from .static import StaticOnnxBackend
-
-            return StaticOnnxBackend.open(model_dir, meta, gguf_path, n_seq_max=n_seq_max, n_batch=n_batch,
-                                          n_threads=n_threads, providers=providers)
+    def open(cls, model_dir: Path, meta: dict, gguf_path: str | os.PathLike[str], *, n_ctx: int, n_seq_max: int,
+             n_batch: int, n_threads: int, providers: Sequence[str]) -> OnnxBackend:
+        """A dynamic folder's backend (load.py reads the folder's flavour and calls this)."""
         session = open_session(model_dir / MODEL_FILE, n_threads, providers)
         return cls(session, meta, open_vocab(gguf_path, meta), n_ctx=n_ctx, n_seq_max=n_seq_max,
                    n_batch=n_batch, n_threads=n_threads)

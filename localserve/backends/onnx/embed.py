@@ -15,6 +15,7 @@ import numpy as np
 from ...errors import BackendError
 from ..common.embed_pooling import Piece, PooledEmbedder
 from .kv import SlotTable
+from .session import bind_caches
 
 EMBEDDINGS_OUTPUT = "embeddings"
 _NO_ROWS = np.zeros(0, dtype=np.int64)
@@ -49,7 +50,6 @@ class OnnxEmbedder(PooledEmbedder):
         n_layer, kv, hd = self._cache_shape
         self._slots = SlotTable(cells, self.n_seq_max)
         self._io = io = self.session.io_binding()
-        from .backend import bind_caches  # here: onnx.py imports this module
 
         self._caches = [self._ort.OrtValue.ortvalue_from_numpy(np.zeros((kv, cells, hd), dtype=np.float32))
                         for _ in range(2 * n_layer)]

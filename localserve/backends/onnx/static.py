@@ -20,7 +20,7 @@ sequence ever holds, and attends only the sink. So it
   padding rows writing the one sink collide only with each other (whichever wins is discarded).
 The padding rows' logits are computed (R = T) and dropped.
 
-The slot table, masks, sampling, tokenizer and KV calls are the dynamic backend's (onnx.py); only
+The slot table, masks, sampling, tokenizer and KV calls are the dynamic backend's (backend.py); only
 session setup and `decode_arrays` differ.
 """
 
@@ -36,7 +36,8 @@ import numpy as np
 
 from ...errors import BackendError
 from ..llamacpp.vocab import LlamaVocab
-from .backend import OnnxBackend, bind_caches, open_session, open_vocab
+from .backend import OnnxBackend
+from .session import bind_caches, open_session, open_vocab
 
 _PAD_TOKEN = 0  # any valid id: its K/V land in the sink and its logits are dropped
 
@@ -132,7 +133,7 @@ class StaticOnnxBackend(OnnxBackend):
     @classmethod
     def open(cls, model_dir: Path, meta: dict, gguf_path: str | os.PathLike[str], *, n_seq_max: int,
              n_batch: int, n_threads: int, providers: Sequence[str]) -> StaticOnnxBackend:
-        """OnnxBackend.load for a static folder (it dispatches here): one session per bucket."""
+        """A static folder's backend (load.py dispatches here): one session per bucket."""
         layout = StaticLayout.from_meta(meta, model_dir)
         shared, arrays = shared_weights(model_dir / layout.graphs[layout.buckets[-1]])
         # MatMulNBits runs its fast kernels only on blocks it prepacked (unpacked: float activations,
