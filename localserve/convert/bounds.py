@@ -28,7 +28,7 @@ from ..backends.onnx.kv import MAX_SLOTS
 from ..errors import GGUFError
 
 if TYPE_CHECKING:
-    from .spec import ModelSpec
+    from .model_spec import ModelSpec
 
 # The ONNX backend's KV pool never exceeds MAX_SLOTS, so no sequence reaches a position past it
 # (onnxruntime-genai folders run at most oga.loader.MAX_LENGTH = 4096); tables longer than this

@@ -8,12 +8,12 @@ and what is supported, so a user learns in a second, not after minutes of work.
 from __future__ import annotations
 
 import numbers
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
 from ..errors import GGUFError
+from .model_spec import ModelSpec
 from .bounds import (SERVING_POSITIONS, check_layer_count, check_memory, check_shapes, check_vocab, finite_float,
                      positive_int, rope_positions)
 
@@ -32,26 +32,6 @@ class UnsupportedModelError(GGUFError):
     """The GGUF is valid but holds something the converter does not handle (named in the message)."""
 
     code = "unsupported_model"
-
-
-@dataclass(frozen=True)
-class ModelSpec:
-    arch: str
-    n_layer: int
-    n_embd: int
-    n_ff: int
-    n_head: int
-    n_head_kv: int
-    head_dim: int
-    n_vocab: int
-    n_ctx_train: int  # the context the GGUF claims (checked only against a sanity bound)
-    n_positions: int  # the rope tables' length: n_ctx_train capped at what serving reaches (bounds.py)
-    rope_base: float
-    rms_eps: float
-    rope_interleaved: bool  # llama.cpp's "normal" rope on permuted q/k rows: adjacent pairs rotate
-    qkv_bias: bool
-    tied_embeddings: bool
-    rope_freqs: bool  # llama 3.1's per-frequency factors tensor is present
 
 
 def _field(reader, key: str, default=None):

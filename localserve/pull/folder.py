@@ -1,7 +1,7 @@
 """`pull_folder`: a Hugging Face repo's onnxruntime-genai folder into the store as the tag's `oga` variant.
 
 The files download one at a time into `<tag folder>/folder.partial/` through the GGUF path's own
-steps (`_Job.download`: a resumable `.partial` with its identity note; `_Job.promote`: checked
+steps (`download`: a resumable `.partial` with its identity note; `promote`: checked
 against the digest the Hub lists, the LFS sha256 or a small file's git blob id, then renamed). A
 pull stopped at any point resumes: finished files are verified again and kept, the unfinished one
 continues from its last byte. Only the complete folder goes to `ModelStore.install_folder`, which
@@ -14,26 +14,50 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Callable, Protocol, TypeVar
 
 from ..store import oga_config
 from ..errors import ModelDirError
 from ..store.folder_checks import check_no_native_code
 from ..store.model_dirs import OGA, OGA_CONFIG_FILE, remove_tree
-from ..store.cache import InstalledModel
+from ..config.settings import Settings
+from ..protocol.progress import Progress
+from ..store.cache import InstalledModel, ModelStore
+from ..store.catalog import CatalogEntry, Variant
 from .download import ensure_free_space
 from ..protocol.progress import emit
 from .hf_folders import RepoFolder
 from .sources import RemoteFile
 
-if TYPE_CHECKING:
-    from .puller import _Job
+T = TypeVar("T")
+
+
+class FolderJob(Protocol):
+    """What a folder pull needs of the locked pull that runs it (puller.py's job): where the tag
+    lives, and the GGUF path's own download and check steps."""
+
+    entry: CatalogEntry
+    variant: Variant
+    store: ModelStore
+    settings: Settings
+    progress: Progress
+    directory: Path
+
+    def reuse_orphan(self, target: Path, expected_sha: str | None, git_oid: str | None = None,
+                     label: str | None = None) -> str | None: ...
+
+    def download(self, url: str, partial: Path, sha: str | None, size: int | None, label: str) -> None: ...
+
+    def promote(self, partial: Path, target: Path, check: Callable[[Path], T]) -> T: ...
+
+    def check_digest(self, path: Path, label: str, expected_sha: str | None, known_sha: str | None = None,
+                     git_oid: str | None = None, delete_bad: bool = True) -> str: ...
 
 STAGING_DIR = "folder.partial"  # ends like a partial file, so the stale-partial sweep knows it
 PARTIAL_ENDINGS = (".partial", ".partial.json")
 
 
-def pull_folder(job: "_Job", folder: RepoFolder) -> InstalledModel:
+def pull_folder(job: FolderJob, folder: RepoFolder) -> InstalledModel:
     """Fetch every file of `folder` (resuming what an earlier pull left) and install it."""
     staging = job.directory / STAGING_DIR
     staging.mkdir(parents=True, exist_ok=True)
@@ -66,7 +90,7 @@ def _check_options(config_path: Path) -> None:
         oga_config.checked_files(config)
 
 
-def _fetch(job: "_Job", target: Path, remote: RemoteFile, label: str) -> dict[str, Any]:
+def _fetch(job: FolderJob, target: Path, remote: RemoteFile, label: str) -> dict[str, Any]:
     """One file of the folder at `target`, verified; its manifest entry."""
     target.parent.mkdir(parents=True, exist_ok=True)
     sha = job.reuse_orphan(target, remote.sha256, remote.git_oid, label)
@@ -91,7 +115,7 @@ def _drop_strays(staging: Path, wanted: set[str]) -> None:
                 path.unlink(missing_ok=True)
 
 
-def _check_disk(job: "_Job", staging: Path, folder: RepoFolder) -> None:
+def _check_disk(job: FolderJob, staging: Path, folder: RepoFolder) -> None:
     """Refuse before the first byte when what is still missing cannot fit."""
     need = 0
     for rel, remote in folder.files:
