@@ -151,7 +151,7 @@ class Engine:
             self._dequeued_lane(lane)
             raise
         seq = Sequence(request, sampler, self._token_bytes, self._backend.is_eog, self.n_ctx_per_seq)
-        stream = RequestStream(self, seq, asyncio.get_running_loop())
+        stream = RequestStream(seq, asyncio.get_running_loop(), self._wake, self.stream_buffer_events)
         seq.stream = stream
         self._active[request.request_id] = seq
         self._inbox.append(seq)

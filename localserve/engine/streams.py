@@ -11,13 +11,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 from ..protocol.requests import GenerationEvent
 
 if TYPE_CHECKING:
     from ..batching.sequence import Sequence
-    from .local import Engine
 
 log = logging.getLogger(__name__)
 
@@ -73,12 +72,15 @@ class EventQueue:
 
 
 class RequestStream(EventQueue):
-    """The stream of a request in our engine: cancelling flags its sequence."""
+    """The stream of a request in our engine: cancelling flags its sequence and wakes the engine's
+    thread (`wake`), which ends it at its next step."""
 
-    def __init__(self, engine: "Engine", seq: "Sequence", loop: asyncio.AbstractEventLoop):
+    def __init__(self, seq: "Sequence", loop: asyncio.AbstractEventLoop, wake: Callable[[], None],
+                 buffer_events: int = STREAM_BUFFER_EVENTS):
         super().__init__(loop)
-        self._engine = engine
         self._seq = seq
+        self._wake = wake
+        self._buffer_events = buffer_events
 
     @property
     def request_id(self) -> str:
@@ -86,13 +88,13 @@ class RequestStream(EventQueue):
 
     @property
     def buffer_events(self) -> int:
-        return self._engine.stream_buffer_events
+        return self._buffer_events
 
     def cancel(self) -> None:
         """Safe from any thread or coroutine; the stream ends with finish_reason "cancelled"
         (unless it already finished) after the engine's next step."""
         self._seq.cancelled = True
-        self._engine._wake()
+        self._wake()
 
 
 def post_events(items: list[tuple[EventQueue, GenerationEvent]]) -> None:

@@ -97,7 +97,7 @@ class OgaEngine:
             raise QueueFullError(f"onnxruntime-genai's queue is full ({self._queue_size} requests waiting)",
                                  retry_after=5.0)
         seq = Sequence(request, None, self._vocab.token_to_bytes, self._eog.__contains__, self._n_ctx)
-        stream = RequestStream(self, seq, asyncio.get_running_loop())  # type: ignore[arg-type]
+        stream = RequestStream(seq, asyncio.get_running_loop(), self._wake, self.stream_buffer_events)
         seq.stream = stream
         with self._cond:
             self._inbox.append(seq)
