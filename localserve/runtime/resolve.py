@@ -42,7 +42,11 @@ async def _lookup(model_ref: str, store: ModelStore,
     try:
         return await asyncio.to_thread(store.find, model_ref)
     except (ModelNotFoundError, InvalidNameError):
-        remote = await upstreams.engine_for(model_ref) if upstreams is not None else None
+        if upstreams is None:
+            raise
+        from ..engine.upstream.engine import remote_engine
+
+        remote = await remote_engine(upstreams, model_ref)
         if remote is None:
             raise
         return model_ref, remote

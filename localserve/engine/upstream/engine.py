@@ -25,6 +25,19 @@ T = TypeVar("T")
 _END = object()
 
 
+async def remote_engine(pool: UpstreamPool, model: str) -> "RemoteEngine | None":
+    """The engine of a model some upstream serves (one per name, kept in the pool), or None."""
+    if not pool.candidates(model) and any(u.config.exposes_all for u in pool.upstreams.values()):
+        await pool.refresh_lists()  # an 'all models' upstream may have gained it since its last list
+    if not pool.candidates(model):
+        return None
+    engine = pool.engines.get(model)
+    if not isinstance(engine, RemoteEngine):
+        engine = RemoteEngine(model, pool)
+        pool.engines[model] = engine
+    return engine
+
+
 class RemoteEngine:
     def __init__(self, name: str, pool: UpstreamPool):
         self.name = name

@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import json
 from contextlib import asynccontextmanager
-from typing import TYPE_CHECKING, Any, AsyncIterator
+from typing import TYPE_CHECKING, Any, AsyncIterator, Protocol
 
 import aiohttp
 
@@ -25,7 +25,15 @@ from ...errors import (
 )
 
 if TYPE_CHECKING:
-    from .pool import Upstream, UpstreamPool
+    from ...config.settings import Settings
+    from .state import Upstream
+
+
+class UpstreamPool(Protocol):
+    """What these calls need of the pool (pool.py): its client session and the settings."""
+
+    session: aiohttp.ClientSession | None
+    settings: "Settings"
 
 MAX_EVENT_BYTES = 1024 * 1024
 MAX_MESSAGE_CHARS = 300

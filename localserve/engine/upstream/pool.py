@@ -21,57 +21,36 @@ import itertools
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import aiohttp
 
 from ...errors import OverloadedError, QueueFullError
 from ...protocol.requests import LANE_RANK, LANES
-from ...config.upstreams import UpstreamConfig
+from ...protocol.engine import EngineStats
 from .http import UpstreamFailed, get_json
+from .state import Upstream
 
 if TYPE_CHECKING:
     from ...config.settings import Settings
-    from .engine import RemoteEngine
 
 log = logging.getLogger(__name__)
 BACKOFF_FIRST_S, BACKOFF_MAX_S = 1.0, 60.0
-MODEL_LIST_TTL_S = 30.0  # how long an upstream's /models answer names its models without a refresh
-
-
-@dataclass
-class Upstream:
-    """One configured upstream and what we know of it now."""
-
-    config: UpstreamConfig
-    state: str = "unknown"  # unknown (not checked yet), up, down
-    outstanding: int = 0
-    failures: int = 0  # consecutive
-    retry_at: float = 0.0  # monotonic; when a down upstream is probed again
-    remote_models: tuple[str, ...] = ()  # its /models ids, for models = ["*"]
-    listed_at: float = 0.0
-    served: int = 0
-    errors: int = 0
-    last_error: str = ""
-
-    @property
-    def name(self) -> str:
-        return self.config.name
-
-    @property
-    def available(self) -> bool:
-        return self.state != "down"
-
-    def row(self) -> dict[str, Any]:
-        """For /api/ps, `localserve ps` and /metrics: state, never the URL's key."""
-        retry = max(0.0, self.retry_at - time.monotonic()) if self.state == "down" else 0.0
-        return {"name": self.name, "url": self.config.url, "state": self.state, "outstanding": self.outstanding,
-                "max_concurrency": self.config.max_concurrency, "failures": self.failures,
-                "retry_in": round(retry, 1), "served": self.served, "errors": self.errors,
-                "last_error": self.last_error}
+LIST_REFRESH_S = 1.0  # an unknown name asks an 'all models' upstream's /models again after this long
 
 
 Candidate = tuple[Upstream, str]  # an upstream and the model's id there
+
+
+class RemoteModel(Protocol):
+    """What the pool needs of a remote model's engine (engine.py's RemoteEngine, made by
+    `remote_engine` there and kept in `UpstreamPool.engines`)."""
+
+    def stats(self) -> EngineStats: ...
+
+    def upstream_names(self) -> list[str]: ...
+
+    def cancel_all(self) -> None: ...
 
 
 @dataclass(order=True)
@@ -91,7 +70,7 @@ class UpstreamPool:
         self.session: aiohttp.ClientSession | None = None
         self._waiters: list[_Waiter] = []
         self._seq = itertools.count()
-        self._engines: dict[str, "RemoteEngine"] = {}
+        self.engines: dict[str, RemoteModel] = {}  # the remote models used so far, by name
         self._health: asyncio.Task[None] | None = None
         self._wake = asyncio.Event()
 
@@ -106,7 +85,7 @@ class UpstreamPool:
         if self._health is not None:
             self._health.cancel()
             await asyncio.gather(self._health, return_exceptions=True)
-        for engine in list(self._engines.values()):
+        for engine in list(self.engines.values()):
             engine.cancel_all()
         for waiter in self._waiters:
             if not waiter.future.done():
@@ -142,20 +121,8 @@ class UpstreamPool:
         """Fetch /models of every 'all models' upstream whose list is stale (an unknown name may be new)."""
         now = time.monotonic()
         await asyncio.gather(*(self._check(up) for up in self.upstreams.values()
-                               if up.config.exposes_all and up.available and now - up.listed_at > 1.0),
+                               if up.config.exposes_all and up.available and now - up.listed_at > LIST_REFRESH_S),
                              return_exceptions=True)
-
-    async def engine_for(self, model: str) -> "RemoteEngine | None":
-        from .engine import RemoteEngine
-
-        if not self.candidates(model) and any(u.config.exposes_all for u in self.upstreams.values()):
-            await self.refresh_lists()
-        if not self.candidates(model):
-            return None
-        engine = self._engines.get(model)
-        if engine is None:
-            engine = self._engines[model] = RemoteEngine(model, self)
-        return engine
 
     # --- slots ------------------------------------------------------------------------------------
     def check_queue(self, model: str, lane: str, waiting: dict[str, int]) -> None:
@@ -289,7 +256,7 @@ class UpstreamPool:
     def model_rows(self) -> list[dict[str, Any]]:
         """ModelManager.status() rows of the remote models used so far (/api/ps, ps, /metrics)."""
         rows = []
-        for name, engine in sorted(self._engines.items()):
+        for name, engine in sorted(self.engines.items()):
             stats = engine.stats().to_dict()
             rows.append({"name": name, "state": "remote", "remote": True, "upstreams": engine.upstream_names(),
                          "memory_bytes": 0, "vram_bytes": 0, "device": "remote", "pinned": 0,
