@@ -9,16 +9,23 @@ our provider), the others get real answers or our errors from the daemon.
 
 from __future__ import annotations
 
+import dataclasses
+import http.server
+import json
 import os
 import shutil
+import stat
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
 
 from daemon_util import REPO, cli, cli_env, free_port, register_model, stop_quietly, wait_published, start_serve
-from localserve.desktop.agents import AGENTS, CODEX_TOKEN_VAR, Target, context_warning
+from localserve.commands.launch import AgentOverriddenError, refuse_overrides, run_agent, settings_file
+from localserve.desktop.agents import (AGENTS, CLAUDE_PROVIDER_SWITCHES, CODEX_TOKEN_VAR, Target,
+                                       claude_managed_overrides, context_warning)
 
 AGENTS_DIR = REPO / ".test-cache" / "agents"
 PACKAGES = {"copilot": "@github/copilot@1", "codex": "@openai/codex@0", "claude": "@anthropic-ai/claude-code@2"}
@@ -34,7 +41,44 @@ def test_claude_gets_every_tier_and_our_token() -> None:
         assert env[tier] == "smollm2-135m:Q4_1"
     assert env["CLAUDE_CODE_AUTO_COMPACT_WINDOW"] == "8192"
     assert env["CLAUDE_CODE_ATTRIBUTION_HEADER"] == "0"
+    assert all(env[switch] == "" for switch in CLAUDE_PROVIDER_SWITCHES)  # no Bedrock, Vertex, ... from a file
     assert AGENTS["claude"].arguments(TARGET) == []
+
+
+def test_claude_gets_the_same_in_its_command_line_settings_layer_by_a_private_file() -> None:
+    """`--settings` outranks the user's settings files; the token rides in a 0600 file, not argv."""
+    agent = AGENTS["claude"]
+    assert agent.settings is not None and agent.settings(TARGET) == {"env": agent.environment(TARGET)}
+    with settings_file(agent, TARGET) as path:
+        assert path is not None
+        assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
+        assert json.loads(Path(path).read_text())["env"]["ANTHROPIC_AUTH_TOKEN"] == "tok"
+        command = agent.command("/bin/claude", TARGET, ["-p", "hi"], path)
+        assert command == ["/bin/claude", "--settings", path, "-p", "hi"]
+        assert not any("tok" in arg for arg in command)
+    assert not os.path.exists(path)
+    with settings_file(AGENTS["codex"], TARGET) as none:
+        assert none is None
+
+
+def test_managed_claude_settings_that_route_requests_are_refused(tmp_path: Path) -> None:
+    """Managed settings are the one layer above `--settings`: launch names what would win and stops."""
+    assert claude_managed_overrides(tmp_path) == []  # nothing there
+    (tmp_path / "managed-settings.json").write_text('{"env": {"DISABLE_TELEMETRY": "1"}, "apiKeyHelper": "x"}')
+    assert claude_managed_overrides(tmp_path) == []  # tuning, and a helper our token outranks
+    drop_in = tmp_path / "managed-settings.d"
+    drop_in.mkdir()
+    gateway = {"env": {"ANTHROPIC_BASE_URL": "https://gw", "CLAUDE_CODE_USE_VERTEX": "1"}}
+    (drop_in / "10-gateway.json").write_text(json.dumps(gateway))
+    (drop_in / ".hidden.json").write_text('{"env": {"ANTHROPIC_AUTH_TOKEN": "x"}}')  # Claude Code skips dotfiles
+    (drop_in / "bad.json").write_text("{not json")
+    assert claude_managed_overrides(tmp_path) == [f"{drop_in / '10-gateway.json'}: env.ANTHROPIC_BASE_URL",
+                                                   f"{drop_in / '10-gateway.json'}: env.CLAUDE_CODE_USE_VERTEX"]
+    found = claude_managed_overrides(tmp_path)
+    agent = AGENTS["claude"]
+    with pytest.raises(AgentOverriddenError, match="managed settings .* outrank .*env.ANTHROPIC_BASE_URL"):
+        refuse_overrides(dataclasses.replace(agent, overrides=lambda: found))
+    refuse_overrides(AGENTS["codex"])  # nothing of Codex's outranks its -c overrides
 
 
 def test_codex_gets_a_responses_provider_by_overrides() -> None:
@@ -60,6 +104,11 @@ def test_copilot_gets_a_provider_and_a_budget_inside_the_context() -> None:
     assert env["COPILOT_MODEL"] == "smollm2-135m:Q4_1" and env["COPILOT_PROVIDER_API_KEY"] == "tok"
     budget = int(env["COPILOT_PROVIDER_MAX_PROMPT_TOKENS"]) + int(env["COPILOT_PROVIDER_MAX_OUTPUT_TOKENS"])
     assert budget <= 8192
+    # The user's own provider variables would win over ours (a bearer token over the key, a wire
+    # model over the model, extra headers): none is passed on.
+    inherited = {"PATH": "/bin", "COPILOT_PROVIDER_BEARER_TOKEN": "theirs", "COPILOT_PROVIDER_WIRE_MODEL": "gpt-5",
+                 "COPILOT_PROVIDER_API_KEY_COMMAND": "pass show x", "COPILOT_PROVIDER_HEADERS": "X-Tenant: 1"}
+    assert AGENTS["copilot"].environ(TARGET, inherited) == {"PATH": "/bin", **env}
 
 
 def test_context_warning_only_when_the_agent_prompt_does_not_fit() -> None:
@@ -101,14 +150,18 @@ def installed_agent(name: str) -> Path:
     return executable
 
 
+API_KEY = "ls-key-8c1e5f0a-never-in-argv"
+
+
 @pytest.fixture
 def daemon(tmp_path: Path, smollm2_gguf: Path):
     """A daemon serving SmolLM2 with its full trained context, and the env `launch` runs in: the
-    agents' own state under a fresh HOME, the agents first on PATH."""
+    agents' own state under a fresh HOME, the agents first on PATH. The daemon has an api_key, so
+    an agent that reaches it with any other token is refused."""
     # Codex names no output limit and samples at temperature 1: SmolLM2 sometimes rambles on (a CI
     # run saw 2,700 tokens, 156 s here against 47 s), so the daemon caps an answer that names none.
     env = cli_env(tmp_path / "home", free_port(), LOCALSERVE_CONTEXT_LENGTH="8192", LOCALSERVE_DEFAULT_MAX_TOKENS="256",
-                  HOME=str(tmp_path))
+                  LOCALSERVE_API_KEY=API_KEY, HOME=str(tmp_path))
     register_model(env, smollm2_gguf)
     proc = start_serve(env)
     try:
@@ -125,6 +178,77 @@ def launch(env: dict[str, str], agent: str, *args: str, timeout: float = 300) ->
                           env=run_env, cwd=env["HOME"], capture_output=True, text=True, timeout=timeout)
 
 
+class Capture(http.server.ThreadingHTTPServer):
+    """Somewhere else an agent could be sent (a company gateway): records each request, answers 401."""
+
+    def __init__(self) -> None:
+        self.seen: list[dict] = []
+        capture = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_POST(self) -> None:
+                body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+                capture.seen.append({"path": self.path, "headers": {k.lower(): v for k, v in self.headers.items()},
+                                     "model": json.loads(body or b"{}").get("model")})
+                answer = b'{"error": {"type": "authentication_error", "message": "captured"}}'
+                self.send_response(401)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(answer)))
+                self.end_headers()
+                self.wfile.write(answer)
+
+            do_GET = do_HEAD = do_POST
+
+            def log_message(self, *args: object) -> None:
+                pass
+
+        super().__init__(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server_address[1]}"
+
+
+@pytest.fixture
+def capture():
+    server = Capture()
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        yield server
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+class ArgvWatch(threading.Thread):
+    """Every process's command line, read from /proc while an agent runs: the key must be in none."""
+
+    def __init__(self, secret: str, marker: bytes) -> None:
+        super().__init__(daemon=True)
+        self.secret, self.marker = secret.encode(), marker
+        self.leaked: list[bytes] = []
+        self.agent_seen = False
+        self.done = threading.Event()
+
+    def run(self) -> None:
+        while not self.done.wait(0.05):
+            for entry in Path("/proc").iterdir():
+                try:
+                    argv = (entry / "cmdline").read_bytes() if entry.name.isdigit() else b""
+                except OSError:
+                    continue
+                self.agent_seen |= self.marker in argv
+                if self.secret in argv:
+                    self.leaked.append(argv)
+
+    def __enter__(self) -> "ArgvWatch":
+        if not Path("/proc/self/cmdline").exists():
+            pytest.skip("reads command lines from /proc")
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.done.set()
+        self.join()
+
+
 def test_copilot_takes_our_provider_and_budget(daemon: dict[str, str]) -> None:
     result = launch(daemon, "copilot", "-p", "Say hello", "--allow-all-tools", "--no-custom-instructions")
     # Our warning first, then Copilot's own refusal, which it can only give from the prompt budget
@@ -138,6 +262,26 @@ def test_claude_code_shows_our_error_when_its_prompt_does_not_fit(daemon: dict[s
     result = launch(daemon, "claude", "-p", "Say hello")
     assert "Claude Code sends about" in result.stderr  # launch's warning, before the agent starts
     assert "this model's context is 8192 tokens" in result.stdout + result.stderr  # our 400, shown by Claude Code
+
+
+def test_claude_code_comes_to_us_past_the_users_own_gateway_settings(daemon: dict[str, str], capture: Capture) -> None:
+    """Issue 49 #6: a user's ~/.claude/settings.json names a gateway (its URL, its token, Bedrock).
+    Its `env` beat launch's environment before; the command-line settings layer beats it. The
+    daemon has an api_key: only our token gets its 400, any other would be a 401."""
+    settings = Path(daemon["HOME"]) / ".claude" / "settings.json"
+    settings.parent.mkdir(parents=True)
+    settings.write_text(json.dumps({"env": {"ANTHROPIC_BASE_URL": capture.url, "ANTHROPIC_AUTH_TOKEN": "gateway-token",
+                                            "ANTHROPIC_API_KEY": "sk-ant-theirs", "CLAUDE_CODE_USE_BEDROCK": "1"},
+                                    "apiKeyHelper": "echo helper-key"}))
+    with ArgvWatch(API_KEY, b"--settings") as watch:
+        result = launch(daemon, "claude", "-p", "Say hello")
+    assert "this model's context is 8192 tokens" in result.stdout + result.stderr, result.stdout + result.stderr
+    assert capture.seen == []
+    assert watch.agent_seen and watch.leaked == []
+    log = (Path(daemon["LOCALSERVE_HOME"]) / "logs" / "localserve.log").read_text()
+    assert '"POST /v1/messages?beta=true HTTP/1.1" 400' in log and '" 401 ' not in log
+    assert json.loads(settings.read_text())["env"]["ANTHROPIC_BASE_URL"] == capture.url  # theirs, untouched
+    assert not list(Path(os.environ.get("TMPDIR", "/tmp")).glob("localserve-claude-*.json"))  # ours, gone
 
 
 # Codex's default tools and instructions are 9127 tokens (0.171.0); without its sub-agent, goal and
@@ -167,3 +311,33 @@ def test_codex_reads_our_context_error_as_its_own(daemon: dict[str, str]) -> Non
     assert "Codex CLI sends about" in result.stderr
     # Our 400's code (context_length_exceeded) is the one Codex knows: it says so in its own words.
     assert "ran out of room in the model's context window" in result.stdout + result.stderr
+
+
+def test_codex_comes_to_us_past_a_config_toml_naming_another_provider(daemon: dict[str, str], capture: Capture) -> None:
+    """Codex's `-c` overrides outrank the user's config.toml (its own provider and model)."""
+    config = Path(daemon["HOME"]) / ".codex" / "config.toml"
+    config.parent.mkdir(parents=True)
+    config.write_text(f'model_provider = "corp"\nmodel = "corp-model"\n\n[model_providers.corp]\nname = "corp"\n'
+                      f'base_url = "{capture.url}/v1"\nwire_api = "responses"\n')
+    with ArgvWatch(API_KEY, b"codex") as watch:
+        result = launch(daemon, "codex", "exec", "--skip-git-repo-check", "Say hello")
+    assert "ran out of room in the model's context window" in result.stdout + result.stderr
+    assert capture.seen == [] and watch.agent_seen and watch.leaked == []
+
+
+def test_copilot_ignores_the_users_own_provider_variables(capture: Capture, tmp_path: Path,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """A bearer token, a wire model and headers of the user's, inherited, would win over ours. The
+    "daemon" here is the capture server, so Copilot's requests can be read whole."""
+    executable = str(installed_agent("copilot"))
+    target = Target(capture.url, "our-token", "our-model", 131072)  # roomy: Copilot sends at once
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.setenv("COPILOT_PROVIDER_BEARER_TOKEN", "their-token")
+    monkeypatch.setenv("COPILOT_PROVIDER_WIRE_MODEL", "their-model")
+    monkeypatch.setenv("COPILOT_PROVIDER_HEADERS", "X-Tenant: theirs")
+    run_agent(AGENTS["copilot"], executable, target,
+              ["-p", "Say hello", "--allow-all-tools", "--no-custom-instructions"])
+    assert capture.seen, "Copilot sent nothing"
+    for request in capture.seen:
+        assert request["headers"].get("authorization") == "Bearer our-token" and request["model"] == "our-model"
+        assert "x-tenant" not in request["headers"]
