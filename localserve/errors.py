@@ -23,6 +23,7 @@ status and an OpenAI error body (`server/errors.py`) through `http_status`, `err
     ├── OverloadedError              the whole server is full or a model is loading (503)
     ├── BackendError                 a model failed to load or decode (500, details only in the log)
     ├── GenerationError              a request failed inside the engine (500, our message, shown)
+    ├── InternalError                an unexpected failure, logged where it was caught (500)
     ├── RequestCancelledError        the server ended a request: shutdown, unload (503 + Retry-After)
     │   └── SwapPreemptedError       batch-lane work ended at a step boundary so another model can load
     ├── RequestSupersededError       a newer request for the same id_slot ended this one (409)
@@ -179,6 +180,16 @@ class GenerationError(LocalserveError):
     The engine writes the message, so unlike BackendError's it is shown to the client."""
 
     code = "generation_failed"
+
+
+class InternalError(LocalserveError):
+    """An unexpected failure (a bug), already logged with its traceback where it was caught; the
+    client sees only this, in its dialect's shape."""
+
+    code = "internal_error"
+
+    def __init__(self) -> None:
+        super().__init__("internal server error")
 
 
 class RequestCancelledError(OverloadedError):

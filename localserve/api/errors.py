@@ -12,7 +12,7 @@ import json
 import logging
 from typing import Any
 
-from ..errors import GenerationError, LocalserveError, OverloadedError
+from ..errors import GenerationError, InternalError, LocalserveError, OverloadedError
 
 log = logging.getLogger("localserve.server")
 
@@ -49,7 +49,7 @@ def anthropic_exception_body(exc: LocalserveError, what: str) -> tuple[int, dict
 def safe_message(exc: LocalserveError, what: str) -> str:
     """The message a client may see; internal failures (their text may name files or native
     errors) are logged with `what` and answered as "internal server error"."""
-    if exc.http_status >= 500 and not isinstance(exc, (OverloadedError, GenerationError)):
+    if exc.http_status >= 500 and not isinstance(exc, (OverloadedError, GenerationError, InternalError)):
         log.error("%s failed: %s", what, exc, exc_info=exc)
         return "internal server error" if exc.http_status == 500 else exc.message
     return exc.message

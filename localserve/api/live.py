@@ -26,6 +26,7 @@ from itertools import chain, islice
 from typing import Any, Iterable, Sequence
 
 from ..protocol.engine import EventStream, ModelEngine
+from .dialects import ROUTES
 from ..protocol.requests import LANES
 
 WINDOWS_S = {"1m": 60.0, "15m": 900.0}
@@ -37,15 +38,6 @@ RING_SIZE = 16_384
 LONG_REFRESH_S = 15.0  # the 15-minute percentiles of a large ring are recomputed this often
 ALWAYS_FRESH_SAMPLES = 8_192  # a figure with at most this many samples is recomputed at every snapshot
 QUANTILES = {"p50": 0.5, "p95": 0.95, "p99": 0.99}
-
-# The generating routes and the dialect each speaks (the dashboard's "where traffic comes from").
-DIALECTS = {
-    "/v1/chat/completions": "openai", "/v1/completions": "openai", "/v1/embeddings": "openai",
-    "/api/generate": "ollama", "/api/chat": "ollama", "/api/embed": "ollama", "/api/embeddings": "ollama",
-    "/v1/messages": "anthropic", "/v1/responses": "responses",
-    "/infill": "fim", "/completion": "fim", "/v1/fim/completions": "fim",
-}
-
 
 @dataclass
 class Origin:
@@ -65,8 +57,8 @@ ORIGIN: ContextVar[Origin | None] = ContextVar("localserve_origin", default=None
 
 def origin_for(route: str, tracker: "LiveRequests") -> Origin | None:
     """The origin of a request to `route`, or None for a route that generates nothing."""
-    dialect = DIALECTS.get(route)
-    return Origin(dialect, route, tracker=tracker) if dialect else None
+    dialect = ROUTES.get(route)  # the generating routes (api/dialects.py)
+    return Origin(dialect.name, route, tracker=tracker) if dialect else None
 
 
 def mark_fim() -> None:

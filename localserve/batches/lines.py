@@ -20,10 +20,10 @@ import logging
 from dataclasses import dataclass
 from typing import Any, Awaitable, Callable
 
-from ..errors import InvalidRequestError, LocalserveError, OverloadedError, QueueFullError
+from ..errors import InternalError, InvalidRequestError, LocalserveError, OverloadedError, QueueFullError
 from ..api.json_body import BodyTooLargeError, parse_json
 from ..api.anthropic import create_message, parse_messages
-from ..api.errors import anthropic_exception_body, openai_error_body, openai_exception_body
+from ..api.dialects import dialect_of
 from ..api.openai import (
     ApiEnv,
     chat_completion,
@@ -41,23 +41,18 @@ log = logging.getLogger(__name__)
 Pin = Callable[[str], Awaitable[None]]  # keeps a model loaded for the rest of the batch
 
 
-def openai_error(exc: LocalserveError, what: str) -> tuple[int, dict[str, Any]]:
-    return exc.http_status, openai_exception_body(exc, what)
-
-
 @dataclass(frozen=True)
 class Endpoint:
     parse: Callable[[Body, ApiEnv], Any]
     run: Callable[[Any, ApiEnv], Awaitable[dict[str, Any]]]
     model_of: Callable[[Any], str]
-    error: Callable[[LocalserveError, str], tuple[int, dict[str, Any]]] = openai_error  # the dialect's (status, body)
 
 
 ENDPOINTS: dict[str, Endpoint] = {
     "/v1/chat/completions": Endpoint(parse_chat, chat_completion, lambda call: call.opts.model),
     "/v1/completions": Endpoint(parse_completion, completion, lambda call: call.opts.model),
     "/v1/embeddings": Endpoint(parse_embeddings, embeddings, lambda call: call.model),
-    "/v1/messages": Endpoint(parse_messages, create_message, lambda call: call.chat.opts.model, anthropic_exception_body),
+    "/v1/messages": Endpoint(parse_messages, create_message, lambda call: call.chat.opts.model),
     "/v1/responses": Endpoint(parse_responses, create_response, lambda call: call.chat.opts.model),
 }
 
@@ -106,10 +101,10 @@ async def run_line(raw: str, endpoint: str, env: ApiEnv, pin: Pin) -> Outcome:
     except (QueueFullError, OverloadedError):
         raise  # the lane is full or the model is loading: the runner tries the line again later
     except LocalserveError as exc:
-        return Outcome(*ENDPOINTS[endpoint].error(exc, f"batch line for {endpoint}"))
+        return Outcome(*dialect_of(endpoint).error_body(exc, f"batch line for {endpoint}"))
     except Exception:  # noqa: BLE001 - a bug must fail one line, not the batch or the daemon
         log.exception("batch line for %s failed", endpoint)
-        return Outcome(500, openai_error_body("internal server error", "server_error", None, "internal_error"))
+        return Outcome(*dialect_of(endpoint).error_body(InternalError(), endpoint))
 
 
 def sort_pending(lines: list[tuple[int, str | None, str]], max_bytes: int) -> list[tuple[int, str | None, str]]:

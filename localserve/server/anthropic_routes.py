@@ -10,25 +10,23 @@ shape by path (server/errors.py), after the 200 as an `error` event.
 
 from __future__ import annotations
 
-import contextlib
-import logging
 
 from aiohttp import web
 
 from ..api.anthropic import MessagesCall, count_tokens, create_message, message_stream, parse_messages
 from ..api.anthropic_stream import PING
-from ..api.errors import ClientGone, anthropic_error, anthropic_exception_body, json_dumps
+from ..api.errors import anthropic_exception_body, json_dumps
 from ..api.generation import Run, raise_if_failed
 from ..api.openai import ApiEnv, observe, start
 from ..errors import LocalserveError
 from .body import read_json
 from .disconnect import guard_disconnect
+from .streamed import stream_after_200
 from .openai_routes import api_env
 from .sse import event_frame, open_sse, send_event
 from .state import METRICS_KEY
 
 routes = web.RouteTableDef()
-log = logging.getLogger("localserve.server")
 
 
 @routes.post("/v1/messages")
@@ -64,15 +62,8 @@ async def _stream(request: web.Request, env: ApiEnv, call: MessagesCall, run: Ru
             if event.finish_reason is not None:
                 observe(env, run.model, [event.usage])
 
-    try:
-        await guard_disconnect(request, body())
-    except (ClientGone, ConnectionResetError):
-        pass  # the client left; start()'s finally cancels the stream
-    except LocalserveError as e:
-        with contextlib.suppress(ConnectionResetError):
-            await send_event(response, "error", anthropic_exception_body(e, f"stream of {request.path}")[1])
-    except Exception:  # noqa: BLE001 - headers are out: the error middleware can no longer answer
-        log.exception("stream of %s failed", request.path)
-        with contextlib.suppress(ConnectionResetError):
-            await send_event(response, "error", anthropic_error(500, "internal server error")[1])
+    async def send_error(e: LocalserveError) -> None:
+        await send_event(response, "error", anthropic_exception_body(e, f"stream of {request.path}")[1])
+
+    await stream_after_200(request, body(), send_error, request.path)
     return response

@@ -2,7 +2,8 @@
 
 /v1 and the rest speak OpenAI's shape `{"error": {"message", "type", "param", "code"}}`; /api/
 speaks Ollama's `{"error": "..."}`; /v1/messages (and a /v1 call carrying `anthropic-version`)
-Anthropic's `{"type": "error", "error": {"type", "message"}}`, with Anthropic's statuses. The middleware here maps, in that order: our LocalserveError
+Anthropic's `{"type": "error", "error": {"type", "message"}}`, with Anthropic's statuses: the
+table of dialects (api/dialects.py) says which. The middleware here maps, in that order: our LocalserveError
 tree (http_status / error_type / code / param), aiohttp's own HTTP exceptions (unknown route 404,
 wrong method 405, body over client_max_size 413), and anything else to a bare 500 whose details go
 only to the log -- a traceback or a host path in a response tells a web page on the same machine
@@ -13,12 +14,13 @@ from __future__ import annotations
 
 import logging
 import math
-from typing import Any, Awaitable, Callable
+from typing import Awaitable, Callable
 
 from aiohttp import web
 
-from ..api.errors import ClientGone, anthropic_error, openai_error_body, safe_message
-from ..errors import LocalserveError, OverloadedError, QueueFullError
+from ..api.dialects import ANTHROPIC, Dialect, dialect_of
+from ..api.errors import ClientGone, safe_message
+from ..errors import InternalError, LocalserveError, OverloadedError, QueueFullError
 
 log = logging.getLogger("localserve.server")
 
@@ -38,15 +40,13 @@ _HTTP_ERRORS: dict[int, tuple[str, str | None]] = {
 }
 
 
-def is_ollama_path(path: str) -> bool:
-    return path == "/api" or path.startswith("/api/")
-
-
 def is_anthropic_request(request: web.Request) -> bool:
     """Anthropic's routes, and any /v1 call of its SDK (which always sends anthropic-version)."""
-    path = request.path
-    return path == "/v1/messages" or path.startswith("/v1/messages/") or \
-        (path.startswith("/v1/") and "anthropic-version" in request.headers)
+    return _dialect(request) is ANTHROPIC
+
+
+def _dialect(request: web.Request) -> Dialect:
+    return dialect_of(request.path, "anthropic-version" in request.headers)
 
 
 def error_response(
@@ -60,13 +60,8 @@ def error_response(
     retry_after: float | None = None,
     headers: dict[str, str] | None = None,
 ) -> web.Response:
-    """A JSON error in the dialect of the route family the request went to."""
-    if is_ollama_path(request.path):
-        body: dict[str, Any] = {"error": message}
-    elif is_anthropic_request(request):
-        status, body = anthropic_error(status, message)
-    else:
-        body = openai_error_body(message, error_type, param, code)
+    """A JSON error in the dialect of the route family the request went to (api/dialects.py)."""
+    status, body = _dialect(request).body(status, message, error_type, param, code)
     all_headers = dict(headers or {})
     if retry_after is not None:
         # Retry-After is whole seconds (RFC 9110); round up so a client never retries too early.
@@ -114,6 +109,6 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
         raise  # the client left; nothing to answer
     except Exception:  # noqa: BLE001 - the last line of defence: log, answer 500 without details
         log.exception("unhandled error in %s %s", request.method, request.path)
-        return error_response(request, 500, "internal server error", "server_error", code="internal_error")
+        return exception_response(request, InternalError())
 
 

@@ -4,19 +4,19 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 from typing import Callable
 
 from aiohttp import web
 
 from .. import __version__
-from ..api.errors import ClientGone, json_dumps, openai_exception_body
+from ..api.errors import json_dumps, openai_exception_body
 from ..api.generation import Run, generation, raise_if_failed
 from ..api.llamacpp import (NativeCall, bounded, chunk_object, final_object, parse_infill, parse_native_completion,
                             props_body)
 from ..errors import GenerationError, LocalserveError
 from .body import read_json
 from .disconnect import guard_disconnect
+from .streamed import stream_after_200
 from .served import served
 from .slots import Client, SlotClaim
 from .sse import open_sse, send_sse
@@ -97,11 +97,9 @@ async def _stream(request: web.Request, call: NativeCall, run: Run, what: str,
             if event.finish_reason is not None:
                 await send_sse(response, final_object(call, run.model, "", [], event.usage, event.finish_reason))
 
-    try:
-        await guard_disconnect(request, body(), claim)
-    except (ClientGone, ConnectionResetError):
-        pass  # the client left (the next keystroke's request): generation() cancels the stream
-    except LocalserveError as e:  # after the 200: the error object in a frame, as non-streamed
-        with contextlib.suppress(ConnectionResetError):
-            await send_sse(response, openai_exception_body(e, f"{what} {run.model}"))
+    async def send_error(e: LocalserveError) -> None:  # after the 200: the error object in a frame, as non-streamed
+        await send_sse(response, openai_exception_body(e, f"{what} {run.model}"))
+
+    # The client leaving is the next keystroke's request: generation() cancels the stream.
+    await stream_after_200(request, body(), send_error, f"{what} {run.model}", claim)
     return response

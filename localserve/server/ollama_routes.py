@@ -10,8 +10,6 @@ done_reason and nanosecond durations (total/load/prompt_eval/eval). Errors are `
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import logging
 import time
 from typing import Any, Callable
 
@@ -21,10 +19,11 @@ from .. import __version__
 from ..protocol.engine import EventStream, ModelEngine
 from ..errors import LocalserveError
 from ..protocol.requests import GenerationEvent, GenerationRequest, Usage
-from ..api.errors import ClientGone, json_dumps, safe_message
+from ..api.errors import json_dumps, safe_message
 from ..api.live import mark_fim
 from ..api.generation import Clock, chat_template, check_tokens, collect, embed_texts, generation, is_token_list, merge, raise_if_failed, tokenize_async
 from .disconnect import guard_disconnect
+from .streamed import stream_after_200
 from .ndjson import open_ndjson, send_line
 from .state import MANAGER_KEY, METRICS_KEY, SETTINGS_KEY, STORE_KEY
 from ..api.ollama import (FOREVER, build_request, context_note, details, final_fields, fim_request_tokens, model_name,
@@ -36,7 +35,6 @@ from .body import read_json
 from .served import served
 
 routes = web.RouteTableDef()
-log = logging.getLogger("localserve.server")
 
 
 async def stream_lines(request: web.Request, streams: list[EventStream],
@@ -46,26 +44,19 @@ async def stream_lines(request: web.Request, streams: list[EventStream],
     response = await open_ndjson(request)
 
     async def body() -> None:
-        try:
-            async for _, event in merge(streams):
-                raise_if_failed(event)
-                line = make_line(event)
-                if line is not None:
-                    await send_line(response, line)
-                if event.finish_reason is not None:
-                    for final in make_final(event):
-                        await send_line(response, final)
-        except LocalserveError as e:  # after the 200: Ollama's clients read an "error" line
-            await send_line(response, {"error": safe_message(e, f"stream {request.path}")})
+        async for _, event in merge(streams):
+            raise_if_failed(event)
+            line = make_line(event)
+            if line is not None:
+                await send_line(response, line)
+            if event.finish_reason is not None:
+                for final in make_final(event):
+                    await send_line(response, final)
 
-    try:
-        await guard_disconnect(request, body())
-    except (ClientGone, ConnectionResetError):
-        pass
-    except Exception:  # noqa: BLE001 - headers are out: the error middleware can no longer answer
-        log.exception("stream of %s failed", request.path)
-        with contextlib.suppress(ConnectionResetError):
-            await send_line(response, {"error": "internal server error"})
+    async def send_error(e: LocalserveError) -> None:  # after the 200: Ollama's clients read an "error" line
+        await send_line(response, {"error": safe_message(e, f"stream {request.path}")})
+
+    await stream_after_200(request, body(), send_error, request.path)
     return response
 
 

@@ -14,8 +14,6 @@ openai_api.py's, shared with callers that have no HTTP request (the Batch API).
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import logging
 from typing import Any, Awaitable, Callable
 
 from aiohttp import web
@@ -23,10 +21,11 @@ from aiohttp import web
 from ..protocol.engine import EventStream
 from ..errors import InvalidNameError, LocalserveError, ModelNotFoundError
 from ..protocol.requests import Usage
-from ..api.errors import ClientGone, json_dumps, openai_error_body, openai_exception_body
+from ..api.errors import json_dumps, openai_exception_body
 from ..api.generation import UsageTotals, merge, raise_if_failed
 from ..api.anthropic import model_info as anthropic_model_info, model_list as anthropic_model_list
 from .disconnect import guard_disconnect
+from .streamed import stream_after_200
 from .errors import is_anthropic_request
 from .sse import open_sse, send_sse
 from ..api.openai import (
@@ -52,7 +51,6 @@ from ..api.tools import ToolCallStream
 from .body import read_json
 
 routes = web.RouteTableDef()
-log = logging.getLogger("localserve.server")
 
 
 def api_env(request: web.Request) -> ApiEnv:
@@ -106,20 +104,13 @@ class _Reply:
     async def run_stream(self, streams: list[EventStream],
                          body_writer: Callable[[web.StreamResponse, list[EventStream]], Awaitable[None]]) -> web.StreamResponse:
         response = await open_sse(self.request)
-        try:
-            await guard_disconnect(self.request, body_writer(response, streams))
-        except (ClientGone, ConnectionResetError):
-            pass  # the client left; the caller's finally cancels the streams
-        except LocalserveError as e:
-            # After the 200 and the first chunks no status can change: OpenAI's clients raise on a
-            # frame with an "error" member, so that is how a failure mid-stream is told, in the body
-            # a non-streamed request gets (an engine's typed failure, a remote upstream's 400).
-            with contextlib.suppress(ConnectionResetError):
-                await send_sse(response, openai_exception_body(e, f"stream of {self.id}"))
-        except Exception:  # noqa: BLE001 - headers are out: the error middleware can no longer answer
-            log.exception("stream of %s failed", self.id)
-            with contextlib.suppress(ConnectionResetError):
-                await send_sse(response, openai_error_body("internal server error", "server_error", None, "internal_error"))
+
+        async def send_error(e: LocalserveError) -> None:
+            # OpenAI's clients raise on a frame with an "error" member: a failure mid-stream (an
+            # engine's typed failure, a remote upstream's 400) in the body a non-streamed request gets.
+            await send_sse(response, openai_exception_body(e, f"stream of {self.id}"))
+
+        await stream_after_200(self.request, body_writer(response, streams), send_error, self.id)
         return response
 
     async def finish_stream(self, response: web.StreamResponse, obj: str, usages: list[Usage | None]) -> None:

@@ -9,12 +9,10 @@ the stored responses are api/responses*.py's, shared with the Batch API.
 
 from __future__ import annotations
 
-import contextlib
-import logging
 
 from aiohttp import web
 
-from ..api.errors import ClientGone, json_dumps
+from ..api.errors import json_dumps
 from ..api.generation import Run, merge, raise_if_failed
 from ..api.openai import ApiEnv, observe
 from ..api.responses import (
@@ -33,12 +31,12 @@ from ..api.validation import Body
 from ..errors import LocalserveError
 from .body import read_json
 from .disconnect import guard_disconnect
+from .streamed import stream_after_200
 from .openai_routes import api_env
 from .sse import open_sse
 from .state import METRICS_KEY
 
 routes = web.RouteTableDef()
-log = logging.getLogger("localserve.server")
 
 
 @routes.post("/v1/responses")
@@ -55,17 +53,10 @@ async def create(request: web.Request) -> web.StreamResponse:
 async def _stream(request: web.Request, env: ApiEnv, conv: Conversation, run: Run) -> web.StreamResponse:
     events = ResponseEvents(conv, run.model, run.engine)
     response = await open_sse(request)
-    try:
-        await guard_disconnect(request, _write_events(request, response, env, events, run))
-    except (ClientGone, ConnectionResetError):
-        pass  # the client left; the caller's `start` cancels the stream
-    except LocalserveError as e:
-        with contextlib.suppress(ConnectionResetError):
-            await _send(response, events.failure(e))
-    except Exception:  # noqa: BLE001 - headers are out: the error middleware can no longer answer
-        log.exception("stream of %s failed", conv.call.id)
-        with contextlib.suppress(ConnectionResetError):
-            await _send(response, events.failure(LocalserveError("internal server error")))
+    async def send_error(e: LocalserveError) -> None:
+        await _send(response, events.failure(e))
+
+    await stream_after_200(request, _write_events(request, response, env, events, run), send_error, conv.call.id)
     return response
 
 
