@@ -108,7 +108,7 @@ def window(need: int) -> int:
 
 
 # --- the cut, on the real tokenizer ----------------------------------------------------------------
-def test_a_7mb_prefix_gives_the_tokens_of_its_end_alone(server) -> None:
+def test_a_7mb_prefix_gives_the_tokens_of_its_end_alone(server) -> None:  # noqa: F811
     engine = engine_of(server)
     budget = prompt_budget(engine, 16)
     big = code(7_000_000)
@@ -123,7 +123,7 @@ def test_a_7mb_prefix_gives_the_tokens_of_its_end_alone(server) -> None:
     assert fim_prompt(engine, MODEL, longest, SUFFIX, budget=budget).tokens == cut.tokens
 
 
-def test_a_mebibyte_each_side_gives_the_same_prompt(server) -> None:
+def test_a_mebibyte_each_side_gives_the_same_prompt(server) -> None:  # noqa: F811
     """1 MiB prefix and suffix: the suffix keeps its start; neither leaves room for extra chunks,
     which are then never tokenized."""
     engine = engine_of(server)
@@ -143,7 +143,7 @@ def test_a_mebibyte_each_side_gives_the_same_prompt(server) -> None:
     assert short.tokens == reference_prompt(engine, "x = ", suffix, budget)
 
 
-def test_extra_chunks_nearest_the_end_fill_the_room_and_the_rest_are_never_tokenized(server) -> None:
+def test_extra_chunks_nearest_the_end_fill_the_room_and_the_rest_are_never_tokenized(server) -> None:  # noqa: F811
     engine = engine_of(server)
     budget = prompt_budget(engine, 16)
     prefix, suffix = code(1200, "p"), code(300, "s")
@@ -158,7 +158,7 @@ def test_extra_chunks_nearest_the_end_fill_the_room_and_the_rest_are_never_token
         assert watch.chars <= 2 * window(budget)
 
 
-def test_text_of_long_tokens_widens_the_cut_until_it_holds_enough(server) -> None:
+def test_text_of_long_tokens_widens_the_cut_until_it_holds_enough(server) -> None:  # noqa: F811
     """Runs of spaces are a few long tokens each: the first window holds too few, and the cut widens
     rather than give the prompt fewer tokens than the whole text would."""
     engine = engine_of(server)
@@ -172,7 +172,7 @@ def test_text_of_long_tokens_widens_the_cut_until_it_holds_enough(server) -> Non
     assert watch.chars < len(prefix) // 10
 
 
-def test_a_middle_past_the_budget_is_refused_from_its_start(server) -> None:
+def test_a_middle_past_the_budget_is_refused_from_its_start(server) -> None:  # noqa: F811
     engine = engine_of(server)
     budget = prompt_budget(engine, 16)
     with TokenizerWatch(engine) as watch, pytest.raises(InvalidRequestError) as refused:
@@ -180,7 +180,7 @@ def test_a_middle_past_the_budget_is_refused_from_its_start(server) -> None:
     assert refused.value.param == "input_suffix" and watch.chars <= window(budget) + 8
 
 
-def test_inputs_that_fit_are_not_cut(server) -> None:
+def test_inputs_that_fit_are_not_cut(server) -> None:  # noqa: F811
     engine = engine_of(server)
     budget = prompt_budget(engine, 16)
     prefix, suffix = code(800, "p"), code(300, "s")
@@ -193,7 +193,7 @@ def test_inputs_that_fit_are_not_cut(server) -> None:
 
 
 # --- the routes, on the live server ----------------------------------------------------------------
-def held_request(server, path: str, body: dict) -> tuple[int, Any, TokenizerWatch]:
+def held_request(server, path: str, body: dict) -> tuple[int, Any, TokenizerWatch]:  # noqa: F811
     """POST `body` while its first tokenizer call is held, ask /health meanwhile, then let it go on.
     /health must answer during the hold, and every tokenizer call must run off the loop's thread."""
     engine = engine_of(server)
@@ -228,7 +228,7 @@ FIM_ROUTES = [
 
 
 @pytest.mark.parametrize("path,body", FIM_ROUTES)
-def test_big_fim_requests_answer_and_tokenize_off_the_loop(server, path: str, body: dict) -> None:
+def test_big_fim_requests_answer_and_tokenize_off_the_loop(server, path: str, body: dict) -> None:  # noqa: F811
     status, answer, watch = held_request(server, path, body)
     assert status == 200, answer
     budget = prompt_budget(engine_of(server), 2)
@@ -237,7 +237,7 @@ def test_big_fim_requests_answer_and_tokenize_off_the_loop(server, path: str, bo
     assert budget - 16 <= used <= budget  # the context filled, as before the fix
 
 
-def test_input_extra_is_bounded_before_any_work(server) -> None:
+def test_input_extra_is_bounded_before_any_work(server) -> None:  # noqa: F811
     """The review's 256 chunks of 28 KB: 400 naming input_extra, nothing tokenized. Just under the
     bound: 200, with only the chunks nearest the cursor tokenized, off the loop."""
     chunk = code(28_000)
@@ -255,7 +255,7 @@ def test_input_extra_is_bounded_before_any_work(server) -> None:
     assert not any(f"# c{i}\n" in text for _, text in watch.calls for i in range(fits - 4))
 
 
-def test_a_7mb_completion_prompt_is_tokenized_off_the_loop(server) -> None:
+def test_a_7mb_completion_prompt_is_tokenized_off_the_loop(server) -> None:  # noqa: F811
     """/completion takes a raw prompt (a client-side FIM template): nothing to cut by role, so it is
     tokenized whole, in a thread, and refused for the context as before."""
     status, answer, watch = held_request(server, "/completion", {"prompt": code(7_000_000), "n_predict": 2})
@@ -283,6 +283,6 @@ BIGINT_REQUESTS = [
 
 
 @pytest.mark.parametrize("path,body", BIGINT_REQUESTS)
-def test_a_5000_digit_integer_in_tool_call_arguments_is_not_a_500(server, path: str, body: dict) -> None:
+def test_a_5000_digit_integer_in_tool_call_arguments_is_not_a_500(server, path: str, body: dict) -> None:  # noqa: F811
     status, answer = server.json("POST", path, body)
     assert status == 200, answer
