@@ -128,12 +128,12 @@ class Harness:
         ids = sorted(q.seq_id for q in s.running)
         if ids and s.caps.consecutive_ids:
             assert ids == list(range(ids[0], ids[0] + len(ids))), ids
-        s.postprocess(plan, step.run(self.backend, plan))
-        # What postprocess released goes to the backend with the next plan in the engine; applied
-        # now, the cache can be checked against the books after every step.
-        self.flushed = s.take_kv_ops()
+        output = s.postprocess(plan, step.run(self.backend, plan))
+        # As the engine does: what the step released goes back now, so the cache can be checked
+        # against the books after every step.
+        self.flushed = output.kv_ops
         step.apply_kv_ops(self.backend, self.flushed)
-        for seq in self.sched.updates:
+        for seq in output.updated:
             event = seq.take_event()
             if event is None:
                 continue
@@ -146,7 +146,6 @@ class Harness:
                 r.finishes += 1
                 r.finish_reason = event.finish_reason
                 r.usage = event.usage
-        self.sched.updates = []
         self.check_invariants(plan)
         return plan
 
@@ -181,7 +180,7 @@ class Harness:
         for r in self.results.values():
             assert r.finishes == 1, (r.seq.request_id, r.finishes)
         self.sched.cache.clear()
-        step.apply_kv_ops(self.backend, self.sched.take_kv_ops())
+        step.apply_kv_ops(self.backend, self.sched.take_output().kv_ops)
         assert self.sched.pool.used == 0 and used_cells(self.backend) == self.foreign_cells()
         assert self.sched.pool.free_ids == self.backend.capabilities.max_seqs
         assert not live_seq_ids(self.backend) - self.foreign

@@ -156,7 +156,7 @@ async def test_rejected_drafts_leave_no_cells_behind(streams):
         with running_engine(streams, n_ctx_seq=2048, batch_tokens=512, speculative=mode) as engine:
             asked = requests()
             out = await asyncio.gather(*(run(engine, r) for r in asked))
-            # (A finished request's removals are applied before its last event: Engine._release_kv.)
+            # (A finished request's removals are applied before its last event: Engine._deliver.)
             stats, s = engine.stats(), engine.scheduler
             entries = list(s.cache.parked.values())
             pos_max = {e.seq_id: streams.kv_pos_max(e.seq_id) for e in entries}

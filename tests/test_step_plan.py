@@ -140,15 +140,18 @@ def test_what_a_cancelled_request_left_is_taken_over_by_the_next_hit():
         assert b.seq_id == held and b.cached_tokens == len(SYSTEM) + 1 and not sched.cache.parked
 
 
-def test_a_finished_sequence_without_a_cache_is_removed_with_the_next_plan():
+def test_a_finished_sequence_without_a_cache_is_removed_in_its_steps_output():
     sched = planner(POOL, prefix_cache=False)
     a = submit(sched, [1, 2, 3, 4], max_tokens=1)
-    step(sched)
+    plan = sched.schedule()
+    output = sched.postprocess(plan, sampled(plan))
     assert a.finished and sched.pool.used == 0  # the books freed it at once...
+    # ...and the step's output tells the cache (the engine applies it before the next plan),
+    # whoever gets the id next.
+    assert output.kv_ops == [KVRemove(0)] and output.updated == [a]
     b = submit(sched, [5, 6, 7, 8])
     plan = step(sched)
-    # ...and the cache is told before anything else happens to it, whoever gets the id next.
-    assert plan.kv_ops == [KVRemove(0)] and b.seq_id == 0
+    assert plan.kv_ops == [] and b.seq_id == 0
 
 
 def test_a_parked_entry_in_the_running_range_moves_out_of_the_way():
@@ -168,9 +171,9 @@ def test_a_rolled_back_step_costs_no_kv_operation_and_is_planned_again():
     plan = sched.schedule()
     used = sched.pool.used
     assert used == len(SYSTEM)
-    sched.postprocess(plan, StepResult("interrupted", seconds=0.01))
+    output = sched.postprocess(plan, StepResult("interrupted", seconds=0.01))
     # The backend kept nothing of an interrupted batch, so undoing it is bookkeeping alone.
-    assert sched.pool.used == 0 and a.num_computed == 0 and sched.take_kv_ops() == []
+    assert sched.pool.used == 0 and a.num_computed == 0 and output.kv_ops == [] and output.updated == []
     assert sched.interrupted_steps == 1
     again = sched.schedule()
     assert again.batch == plan.batch and again.kv_ops == []
@@ -183,12 +186,12 @@ def test_a_full_cache_comes_back_as_data_and_evicts_an_entry():
     b = submit(sched, [50, 51, 52, 53, 54, 55])
     plan = sched.schedule()
     # Our books were optimistic (the decode found no room): the step is undone and the parked
-    # entry goes, a remove the next plan carries before it retries.
-    sched.postprocess(plan, StepResult("kv_full"))
+    # entry goes, a remove the step's output carries (the engine applies it before the retry).
+    output = sched.postprocess(plan, StepResult("kv_full"))
     assert not sched.cache.parked and b.num_computed == 0 and b.status is Status.RUNNING
-    assert sched.pool.used == 0
+    assert sched.pool.used == 0 and output.kv_ops == [KVRemove(0)]
     retry = step(sched)
-    assert retry.kv_ops == [KVRemove(0)] and positions(retry, b) == list(range(6))
+    assert retry.kv_ops == [] and positions(retry, b) == list(range(6))
     assert a.finished
 
 
@@ -197,9 +200,9 @@ def test_a_failed_decode_drops_its_requests_kv_never_parks_it():
     a = submit(sched, SYSTEM)
     plan = sched.schedule()
     seq_id = a.seq_id
-    sched.postprocess(plan, StepResult("failed"))
+    output = sched.postprocess(plan, StepResult("failed"))
     assert a.finish_reason == "error" and not sched.cache.parked and sched.pool.used == 0
-    assert sched.take_kv_ops() == [KVRemove(seq_id)] and a.seq_id == -1
+    assert output.kv_ops == [KVRemove(seq_id)] and output.updated == [a] and a.seq_id == -1
 
 
 def test_moves_to_consecutive_ids_happen_only_where_the_backend_needs_them():

@@ -8,9 +8,10 @@ copies and frees its workers apply). Applying them in order is all that keeps th
 an id released and handed out again in the same plan is removed before it is copied into.
 
 Operations recorded after a plan was made (a request that finished in postprocess, a failed batch
-dropped) are applied by the engine at the end of the same step (Engine._release_kv, through the
-same engine/step.py function), before the request's last event is sent: an idle engine's cache
-holds what its books say. Whatever is left over (a step that failed) goes with the next plan.
+dropped) come back in the StepOutput postprocess returns, and the engine applies them at the end of
+the same step (Engine._deliver, through the same engine/step.py function), before the request's
+last event is sent: an idle engine's cache holds what its books say. Whatever is left over (a
+release that failed) goes with the next plan.
 """
 
 from __future__ import annotations

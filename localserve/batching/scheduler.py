@@ -22,7 +22,6 @@ from typing import Callable
 from ..backends.base import BatchToken, Capabilities
 from ..errors import GenerationError, LocalserveError, OverloadedError
 from .drafting import add_drafts, feed_draft, keep_verified, take_verified
-from .kv_ops import KVOp
 from .kvpool import KVPool
 from .lanes import LaneQueues, priority_key
 from .limits import EngineLimits
@@ -30,7 +29,7 @@ from .prefix_cache import CachedPrefix, PrefixCache
 from .step_clock import StepClock
 from .sequence import Sequence, Status
 from .speculation import DraftPolicy, step_calls
-from .step_plan import StepPlan, StepResult
+from .step_plan import StepOutput, StepPlan, StepResult
 
 log = logging.getLogger(__name__)
 
@@ -65,7 +64,7 @@ class Scheduler:
         self.step = 0
         self.preemptions = 0
         self.interrupted_steps = 0
-        self.updates: list[Sequence] = []  # sequences with output for the engine to deliver
+        self._updated: list[Sequence] = []  # sequences with an event for the next StepOutput
         self._next_timeout_check = 0.0
         # Set when a decode found the backend fuller than our books and a sequence was preempted
         # for it: no admissions while others run, until one of them finishes. Without it the victim
@@ -189,9 +188,22 @@ class Scheduler:
         plan.interruptible = self.caps.interruptible and all(s.request.lane == "batch" for s, _ in plan.scheduled)
         return plan
 
-    def postprocess(self, plan: StepPlan, result: StepResult) -> None:
+    def postprocess(self, plan: StepPlan, result: StepResult) -> StepOutput:
         """Read a step's outcome (engine/step.py ran it): advance the fed sequences by their
-        samples, or undo the step and make room, or fail its requests."""
+        samples, or undo the step and make room, or fail its requests; return what the step
+        produced (with what scheduling it did: a request that timed out in its queue)."""
+        self._read(plan, result)
+        return self.take_output()
+
+    def take_output(self, kv_ops: bool = True) -> StepOutput:
+        """Everything produced since the last output: events to deliver, KV to give back (unless
+        `kv_ops` is false: they then go with the next plan). The engine takes it after each step,
+        and after failing or finishing requests outside one."""
+        output = StepOutput(self._updated, self.pool.take_ops() if kv_ops else [])
+        self._updated = []
+        return output
+
+    def _read(self, plan: StepPlan, result: StepResult) -> None:
         if not plan.batch:  # a plan of KV operations alone, or nothing: no step to read
             return
         if result.outcome == "kv_full":
@@ -231,7 +243,7 @@ class Scheduler:
                 if reason:
                     self.finish(seq, reason)
                 else:
-                    self.updates.append(seq)
+                    self._updated.append(seq)
 
     def on_kv_full(self, plan: StepPlan) -> None:
         """decode found no room (our accounting was optimistic: fragmentation, or a backend
@@ -266,17 +278,11 @@ class Scheduler:
             self.lanes.remove(seq)
             self._dequeued(seq)
         seq.mark_finished(reason, error)
-        self.updates.append(seq)
+        self._updated.append(seq)
 
     def finish_all(self, reason="cancelled") -> None:
         for seq in [*self.running, *self.lanes]:
             self.finish(seq, reason)
-
-    def take_kv_ops(self) -> list[KVOp]:
-        """KV operations recorded since the last plan (releases of finished or failed requests):
-        the engine applies them at the end of the step, so the cache agrees with the books
-        between steps; what nobody takes goes with the next plan."""
-        return self.pool.take_ops()
 
     def fail_running(self, message: str) -> None:
         """After an unexpected error the running sequences' KV cannot be trusted: drop and fail them."""

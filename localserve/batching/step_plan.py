@@ -1,8 +1,10 @@
-"""A step as data: what the scheduler plans (StepPlan) and what running it came to (StepResult).
+"""A step as data: what the scheduler plans (StepPlan), what running it came to (StepResult), and
+what the step produced for the engine to deliver (StepOutput).
 
 The scheduler writes a StepPlan and reads a StepResult; engine/step.py is the one place that turns
 the first into the second by calling the backend (as vLLM v1's SchedulerOutput and
-ModelRunnerOutput)."""
+ModelRunnerOutput); `Scheduler.postprocess` returns the StepOutput, which the engine delivers (as
+vLLM v1's update_from_output returns EngineCoreOutputs)."""
 
 from __future__ import annotations
 
@@ -41,3 +43,13 @@ class StepResult:
     # A drafting sequence's entry is a list: its accepted drafts' samples and one more.
     samples: list[SampledToken | list[SampledToken] | LocalserveError | None] = field(default_factory=list)
     seconds: float = 0.0
+
+
+@dataclass(slots=True)
+class StepOutput:
+    """What the scheduler produced since its last output: the sequences with an event to hand to
+    their streams (in order), and the KV operations that give finished or failed sequences' cells
+    back, which the engine applies before the next plan so the cache agrees with the books."""
+
+    updated: list[Sequence] = field(default_factory=list)
+    kv_ops: list[KVOp] = field(default_factory=list)

@@ -20,7 +20,7 @@ import logging
 import threading
 import time
 from dataclasses import dataclass
-from typing import Callable, Generator
+from typing import Generator
 
 from ..backends.common import sampler_thread
 from ..backends.base import Backend, Sampler, declared_capabilities
@@ -28,6 +28,7 @@ from ..batching.limits import EngineLimits
 from ..protocol.requests import LANES, GenerationRequest, Lane, check_request
 from ..batching.scheduler import Scheduler
 from ..batching.sequence import Sequence
+from ..batching.step_plan import StepOutput
 from . import step
 from ..protocol.engine import EngineStats, ModelInfo
 from ..errors import ContextLengthExceededError, InvalidRequestError, OverloadedError, QueueFullError
@@ -94,7 +95,6 @@ class Engine:
                          if limits.adaptive_threads and backend.adjustable_threads and backend.n_threads > 1 else None)
         self._cond = threading.Condition()
         self._inbox: collections.deque[Sequence] = collections.deque()
-        self._jobs: collections.deque[tuple[Callable[[], object], concurrent.futures.Future]] = collections.deque()
         self._embeds: collections.deque[_EmbedJob] = collections.deque()
         self._queued = dict.fromkeys(LANES, 0)  # submitted, not yet started (bounded per lane)
         self._queued_lock = threading.Lock()
@@ -276,8 +276,7 @@ class Engine:
         try:
             while True:
                 with self._cond:
-                    while not (self._stopping or self._inbox or self._jobs or self._embeds
-                               or self.scheduler.has_work()):
+                    while not (self._stopping or self._inbox or self._embeds or self.scheduler.has_work()):
                         if self._busy and self._threads is not None:
                             self._threads.idle()
                         self._busy = False
@@ -287,7 +286,6 @@ class Engine:
                     self._busy = True
                 try:
                     self._take_inbox()
-                    self._run_jobs()
                     if self._embeds:
                         self._advance_embed()
                     if self.scheduler.has_work():
@@ -296,7 +294,7 @@ class Engine:
                 except Exception:  # a bug in delivery must not leave every stream hanging
                     log.exception("engine loop error")
                     self.scheduler.fail_running("internal error while serving this request")
-                    self._deliver()
+                    self._deliver(self.scheduler.take_output())
         finally:
             self._drain_on_stop()
 
@@ -312,35 +310,30 @@ class Engine:
             finally:
                 if self._threads is not None:
                     self._threads.after_step()  # our other engines may compute while we postprocess
-            self.scheduler.postprocess(plan, result)  # advance, finish, or undo and make room
+            output = self.scheduler.postprocess(plan, result)  # advance, finish, or undo and make room
         except Exception:  # a scheduler bug must not kill the engine: fail this step's requests
             log.exception("engine step failed")
             self.scheduler.fail_running("internal error while scheduling this request")
-        self._release_kv()
-        self._deliver()
+            output = self.scheduler.take_output()
+        self._deliver(output)
         if plan is not None and plan.batch:
             t1 = time.monotonic()
             self._rates.step(t1, t1 - t0, plan.decode_tokens, plan.prompt_tokens)
 
-    def _release_kv(self) -> None:
-        """Apply the KV operations recorded after the plan was made (what finished or failed in
-        postprocess gives its cells back): now, not with the next plan, so an idle engine's cache
-        holds what its books say, and a backend handed to a fresh engine is as empty as its books."""
+    def _deliver(self, output: StepOutput) -> None:
+        """Give back the cells of what finished (now, not with the next plan, so an idle engine's
+        cache holds what its books say, and a backend handed to a fresh engine is as empty as its
+        books), then hand the events to their loops: one wakeup per loop per step."""
         try:
-            step.apply_kv_ops(self._backend, self.scheduler.take_kv_ops())
+            step.apply_kv_ops(self._backend, output.kv_ops)
         except Exception:  # the next plan starts from books the cache may not match: fail what runs
             log.exception("releasing KV cells failed")
             self.scheduler.fail_running("internal error while freeing this request's memory")
-
-    def _deliver(self) -> None:
-        """Hand this step's events to their loops: one wakeup per loop per step."""
-        updates = self.scheduler.updates
-        if not updates:
-            return
-        self.scheduler.updates = []
+            # Those failures' events now; their releases stay in the books' list for the next plan.
+            output.updated += self.scheduler.take_output(kv_ops=False).updated
         items = []
         n_finished = 0
-        for seq in updates:
+        for seq in output.updated:
             event = seq.take_event()
             if event is None:
                 continue
@@ -360,15 +353,6 @@ class Engine:
         inbox = self._inbox
         while inbox:
             self.scheduler.add(inbox.popleft())
-
-    def _run_jobs(self) -> None:
-        while self._jobs:
-            fn, future = self._jobs.popleft()
-            if future.set_running_or_notify_cancel():
-                try:
-                    future.set_result(fn())
-                except BaseException as e:
-                    future.set_exception(e)
 
     def _advance_embed(self) -> None:
         """One decode of the oldest embeddings job. Jobs take turns where their generator says the
@@ -402,24 +386,10 @@ class Engine:
         if may_switch and len(self._embeds) > 1:
             self._embeds.rotate(-1)
 
-    def _run_job(self, fn: Callable[[], object]) -> concurrent.futures.Future:
-        future: concurrent.futures.Future = concurrent.futures.Future()
-        if self._stopping or self._thread is None:
-            future.set_exception(OverloadedError("the model is not running; retry shortly"))
-            return future
-        self._jobs.append((fn, future))
-        self._wake()
-        return future
-
     def _drain_on_stop(self) -> None:
         self._take_inbox()
         self.scheduler.finish_all("cancelled")
-        self._release_kv()
-        self._deliver()
-        while self._jobs:
-            _, future = self._jobs.popleft()
-            if future.set_running_or_notify_cancel():
-                future.set_exception(OverloadedError("the model was unloaded"))
+        self._deliver(self.scheduler.take_output())
         while self._embeds:
             job = self._embeds.popleft()
             job.steps.close()
