@@ -94,6 +94,20 @@ def test_forced_call_schema_and_tool_choice():
     assert e.value.param == "tools[0].function.name"
 
 
+def test_a_model_call_with_an_integer_python_cannot_read_stays_text():
+    """A model that writes a 5,000-digit integer into a call's arguments (valid JSON, past Python's
+    int-string limit) answered a 500 after generating; it is text, as any unreadable call is."""
+    digits = "9" * 5000
+    for text in ['<tool_call>\n{"name": "add", "arguments": {"a": ' + digits + '}}\n</tool_call>',
+                 '{"name": "add", "arguments": {"a": ' + digits + '}}',
+                 '{"name": "add", "arguments": "{\\"a\\": ' + digits + '}"}']:
+        content, calls = parse_tool_calls(text, TOOLS)
+        assert calls == [], text[:40]
+    from localserve.api.tools import ToolCall
+
+    assert ToolCall(name="add", arguments='{"a": ' + digits + "}").ollama()["function"]["arguments"] == {}
+
+
 def test_tool_call_arguments_python_cannot_hold_stay_as_they_came():
     """Review 4 #9: a 5,000-digit integer is valid JSON that Python's int limit refuses
     (ValueError, not JSONDecodeError), and deep nesting hits the recursion limit; either was a 500."""

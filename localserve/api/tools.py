@@ -40,7 +40,7 @@ class ToolCall:
     def ollama(self) -> dict[str, Any]:
         try:
             args = json.loads(self.arguments)
-        except json.JSONDecodeError:
+        except (ValueError, RecursionError):  # JSONDecodeError, or an integer past Python's 4300 digits
             args = {}
         return {"function": {"name": self.name, "arguments": args}}
 
@@ -57,7 +57,7 @@ def _as_call(obj: Any, names: set[str]) -> ToolCall | None:
     if isinstance(args, str):
         try:
             args = json.loads(args)
-        except json.JSONDecodeError:
+        except (ValueError, RecursionError):
             return None
     if not isinstance(args, dict):
         return None
@@ -67,7 +67,7 @@ def _as_call(obj: Any, names: set[str]) -> ToolCall | None:
 def _calls_from_json(text: str, names: set[str]) -> list[ToolCall] | None:
     try:
         data = json.loads(text)
-    except (json.JSONDecodeError, RecursionError):
+    except (ValueError, RecursionError):  # not JSON, too deep, or an integer Python will not read
         return None
     if isinstance(data, dict) and isinstance(data.get("tool_calls"), list):
         data = data["tool_calls"]
