@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass, field
 from typing import Callable
 
 from ..backends.base import BatchToken, Capabilities
@@ -26,6 +27,7 @@ from .kvpool import KVPool
 from .lanes import LaneQueues, priority_key
 from .limits import EngineLimits
 from .prefix_cache import CachedPrefix, PrefixCache
+from .prompt_rooms import PromptRooms
 from .step_clock import StepClock
 from .sequence import Sequence, Status
 from .speculation import DraftPolicy, step_calls
@@ -35,6 +37,21 @@ log = logging.getLogger(__name__)
 
 # Prompt tokens of lanes worse than a decoding one: at most this fraction of the step budget.
 _WORSE_LANE_SHARE = 4
+
+
+@dataclass
+class _Feeds:
+    """What one step feeds so far: (sequence, tokens) in order, the budget left, and the running
+    sequences not fed yet (what a reservation may preempt)."""
+
+    budget: int
+    unscheduled: set[int]
+    feeds: list[tuple[Sequence, int]] = field(default_factory=list)
+
+    def add(self, seq: Sequence, n: int) -> None:
+        self.feeds.append((seq, n))
+        self.unscheduled.discard(id(seq))
+        self.budget -= n
 
 
 class Scheduler:
@@ -87,106 +104,91 @@ class Scheduler:
         return priority_key(seq, self.step, self.aging_steps)
 
     def schedule(self) -> StepPlan:
+        """The next step's plan, by the rules docs/architecture.md numbers."""
         self.step += 1
-        self._reap()
-        self._make_room()
-        feeds: list[tuple[Sequence, int]] = []
-        budget = self.budget
+        self._reap()  # 1. cancelled and timed-out requests leave
+        self._make_room()  # 2. preempt worse lanes for a better waiting request
         order = sorted(self.running, key=self.key)
-        unscheduled = set(map(id, order))
-
-        decoders = [s for s in order if s.pending == 1]
-        for seq in decoders:
-            if budget == 0:
-                break
-            if self._reserve(seq, 1, unscheduled):
-                feeds.append((seq, 1))
-                unscheduled.discard(id(seq))
-                budget -= 1
-
+        fed = _Feeds(self.budget, set(map(id, order)))
+        decoders = self._feed_decoders(order, fed)  # 3. every decoder's next token first
         # (Decoders' reservations may have preempted some of these: only running ones remain.)
         prefillers = [s for s in order if s.pending > 1 and s.status is Status.RUNNING]
-        self._admit(prefillers, budget)
+        self._admit(prefillers, fed.budget)  # 4. waiting requests whose prompts fit
         prefillers.sort(key=self.key)
-        unscheduled.update(map(id, prefillers))
-        # While a request of the top lane is prefilling, lower lanes' prompts stay out of the
-        # step: a step's length is its token count, and the top lane's first token should not
-        # wait for a batch job's prompt chunk. Aging lifts old requests into the top rank too.
-        top = self.key(prefillers[0])[0] if prefillers else 1
-        # While better lanes decode, worse lanes' prompt chunks get a small share of the step:
-        # a 240-token chunk of a batch job would hold every interactive stream's next token back
-        # by its whole prefill (0.6 s on a 2-core CPU).
-        best_decoding = min((self.key(s)[0] for s, _ in feeds), default=None)
-        min_chunk = self.caps.min_chunk
-        worse_share = max(min_chunk, self.budget // self.worse_lane_share)
-        # Whatever else runs, batch-lane chunks together add at most the time target to the step,
-        # so an interactive request arriving meanwhile waits for little more than its own prefill.
-        # A backend that can interrupt a step lets batch work alone take longer steps: big chunks
-        # cost less per token, and an arrival stops the step instead of waiting for its end.
-        alone = self.caps.interruptible and all(s.request.lane == "batch" for s in self.running)
-        background_room = max(min_chunk, self.clock.prompt_tokens_within(self.budget, len(feeds), alone))
-        background_fed = False
-        for seq in prefillers:
-            if budget < min_chunk:
-                break
-            rank = self.key(seq)[0]
-            if top <= 0 and rank > 0:
-                continue
-            worse = best_decoding is not None and rank > best_decoding
-            room = min(budget, worse_share) if worse else budget
-            background = seq.request.lane == "batch"
-            if background:
-                room = min(room, background_room)
-                if alone and room >= min_chunk:
-                    # Alone, the time room only decides whether a prompt starts in this step: it
-                    # then goes whole if it fits, and one that fits only in part waits for a step
-                    # where it comes first. A cut costs a micro-batch and smaller matmuls (on 2
-                    # cores a prompt cut in two costs a sixth more), and an arrival stops the step.
-                    if seq.pending <= budget:
-                        room = budget
-                    elif background_fed:
-                        continue
-            want = self.caps.chunk(seq.pending, room)
-            if not want and background:
-                # The time target is soft by less than min_chunk: a 3-token prompt under a 2-token
-                # room has no valid cut (2 + a lone 1), and with only such prompts running nothing
-                # was fed at all and the engine spun on empty steps.
-                want = self.caps.chunk(seq.pending, min(budget, room + min_chunk - 1))
-            n = self._reserve(seq, want, unscheduled, shrink=True)
-            if n:
-                feeds.append((seq, n))
-                unscheduled.discard(id(seq))
-                budget -= n
-                if worse:
-                    worse_share -= n
-                if background:
-                    background_room -= n
-                    background_fed = True
-        if not feeds and prefillers and prefillers[0].status is Status.RUNNING:
-            # Never an empty step while prompts wait: the engine would spin on it for ever. The
-            # rules above should not allow it; this keeps a mistake in them from hanging the daemon.
-            seq = prefillers[0]
-            log.warning("no tokens scheduled for %d running sequences; feeding %s", len(self.running), seq.request_id)
-            n = self._reserve(seq, self.caps.chunk(seq.pending, budget), unscheduled, shrink=True)
-            if n:
-                feeds.append((seq, n))
+        fed.unscheduled.update(map(id, prefillers))
+        self._feed_prompts(prefillers, fed)  # 5. prompt chunks in the rest of the budget
+        self._never_empty(prefillers, fed)
+        feeds = fed.feeds
         if self.caps.consecutive_ids:
-            # Both rules come from llama.cpp's splitter with a KV stream per sequence (split_equal):
-            # batch rows riding along a prompt chunk cost it micro-batches, and only consecutive
-            # ids are computed in one pass. A backend without that splitter runs neither.
-            feeds = self._sit_out(feeds, {id(seq) for seq in decoders})
-            # Ids are final only now (finishes, preemptions and adoptions leave holes).
-            block = self.pool.block([q.seq_id for q in self.running], list(self.cache.parked))
-            self.cache.vacate(block)
-            self.pool.gather(self.running, block)
+            feeds = self._consecutive_ids(feeds, decoders)  # 6. one block of ids, sit-outs
         if self.drafts is not None:
-            feeds = add_drafts(self.drafts, self.pool, feeds, budget, self.caps.consecutive_ids)
+            feeds = add_drafts(self.drafts, self.pool, feeds, fed.budget, self.caps.consecutive_ids)
         plan = StepPlan(kv_ops=self.pool.take_ops())
         for seq, n in feeds:
             if seq.status is Status.RUNNING:
                 self._feed(plan, seq, n)
         plan.interruptible = self.caps.interruptible and all(s.request.lane == "batch" for s, _ in plan.scheduled)
         return plan
+
+    def _feed_decoders(self, order: list[Sequence], fed: "_Feeds") -> list[Sequence]:
+        decoders = [s for s in order if s.pending == 1]
+        for seq in decoders:
+            if fed.budget == 0:
+                break
+            if self._reserve(seq, 1, fed.unscheduled):
+                fed.add(seq, 1)
+        return decoders
+
+    def _feed_prompts(self, prefillers: list[Sequence], fed: "_Feeds") -> None:
+        min_chunk = self.caps.min_chunk
+        alone = self.caps.interruptible and all(s.request.lane == "batch" for s in self.running)
+        rooms = PromptRooms(
+            self.caps,
+            top_rank=self.key(prefillers[0])[0] if prefillers else 1,
+            best_decoding=min((self.key(s)[0] for s, _ in fed.feeds), default=None),
+            worse_share=max(min_chunk, self.budget // self.worse_lane_share),
+            background_room=max(min_chunk, self.clock.prompt_tokens_within(self.budget, len(fed.feeds), alone)),
+            alone=alone,
+        )
+        for seq in prefillers:
+            if fed.budget < min_chunk:
+                break
+            rank = self.key(seq)[0]
+            room = rooms.room(seq, rank, fed.budget)
+            if room is None:
+                continue
+            want = self.caps.chunk(seq.pending, room)
+            if not want and seq.request.lane == "batch":
+                # The time target is soft by less than min_chunk: a 3-token prompt under a 2-token
+                # room has no valid cut (2 + a lone 1), and with only such prompts running nothing
+                # was fed at all and the engine spun on empty steps.
+                want = self.caps.chunk(seq.pending, min(fed.budget, room + min_chunk - 1))
+            n = self._reserve(seq, want, fed.unscheduled, shrink=True)
+            if n:
+                fed.add(seq, n)
+                rooms.took(seq, rank, n)
+
+    def _never_empty(self, prefillers: list[Sequence], fed: "_Feeds") -> None:
+        """Never an empty step while prompts wait: the engine would spin on it for ever. The rules
+        above should not allow it; this keeps a mistake in them from hanging the daemon."""
+        if fed.feeds or not prefillers or prefillers[0].status is not Status.RUNNING:
+            return
+        seq = prefillers[0]
+        log.warning("no tokens scheduled for %d running sequences; feeding %s", len(self.running), seq.request_id)
+        n = self._reserve(seq, self.caps.chunk(seq.pending, fed.budget), fed.unscheduled, shrink=True)
+        if n:
+            fed.feeds.append((seq, n))
+
+    def _consecutive_ids(self, feeds: list[tuple[Sequence, int]], decoders: list[Sequence]) -> list[tuple[Sequence, int]]:
+        """Both rules come from llama.cpp's splitter with a KV stream per sequence (split_equal):
+        batch rows riding along a prompt chunk cost it micro-batches, and only consecutive ids are
+        computed in one pass. A backend without that splitter runs neither."""
+        feeds = self._sit_out(feeds, {id(seq) for seq in decoders})
+        # Ids are final only now (finishes, preemptions and adoptions leave holes).
+        block = self.pool.block([q.seq_id for q in self.running], list(self.cache.parked))
+        self.cache.vacate(block)
+        self.pool.gather(self.running, block)
+        return feeds
 
     def postprocess(self, plan: StepPlan, result: StepResult) -> StepOutput:
         """Read a step's outcome (engine/step.py ran it): advance the fed sequences by their
