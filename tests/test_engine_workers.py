@@ -8,6 +8,7 @@ returns), and a GGUF that llama.cpp's own loader aborts on.
 
 from __future__ import annotations
 
+import asyncio
 import http.client
 import json
 import os
@@ -128,6 +129,18 @@ def dashboard_models(url: str) -> dict[str, dict[str, Any]]:
 
 def daemon_log(home: Path) -> str:
     return (home / "logs" / "localserve.log").read_text()
+
+
+def worker_engine(home: Path, gguf: Path, **flags: Any):
+    """SmolLM2 in an engine worker of this process, as the daemon's registry starts one."""
+    from localserve.config.settings import load_settings
+    from localserve.runtime import registry
+    from localserve.runtime.manager import plan_model
+    from localserve.store.cache import ModelStore
+
+    settings = load_settings(flags={"home": str(home), **flags}, environ={}, config_path=home / "no-config.toml")
+    installed = ModelStore(settings).register_local(gguf, "smol")
+    return registry.load(installed, plan_model(installed, settings), settings)
 
 
 def test_a_segfault_mid_stream_ends_that_stream_only_and_the_model_restarts(daemon, no_eog) -> None:
@@ -289,15 +302,7 @@ def test_a_gguf_models_tokenizer_runs_in_the_daemon_and_gives_the_workers_ids(tm
     """tokenize and detokenize are called on the event loop: a round trip to a worker whose threads
     a busy decode keeps off the cores costs every keystroke four waits. The daemon's vocab-only load
     of the same GGUF answers instead, with the ids and text the worker's own tokenizer gives."""
-    from localserve.config.settings import load_settings
-    from localserve.runtime import registry
-    from localserve.runtime.manager import plan_model
-    from localserve.store.cache import ModelStore
-
-    settings = load_settings(flags={"home": str(tmp_path), "context_length": 512, "max_sequences": 2},
-                             environ={}, config_path=tmp_path / "no-config.toml")
-    installed = ModelStore(settings).register_local(smollm2_gguf, "smol")
-    engine = registry.load(installed, plan_model(installed, settings), settings)
+    engine = worker_engine(tmp_path, smollm2_gguf, context_length=512, max_sequences=2)
     try:
         sent: list[tuple] = []
         real_send = engine._channel.send
@@ -314,3 +319,113 @@ def test_a_gguf_models_tokenizer_runs_in_the_daemon_and_gives_the_workers_ids(tm
                 sent.clear()
     finally:
         engine.shutdown()
+
+
+HANG_S = 2.5  # the watchdog's limit below: a beat (each BEAT_S = 1 s) and a throttle's stop fit in it
+
+
+class Throttle:
+    """Stops and continues a process so that it runs `share` of every PERIOD_S (SIGSTOP and SIGCONT,
+    every thread of it): a machine that much slower, on which a step runs far past the hang limit
+    while it moves."""
+
+    PERIOD_S = 0.5
+
+    def __init__(self, pid: int, share: float):
+        self.pid, self.run_s = pid, self.PERIOD_S * share
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        try:
+            while not self.stop.wait(self.run_s):
+                os.kill(self.pid, signal.SIGSTOP)
+                time.sleep(self.PERIOD_S - self.run_s)
+                os.kill(self.pid, signal.SIGCONT)
+        except ProcessLookupError:
+            pass
+
+    def end(self) -> None:
+        self.stop.set()
+        self.thread.join(5)
+        try:
+            os.kill(self.pid, signal.SIGCONT)
+        except ProcessLookupError:
+            pass
+
+
+def long_prompt(engine: Any, words: str, n: int = 512) -> Any:
+    """A request whose prompt of `n` tokens is one step (batch_tokens above it)."""
+    from localserve.protocol.requests import GenerationRequest, SamplingParams
+
+    tokens = engine.tokenize(f"def add(a, b):\n    return a + b\n\n# {words} " * 100)[:n]
+    assert len(tokens) == n
+    return GenerationRequest(prompt_tokens=tokens, max_tokens=1, sampling=SamplingParams(temperature=0))
+
+
+async def events_of(stream: Any) -> list[Any]:
+    return [event async for event in stream]
+
+
+def longest_step(engine: Any) -> float:
+    return max(step[1] for step in engine.live("steps", 0.0))
+
+
+async def test_a_step_far_longer_than_the_hang_limit_is_not_killed_while_it_moves(tmp_path, smollm2_gguf):
+    """A prompt's step, with the worker throttled so that it lasts about 3x the hang limit: llama.cpp's
+    count of graph nodes (backends/llamacpp/interrupt.py), in the worker's beats, shows it moving.
+    The throttle is sized from the same step's cost unthrottled, on another prompt, just before."""
+    from localserve.backends.llamacpp import interrupt
+
+    if not interrupt.counts():
+        pytest.skip("this libc's sem_post cannot count a step's graph nodes")
+    engine = worker_engine(tmp_path, smollm2_gguf, context_length=1024, batch_tokens=1024, max_sequences=1,
+                           engine_hang_timeout=HANG_S)
+    throttle = None
+    try:
+        await events_of(await engine.generate(long_prompt(engine, "The quick brown fox jumps over")))
+        share = min(1.0, max(0.02, longest_step(engine) / (3 * HANG_S)))
+        stream = await engine.generate(long_prompt(engine, "Lorem ipsum dolor sit amet, consectetur"))
+        throttle = Throttle(engine.pid, share)
+        events = await asyncio.wait_for(events_of(stream), LIVE_S)
+        throttle.end()
+        assert events[-1].finish_reason == "length", events[-1]
+        assert engine.alive and engine.exit_reason is None
+        assert longest_step(engine) > HANG_S  # it was that long, and lived
+    finally:
+        if throttle is not None:
+            throttle.end()
+        engine.shutdown()
+
+
+async def test_a_worker_frozen_in_its_first_step_is_killed_and_not_counted_toward_failed(tmp_path, smollm2_gguf):
+    from localserve.runtime import crashes
+
+    engine = worker_engine(tmp_path, smollm2_gguf, context_length=1024, batch_tokens=1024, max_sequences=1,
+                           engine_hang_timeout=HANG_S)
+    try:
+        stream = await engine.generate(long_prompt(engine, "The quick brown fox jumps over"))
+        os.kill(engine.pid, signal.SIGSTOP)  # the whole process stops: no step ends, no node moves
+        events = await asyncio.wait_for(events_of(stream), LIVE_S)
+        assert events[-1].finish_reason == "error" and "hung in its first step" in str(events[-1].error), events
+        assert not engine.alive and engine.exit_reason.first_step
+        assert not crashes.counts(engine.exit_reason)
+    finally:
+        engine.shutdown()
+
+
+def test_watchdog_kills_of_a_first_step_restart_the_model_but_never_mark_it_failed() -> None:
+    from localserve.engine.worker.proxy import HangReason
+    from localserve.runtime.crashes import CrashBook
+
+    book = CrashBook()
+    for _ in range(4):
+        book.record("m", HangReason("hung in its first step: no progress for 31 s", first_step=True))
+    assert book.failed == {} and book.restarts["m"] == 4
+    assert book.backoff("m") > 0  # it is not reloaded in a loop either
+    book.record("m", "SIGSEGV")
+    book.record("m", HangReason("hung: no progress for 31 s"))
+    assert book.failed == {}  # two that count
+    book.record("m", "SIGSEGV")
+    assert "3 times" in book.failed["m"], book.failed

@@ -6,6 +6,13 @@ keep the machine busy reloading it: each load after a recent crash waits a littl
 4 s), and the third crash within CRASH_WINDOW_S marks it failed: requests for it get
 ModelFailedError (503, with the crash's reason) and `ps`, /api/ps and the dashboard show why, until
 the user loads it again explicitly (Ollama's empty-prompt `/api/generate`, as `ollama run` sends).
+
+A hang watchdog kill of an engine's first step restarts the model with the same backoff but does
+not count toward marking it failed: the watchdog's limit then knows none of the engine's steps, and
+a first prefill that is only slow (a long prompt on a slow machine, where the step's progress is
+not counted natively) is as likely as a hang. Its reason says so (engine/worker/proxy.py HangReason:
+`first_step`); a model whose first step truly hangs is retried once per watchdog limit, 30 s or
+more apart.
 """
 
 from __future__ import annotations
@@ -32,9 +39,10 @@ class CrashBook:
         crashes = [c for c in self.recent.get(model, []) if now - c[0] < CRASH_WINDOW_S] + [(now, reason)]
         self.recent[model] = crashes
         self.restarts[model] += 1
-        if len(crashes) >= FAIL_AFTER:
-            minutes = (now - crashes[0][0]) / 60
-            self.failed[model] = (f"its engine stopped {len(crashes)} times in {max(minutes, 0.1):.1f} min "
+        counted = [c for c in crashes if counts(c[1])]
+        if counts(reason) and len(counted) >= FAIL_AFTER:
+            minutes = (now - counted[0][0]) / 60
+            self.failed[model] = (f"its engine stopped {len(counted)} times in {max(minutes, 0.1):.1f} min "
                                   f"(last: {reason}); load it again to retry")
 
     def check(self, model: str) -> None:
@@ -58,3 +66,8 @@ class CrashBook:
         """The user asked for this model explicitly: try it afresh."""
         self.failed.pop(model, None)
         self.recent.pop(model, None)
+
+
+def counts(reason: str) -> bool:
+    """Whether a crash with this reason counts toward marking its model failed (see the docstring)."""
+    return not getattr(reason, "first_step", False)

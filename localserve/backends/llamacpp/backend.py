@@ -285,6 +285,11 @@ class LlamaCppBackend(LlamaTokenizer, Backend):
     def clear_interrupt(self) -> None:
         self._interrupt.clear()
 
+    def compute_ticks(self) -> int:
+        """Graph nodes computed, counted by llama.cpp's abort callback as a decode runs (interrupt.py),
+        for change only; 0 where it cannot count. Any thread: a worker's heartbeat reads it mid-step."""
+        return self._interrupt.ticks()
+
     def decode_arrays(self, tokens, seq_ids, positions, logits) -> None:
         """decode() for callers that already hold columns (numpy arrays or lists): no BatchToken objects."""
         self._check_open()

@@ -12,6 +12,8 @@ daemon -> worker                            worker -> daemon
   ("embed", call, inputs, lane)               ("reply", call, value) / ("fail", call, error)
   ("abandon", call)  (its caller left)        ("events", [(request_id, GenerationEvent), ...])
   ("call", call, method, args)                ("beat", progress, longest recent step in s)
+                                              (progress: the engine's turns, its backend's count
+                                              of graph nodes; sent while either moves)
   ("shutdown", timeout)                       ("log", level, logger name, message)
 """
 

@@ -221,9 +221,9 @@ class Worker:
         while True:
             self.working.wait()
             time.sleep(BEAT_S)
-            progress = getattr(self.engine, "progress", None)
+            progress = _progress(self.engine)
             longest = _longest_recent_step(self.engine)
-            if progress is None or progress != last:
+            if progress == (None, None) or progress != last:
                 last = progress
                 if not self.channel.send("beat", progress, longest):
                     return
@@ -243,6 +243,14 @@ class _SendNow:
         for stream, event in items:
             if event.finish_reason is not None:
                 worker._finished(stream.request_id)
+
+
+def _progress(engine: ModelEngine) -> tuple[Any, Any]:
+    """The engine's turns, and the work done inside the step running now where its backend counts
+    it (llama.cpp's graph nodes: backends/llamacpp/interrupt.py). Turns alone judged whole steps,
+    and an 8k prefill on a loaded 2-core machine (steps over 10 s) was killed three times as hung."""
+    ticks = getattr(getattr(engine, "backend", None), "compute_ticks", None)
+    return getattr(engine, "progress", None), ticks() if ticks is not None else None
 
 
 def _longest_recent_step(engine: ModelEngine) -> float:

@@ -123,6 +123,7 @@ class WorkerEngine:
         self._working = threading.Event()
         self._last_progress = time.monotonic()
         self._longest_step = 0.0
+        self._stepped = False  # a step of this engine has ended (its events, or a beat's step time)
         self._last_stats: EngineStats | None = None
         self._unresponsive = False  # a quick call timed out; cleared by the worker's next message
         self._closing = False
@@ -282,6 +283,7 @@ class WorkerEngine:
             self._unresponsive = False
             kind = message[0]
             if kind == "events":
+                self._stepped = True
                 self._deliver(message[1])
             elif kind == "reply" or kind == "fail":
                 with self._lock:
@@ -291,6 +293,7 @@ class WorkerEngine:
                     future.set_result(message[2]) if kind == "reply" else future.set_exception(message[2])
             elif kind == "beat":
                 self._longest_step = message[2]
+                self._stepped = self._stepped or message[2] > 0
             elif kind == "log":
                 _relay(self.name, message)
         self._end()
@@ -355,7 +358,10 @@ class WorkerEngine:
             limit = min(self._hang_timeout, max(HANG_FLOOR_S, HANG_STEP_MULTIPLE * self._longest_step))
             silent = time.monotonic() - self._last_progress
             if self._working.is_set() and silent > limit:
-                self._kill(f"hung: no progress for {silent:.0f} s")
+                if self._stepped:
+                    self._kill(HangReason(f"hung: no progress for {silent:.0f} s"))
+                else:
+                    self._kill(HangReason(f"hung in its first step: no progress for {silent:.0f} s", first_step=True))
                 return
 
     def _kill(self, reason: str) -> None:
@@ -419,6 +425,20 @@ class WorkerEngine:
     def _idle_if_done(self) -> None:
         if not self._streams and not self._calls:
             self._working.clear()
+
+
+class HangReason(str):
+    """The watchdog's reason for a kill. `first_step`: the engine had ended no step yet, so its limit
+    knew none of its steps (a 7B model's first prompt chunk on a laptop CPU, where the native count
+    of a step's progress is missing: a GPU step, an ONNX run): runtime/crashes.py restarts it as any
+    crash but does not count it toward marking the model failed."""
+
+    first_step: bool
+
+    def __new__(cls, text: str, first_step: bool = False) -> "HangReason":
+        reason = super().__new__(cls, text)
+        reason.first_step = first_step
+        return reason
 
 
 def describe_exit(code: int | None) -> str:
