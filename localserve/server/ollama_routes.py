@@ -16,21 +16,20 @@ from typing import Any, Callable
 from aiohttp import web
 
 from .. import __version__
-from ..protocol.engine import EventStream, ModelEngine
+from ..protocol.engine import EventStream
 from ..errors import LocalserveError
-from ..protocol.requests import GenerationEvent, GenerationRequest, Usage
+from ..protocol.requests import GenerationEvent, Usage
 from ..api.errors import json_dumps, safe_message
-from ..api.live import mark_fim
-from ..api.generation import Clock, chat_template, check_tokens, collect, embed_texts, generation, is_token_list, merge, raise_if_failed, tokenize_async
+from ..api.generation import Clock, Run, collect, embed_texts, generation, merge, raise_if_failed
+from ..api.ollama import FOREVER, details, model_name, now_iso, remote_tag, show_body, tag_entry, version_body
+from ..api.ollama_chat import (ChatAnswer, ChatCall, GenerateAnswer, GenerateCall, OllamaCall, parse_chat,
+                               parse_generate)
+from ..api.validation import MAX_EMBED_INPUTS, invalid, parse_keep_alive
+from ..runtime.model_facts import fim_capable
 from .disconnect import guard_disconnect
-from .streamed import stream_after_200
 from .ndjson import open_ndjson, send_line
 from .state import MANAGER_KEY, METRICS_KEY, SETTINGS_KEY, STORE_KEY
-from ..api.ollama import (FOREVER, build_request, context_note, details, final_fields, fim_request_tokens, model_name,
-                          now_iso, remote_tag, show_body, tag_entry, version_body)
-from ..runtime.model_facts import fim_capable
-from ..api.tools import ToolCallStream, parse_tool_calls
-from ..api.validation import MAX_EMBED_INPUTS, invalid, parse_keep_alive, parse_messages, parse_tools
+from .streamed import stream_after_200
 from .body import read_json
 from .served import served
 
@@ -60,13 +59,13 @@ async def stream_lines(request: web.Request, streams: list[EventStream],
     return response
 
 
-async def load_only(request: web.Request, model: str, keep_alive: float | None, extra: dict[str, Any]) -> web.Response:
+async def load_only(request: web.Request, call: OllamaCall, extra: dict[str, Any]) -> web.Response:
     """An empty prompt loads the model (or, with keep_alive 0, unloads it), as Ollama does."""
     manager = request.app[MANAGER_KEY]
     # Explicit: a model marked failed after its engine kept crashing is tried again (runtime/crashes.py).
-    async with manager.use(model, keep_alive=keep_alive, explicit=True) as loaded:
+    async with manager.use(call.model, keep_alive=call.keep_alive, explicit=True) as loaded:
         name = loaded.name
-    unload = keep_alive == 0
+    unload = call.keep_alive == 0
     if unload:
         await manager.unload(name)
     return web.json_response({"model": name, "created_at": now_iso(), **extra, "done": True,
@@ -77,137 +76,42 @@ def _observe(request: web.Request, model: str, usage: Usage | None) -> None:
     request.app[METRICS_KEY].observe_usage(model, usage)
 
 
+async def _answer(request: web.Request, call: GenerateCall | ChatCall,
+                  answer_for: Callable[[Run, Clock], GenerateAnswer | ChatAnswer]) -> web.StreamResponse:
+    """The call's generation, streamed as NDJSON lines or answered whole."""
+    clock = Clock()
+    async with generation(request.app[MANAGER_KEY], call.model, call.keep_alive, call.prepare, clock, call.lane) as run:
+        answer = answer_for(run, clock)
+        if call.stream:
+            def final(event: GenerationEvent) -> list[dict]:
+                _observe(request, run.model, event.usage)
+                return answer.final(event)
+
+            return await stream_lines(request, run.streams, answer.line, final)
+        (choice,) = await guard_disconnect(request, collect(run.streams))
+    _observe(request, run.model, choice.usage)
+    return web.json_response(answer.whole(choice), dumps=json_dumps)
+
+
+def _call_args(request: web.Request) -> tuple[str | None, int]:
+    return request.headers.get("X-Priority"), request.app[SETTINGS_KEY].default_max_tokens
+
+
 @routes.post("/api/generate")
 async def generate(request: web.Request) -> web.StreamResponse:
-    body = await read_json(request)
-    model = model_name(body)
-    prompt = body.get_str("prompt", "") or ""
-    system = body.get_str("system", None)
-    raw = body.get_bool("raw", False)
-    stream = body.get_bool("stream", True)
-    keep_alive = parse_keep_alive(body.raw("keep_alive"))
-    context = body.get_list("context", max_items=1 << 22) or []
-    if body.get_list("images", max_items=64):
-        raise invalid("this server does not support image input", "images")
-    suffix = body.get_str("suffix", None)  # fill-in-the-middle: the prompt is the text before the cursor
-    if body.get_str("template", None):
-        raise invalid("a custom 'template' is not supported; the model's own chat template is used", "template")
-    if not prompt and not context and suffix is None:
-        return await load_only(request, model, keep_alive, {"response": ""})
-    if suffix is not None and context:
-        raise invalid("'suffix' (fill-in-the-middle) cannot continue a 'context'", "suffix")
-    if suffix is not None:
-        mark_fim()
-    if context and not is_token_list(context):
-        raise invalid("'context' must be an array of token ids", "context")
-    # Bad options fail before any model load; the lane is also the one a wait for the load takes.
-    lane = build_request(body, request.headers.get("X-Priority"), None, [], interactive=suffix is not None).lane
-    default_max_tokens = request.app[SETTINGS_KEY].default_max_tokens
-
-    async def prepare(engine: ModelEngine) -> list[GenerationRequest]:
-        if suffix is not None:  # someone typing waits on it: interactive unless the client says otherwise
-            tokens = await fim_request_tokens(body, engine, model, prompt, suffix, default_max_tokens)
-            return [build_request(body, request.headers.get("X-Priority"), engine, tokens, interactive=True,
-                                  default_max_tokens=default_max_tokens)]
-        if raw:
-            text, template = prompt, None
-        else:
-            template = chat_template(engine)
-            messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
-            text = await template.render_async(messages)
-        # A continuation of `context`: the earlier turn already began with BOS.
-        earlier = check_tokens(context, engine.info.n_vocab, "context") if context else []
-        tokens = earlier + await tokenize_async(engine, text, template, add_special=not context)
-        return [build_request(body, request.headers.get("X-Priority"), engine, tokens, interactive=False,
-                              default_max_tokens=default_max_tokens)]
-
-    clock = Clock()
-    async with generation(request.app[MANAGER_KEY], model, keep_alive, prepare, clock, lane) as run:
-        name, tokens = run.model, run.requests[0].prompt_tokens
-        if stream:
-            generated: list[int] = []
-
-            def line(event: GenerationEvent) -> dict | None:
-                generated.extend(event.token_ids)
-                if not event.text:
-                    return None
-                return {"model": name, "created_at": now_iso(), "response": event.text, "done": False}
-
-            def final(event: GenerationEvent) -> list[dict]:
-                _observe(request, name, event.usage)
-                return [{"model": name, "created_at": now_iso(), "response": "",
-                         **final_fields(clock, event.usage, event.finish_reason), "context": tokens + generated,
-                         **context_note(body, run.engine)}]
-
-            return await stream_lines(request, run.streams, line, final)
-        (choice,) = await guard_disconnect(request, collect(run.streams))
-    _observe(request, name, choice.usage)
-    return web.json_response({
-        "model": name, "created_at": now_iso(), "response": choice.text,
-        **final_fields(clock, choice.usage, choice.finish_reason), "context": tokens + choice.token_ids,
-        **context_note(body, run.engine),
-    }, dumps=json_dumps)
+    call = parse_generate(await read_json(request), *_call_args(request))
+    if call.loads_only:
+        return await load_only(request, call, {"response": ""})
+    return await _answer(request, call, lambda run, clock: GenerateAnswer(
+        call, run.model, run.requests[0].prompt_tokens, run.engine, clock))
 
 
 @routes.post("/api/chat")
 async def chat(request: web.Request) -> web.StreamResponse:
-    body = await read_json(request)
-    model = model_name(body)
-    stream = body.get_bool("stream", True)
-    keep_alive = parse_keep_alive(body.raw("keep_alive"))
-    raw_messages = body.get_list("messages", max_items=1 << 16)
-    if not raw_messages:
-        return await load_only(request, model, keep_alive, {"message": {"role": "assistant", "content": ""}})
-    messages = parse_messages(raw_messages)
-    tools = parse_tools(body.raw("tools"))
-    # Bad options fail before any model load; the lane is also the one a wait for the load takes.
-    lane = build_request(body, request.headers.get("X-Priority"), None, [], interactive=stream).lane
-    default_max_tokens = request.app[SETTINGS_KEY].default_max_tokens
-
-    async def prepare(engine: ModelEngine) -> list[GenerationRequest]:
-        template = chat_template(engine)
-        prompt = await template.render_async(messages, tools=tools or None)
-        tokens = await tokenize_async(engine, prompt, template)
-        return [build_request(body, request.headers.get("X-Priority"), engine, tokens, interactive=stream,
-                              default_max_tokens=default_max_tokens)]
-
-    clock = Clock()
-    async with generation(request.app[MANAGER_KEY], model, keep_alive, prepare, clock, lane) as run:
-        name = run.model
-        if stream:
-            calls_filter = ToolCallStream(tools) if tools else None
-
-            def line(event: GenerationEvent) -> dict | None:
-                text = calls_filter.feed(event.text) if calls_filter else event.text
-                if not text:
-                    return None
-                return {"model": name, "created_at": now_iso(),
-                        "message": {"role": "assistant", "content": text}, "done": False}
-
-            def final(event: GenerationEvent) -> list[dict]:
-                _observe(request, name, event.usage)
-                lines = []
-                if calls_filter:
-                    rest, calls = calls_filter.finish()
-                    if rest or calls:
-                        message: dict[str, Any] = {"role": "assistant", "content": rest}
-                        if calls:
-                            message["tool_calls"] = [c.ollama() for c in calls]
-                        lines.append({"model": name, "created_at": now_iso(), "message": message, "done": False})
-                lines.append({"model": name, "created_at": now_iso(), "message": {"role": "assistant", "content": ""},
-                              **final_fields(clock, event.usage, event.finish_reason), **context_note(body, run.engine)})
-                return lines
-
-            return await stream_lines(request, run.streams, line, final)
-        (choice,) = await guard_disconnect(request, collect(run.streams))
-    _observe(request, name, choice.usage)
-    content, calls = parse_tool_calls(choice.text, tools) if tools else (choice.text, [])
-    message = {"role": "assistant", "content": content}
-    if calls:
-        message["tool_calls"] = [c.ollama() for c in calls]
-    return web.json_response({"model": name, "created_at": now_iso(), "message": message,
-                              **final_fields(clock, choice.usage, choice.finish_reason),
-                              **context_note(body, run.engine)}, dumps=json_dumps)
+    call = parse_chat(await read_json(request), *_call_args(request))
+    if call.loads_only:
+        return await load_only(request, call, {"message": {"role": "assistant", "content": ""}})
+    return await _answer(request, call, lambda run, clock: ChatAnswer(call, run.model, run.engine, clock))
 
 
 # --- embeddings ----------------------------------------------------------------------------------

@@ -1,0 +1,192 @@
+"""Ollama's /api/generate and /api/chat without HTTP: a body parsed into a call (every field
+checked before a model is loaded for it), the call's engine request once the model is there, and
+the NDJSON lines and final answer built from its events. The routes (server/ollama_routes.py) add
+reading the body, the load-only answer, NDJSON writing and the connection watch.
+
+Both calls answer in Ollama's shapes: a streamed line per piece of text, then a final line with
+`done_reason` and nanosecond durations; /api/generate's final line carries `context` (the prompt
+and answer tokens a client sends back to continue), /api/chat's the tool calls the model made.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..protocol.engine import ModelEngine
+from ..protocol.requests import GenerationEvent, GenerationRequest, Lane
+from .generation import Choice, Clock, chat_template, check_tokens, is_token_list, tokenize_async
+from .live import mark_fim
+from .ollama import build_request, context_note, final_fields, fim_request_tokens, model_name, now_iso
+from .tools import ToolCallStream, parse_tool_calls
+from .validation import Body, invalid, parse_keep_alive, parse_messages, parse_tools
+
+
+@dataclass
+class OllamaCall:
+    """What both calls share: the body (its options are read again once the model is known), the
+    model, streaming, keep_alive, the lane and the daemon's default answer length."""
+
+    body: Body
+    model: str
+    stream: bool
+    keep_alive: float | None
+    priority: str | None  # the X-Priority header
+    default_max_tokens: int
+    lane: Lane = "default"
+
+    def request(self, engine: ModelEngine, tokens: list[int], interactive: bool) -> GenerationRequest:
+        return build_request(self.body, self.priority, engine, tokens, interactive=interactive,
+                             default_max_tokens=self.default_max_tokens)
+
+    def final_line(self, name: str, clock: Clock, event: GenerationEvent | Choice, engine: ModelEngine,
+                   **fields: Any) -> dict[str, Any]:
+        return {"model": name, "created_at": now_iso(), **fields,
+                **final_fields(clock, event.usage, event.finish_reason), **context_note(self.body, engine)}
+
+
+def _common(body: Body, priority: str | None, default_max_tokens: int) -> dict[str, Any]:
+    return {"body": body, "model": model_name(body), "stream": body.get_bool("stream", True),
+            "keep_alive": parse_keep_alive(body.raw("keep_alive")), "priority": priority,
+            "default_max_tokens": default_max_tokens}
+
+
+# --- /api/generate -------------------------------------------------------------------------------
+@dataclass
+class GenerateCall(OllamaCall):
+    prompt: str = ""
+    system: str | None = None
+    raw: bool = False
+    context: list[int] = field(default_factory=list)  # an earlier answer's tokens, continued
+    suffix: str | None = None  # fill-in-the-middle: the prompt is the text before the cursor
+
+    @property
+    def loads_only(self) -> bool:
+        """An empty prompt loads the model (or, with keep_alive 0, unloads it), as Ollama does."""
+        return not self.prompt and not self.context and self.suffix is None
+
+    async def prepare(self, engine: ModelEngine) -> list[GenerationRequest]:
+        if self.suffix is not None:  # someone typing waits on it: interactive unless the client says otherwise
+            tokens = await fim_request_tokens(self.body, engine, self.model, self.prompt, self.suffix,
+                                              self.default_max_tokens)
+            return [self.request(engine, tokens, interactive=True)]
+        if self.raw:
+            text, template = self.prompt, None
+        else:
+            template = chat_template(engine)
+            system = [{"role": "system", "content": self.system}] if self.system else []
+            text = await template.render_async(system + [{"role": "user", "content": self.prompt}])
+        # A continuation of `context`: the earlier turn already began with BOS.
+        earlier = check_tokens(self.context, engine.info.n_vocab, "context") if self.context else []
+        tokens = earlier + await tokenize_async(engine, text, template, add_special=not self.context)
+        return [self.request(engine, tokens, interactive=False)]
+
+
+def parse_generate(body: Body, priority: str | None, default_max_tokens: int) -> GenerateCall:
+    call = GenerateCall(**_common(body, priority, default_max_tokens),
+                        prompt=body.get_str("prompt", "") or "", system=body.get_str("system", None),
+                        raw=body.get_bool("raw", False), context=body.get_list("context", max_items=1 << 22) or [],
+                        suffix=body.get_str("suffix", None))
+    if body.get_list("images", max_items=64):
+        raise invalid("this server does not support image input", "images")
+    if body.get_str("template", None):
+        raise invalid("a custom 'template' is not supported; the model's own chat template is used", "template")
+    if call.loads_only:
+        return call
+    if call.suffix is not None and call.context:
+        raise invalid("'suffix' (fill-in-the-middle) cannot continue a 'context'", "suffix")
+    if call.suffix is not None:
+        mark_fim()
+    if call.context and not is_token_list(call.context):
+        raise invalid("'context' must be an array of token ids", "context")
+    # Bad options fail before any model load; the lane is also the one a wait for the load takes.
+    call.lane = build_request(body, priority, None, [], interactive=call.suffix is not None).lane
+    return call
+
+
+class GenerateAnswer:
+    """/api/generate's lines and final answer for one run (`prompt`: the prompt's tokens)."""
+
+    def __init__(self, call: GenerateCall, name: str, prompt: list[int], engine: ModelEngine, clock: Clock):
+        self.call, self.name, self.prompt, self.engine, self.clock = call, name, prompt, engine, clock
+        self._generated: list[int] = []
+
+    def line(self, event: GenerationEvent) -> dict[str, Any] | None:
+        self._generated.extend(event.token_ids)
+        if not event.text:
+            return None
+        return {"model": self.name, "created_at": now_iso(), "response": event.text, "done": False}
+
+    def final(self, event: GenerationEvent) -> list[dict[str, Any]]:
+        return [self.call.final_line(self.name, self.clock, event, self.engine, response="",
+                                     context=self.prompt + self._generated)]
+
+    def whole(self, choice: Choice) -> dict[str, Any]:
+        return self.call.final_line(self.name, self.clock, choice, self.engine, response=choice.text,
+                                    context=self.prompt + choice.token_ids)
+
+
+# --- /api/chat -----------------------------------------------------------------------------------
+@dataclass
+class ChatCall(OllamaCall):
+    messages: list[dict[str, Any]] = field(default_factory=list)
+    tools: list[dict[str, Any]] = field(default_factory=list)
+
+    @property
+    def loads_only(self) -> bool:
+        return not self.messages
+
+    async def prepare(self, engine: ModelEngine) -> list[GenerationRequest]:
+        template = chat_template(engine)
+        prompt = await template.render_async(self.messages, tools=self.tools or None)
+        return [self.request(engine, await tokenize_async(engine, prompt, template), interactive=self.stream)]
+
+
+def parse_chat(body: Body, priority: str | None, default_max_tokens: int) -> ChatCall:
+    call = ChatCall(**_common(body, priority, default_max_tokens))
+    raw_messages = body.get_list("messages", max_items=1 << 16)
+    if not raw_messages:
+        return call
+    call.messages = parse_messages(raw_messages)
+    call.tools = parse_tools(body.raw("tools"))
+    # Bad options fail before any model load; the lane is also the one a wait for the load takes.
+    call.lane = build_request(body, priority, None, [], interactive=call.stream).lane
+    return call
+
+
+class ChatAnswer:
+    """/api/chat's lines and final answer for one run; a model's tool calls are held back from the
+    text and come as `tool_calls` on the last line before the final one."""
+
+    def __init__(self, call: ChatCall, name: str, engine: ModelEngine, clock: Clock):
+        self.call, self.name, self.engine, self.clock = call, name, engine, clock
+        self._calls = ToolCallStream(call.tools) if call.tools else None
+
+    def line(self, event: GenerationEvent) -> dict[str, Any] | None:
+        text = self._calls.feed(event.text) if self._calls else event.text
+        if not text:
+            return None
+        return self._message_line(text)
+
+    def final(self, event: GenerationEvent) -> list[dict[str, Any]]:
+        lines = []
+        if self._calls:
+            rest, calls = self._calls.finish()
+            if rest or calls:
+                lines.append(self._message_line(rest, [c.ollama() for c in calls]))
+        lines.append(self.call.final_line(self.name, self.clock, event, self.engine,
+                                          message={"role": "assistant", "content": ""}))
+        return lines
+
+    def whole(self, choice: Choice) -> dict[str, Any]:
+        content, calls = parse_tool_calls(choice.text, self.call.tools) if self.call.tools else (choice.text, [])
+        message: dict[str, Any] = {"role": "assistant", "content": content}
+        if calls:
+            message["tool_calls"] = [c.ollama() for c in calls]
+        return self.call.final_line(self.name, self.clock, choice, self.engine, message=message)
+
+    def _message_line(self, text: str, tool_calls: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+        message: dict[str, Any] = {"role": "assistant", "content": text}
+        if tool_calls:
+            message["tool_calls"] = tool_calls
+        return {"model": self.name, "created_at": now_iso(), "message": message, "done": False}
