@@ -369,7 +369,7 @@ async def events_of(stream: Any) -> list[Any]:
 
 
 def longest_step(engine: Any) -> float:
-    return max(step[1] for step in engine.live("steps", 0.0))
+    return max(step[1] for step in engine.live_steps(0.0))
 
 
 async def test_a_step_far_longer_than_the_hang_limit_is_not_killed_while_it_moves(tmp_path, smollm2_gguf):

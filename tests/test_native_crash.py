@@ -75,8 +75,8 @@ def dying_probe_child(sig: int) -> str:
             os.kill(os.getpid(), {int(sig)})
             return real(model, params)
         llama_cpp.llama_init_from_model = dying
-        from localserve.backends.llamacpp.probe import _child
-        sys.exit(_child(sys.argv[1]))
+        from localserve.backends.llamacpp.probe_child import run_probe
+        sys.exit(run_probe(sys.argv[1]))
     """)
 
 

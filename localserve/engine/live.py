@@ -3,9 +3,10 @@ ran lately, and how its KV cells split between running sequences and the parked 
 
 Read from the event loop while the engine thread works: every read is a copy of a dict or deque
 (atomic under the GIL) or an int, so it can be a step stale, never torn, and costs the engine
-thread nothing (`Engine.in_flight`, `Engine.recent_steps`). An engine that batches by itself
-(onnxruntime-genai's, an upstream) has neither: it shows no sequence rows and no steps. An engine
-in a worker process (worker/) answers these from there, computed by this same module.
+thread nothing. The views are engine members (`live_sequences`, `live_steps`, `live_parked`):
+our engine computes them with this module's helpers, and an engine in a worker process (worker/)
+forwards them to its worker, which asks its own engine. An engine that batches by itself
+(onnxruntime-genai's, an upstream) has none: it shows no sequence rows and no steps.
 """
 
 from __future__ import annotations
@@ -14,10 +15,9 @@ import time
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from ..batching.prefix_cache import CachedPrefix
 from ..batching.sequence import Sequence, Status
 from ..protocol.engine import ModelEngine
-from .local import Engine
-from .worker.proxy import WorkerEngine
 
 
 @dataclass
@@ -48,36 +48,31 @@ def progress_of(seq: Sequence, now: float) -> SequenceProgress | None:
                             seq.cached_tokens, round(now - seq.t_submit, 2), seq.num_preemptions)
 
 
+def progress_rows(in_flight: dict[str, Sequence]) -> dict[str, SequenceProgress]:
+    """request id -> progress of an engine's requests (queued ones included; finished ones not)."""
+    now = time.monotonic()
+    rows = ((request_id, progress_of(seq, now)) for request_id, seq in in_flight.items())
+    return {request_id: progress for request_id, progress in rows if progress is not None}
+
+
+def cells_of(parked: list[CachedPrefix]) -> int:
+    return sum(len(entry.cells) for entry in parked)
+
+
 def sequences(engine: ModelEngine) -> dict[str, SequenceProgress]:
     """request id -> progress, for every request the engine holds (queued ones included)."""
-    if isinstance(engine, WorkerEngine):
-        return engine.live("sequences") or {}
-    if not isinstance(engine, Engine):
-        return {}
-    now = time.monotonic()
-    out = {}
-    for request_id, seq in engine.in_flight().items():
-        progress = progress_of(seq, now)
-        if progress is not None:
-            out[request_id] = progress
-    return out
+    view = getattr(engine, "live_sequences", None)
+    return (view() or {}) if view is not None else {}
 
 
 def steps_since(engine: ModelEngine, since: float) -> list[tuple[float, float, int, int]]:
     """(end, seconds, decode rows, prompt rows) of each step that ended after `since` (monotonic),
     at most the last ten seconds' (the engine's rate window)."""
-    if isinstance(engine, WorkerEngine):
-        return engine.live("steps", since) or []
-    if not isinstance(engine, Engine):
-        return []
-    return engine.recent_steps(since)
+    view = getattr(engine, "live_steps", None)
+    return (view(since) or []) if view is not None else []
 
 
 def parked_cells(engine: ModelEngine) -> int:
     """KV cells the prefix cache holds for finished requests (inside EngineStats.kv_used)."""
-    if isinstance(engine, WorkerEngine):
-        return engine.live("parked") or 0
-    if not isinstance(engine, Engine):
-        return 0
-    entries = list(engine.scheduler.cache.parked.values())  # one C-level copy: the engine thread may re-key it
-    return sum(len(entry.cells) for entry in entries)
+    view = getattr(engine, "live_parked", None)
+    return (view() or 0) if view is not None else 0

@@ -32,6 +32,7 @@ from ..batching.step_plan import StepOutput
 from . import step
 from ..protocol.engine import EngineStats, ModelInfo
 from ..errors import ContextLengthExceededError, InvalidRequestError, OverloadedError, QueueFullError
+from .live import SequenceProgress, cells_of, progress_rows
 from .streams import STREAM_BUFFER_EVENTS, RequestStream, post_events
 from . import core_share
 from .threads import ThreadGovernor
@@ -225,6 +226,17 @@ class Engine:
 
     def recent_steps(self, since: float) -> list[tuple[float, float, int, int]]:
         return self._rates.steps_since(since)
+
+    # The dashboard's views (live.py): copies, read from the event loop while the thread works.
+    def live_sequences(self) -> dict[str, SequenceProgress]:
+        return progress_rows(self.in_flight())
+
+    def live_steps(self, since: float) -> list[tuple[float, float, int, int]]:
+        return self.recent_steps(since)
+
+    def live_parked(self) -> int:
+        # One C-level copy: the engine thread may re-key the cache meanwhile.
+        return cells_of(list(self.scheduler.cache.parked.values()))
 
     def stats(self) -> EngineStats:
         s = self.scheduler

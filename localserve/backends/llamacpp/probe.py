@@ -134,7 +134,7 @@ def probe(model_path: Path, key: str, command: list[str] | None = None, timeout:
 
     A verdict when the child ran to its end or died from a signal; None when it could not tell (the
     model failed to load with an error of its own, which the real load will report)."""
-    argv = command or [sys.executable, "-m", __name__, os.fspath(model_path)]
+    argv = command or [sys.executable, "-m", f"{__package__}.probe_child", os.fspath(model_path)]
     started = time.monotonic()
     try:
         done = subprocess.run(argv, stdin=subprocess.DEVNULL, capture_output=True, timeout=timeout)
@@ -191,23 +191,3 @@ def condition(cpu_model: str, cpu_features: Sequence[str]) -> str | None:
         return ("this CPU claims AMX and the llama.cpp build uses it: the first load probes it in a child process, "
                 "since some VMs advertise AMX and trap it")
     return verdict.describe()
-
-
-def _child(model_path: str) -> int:
-    """The probe itself: a real load and decode, as an engine does it, then a clean exit."""
-    from ..base import BatchToken
-    from .backend import LlamaCppBackend
-
-    # extra_buffers said outright: the default would follow a verdict this probe is here to make.
-    with LlamaCppBackend.load(model_path, n_ctx=256, n_seq_max=1, n_batch=64, kv_unified=True,
-                              extra_buffers=True) as backend:
-        tokens = backend.tokenize("The quick brown fox jumps over the lazy dog. " * 8)[:PROBE_TOKENS]
-        backend.decode([BatchToken(t, 0, i, i == len(tokens) - 1) for i, t in enumerate(tokens)])
-        for step in range(4):  # single rows take the GEMV kernels, which the prompt did not
-            backend.decode([BatchToken(tokens[step], 0, len(tokens) + step, True)])
-    return 0
-
-
-if __name__ == "__main__":
-    logging.disable(logging.CRITICAL)
-    sys.exit(_child(sys.argv[1]))

@@ -144,7 +144,7 @@ class WorkerEngine:
         `vocab_gguf`: the model's GGUF, whose tokenizer then runs in the daemon (opened only once
         the worker has loaded the whole file, so a file that kills llama.cpp's loader kills the
         worker, not us)."""
-        from . import child  # not at import time: child imports engine/live.py, which imports us
+        from . import child  # not at import time: the daemon imports this module without a worker
 
         ctx = _context()
         ours, theirs = ctx.Pipe()
@@ -232,11 +232,20 @@ class WorkerEngine:
                                                prompt_tokens_per_s=0.0, prefix_cache_hits=0, prefix_cache_queries=0,
                                                prefix_cache_hit_rate=0.0, steps=0, busy=False)
 
-    def live(self, view: str, *args: Any) -> Any:
-        """engine/live.py's views (sequences, steps, parked) as the worker computes them; None
-        when it cannot answer."""
+    # The dashboard's views (engine/live.py), as the worker's engine computes them; None when it
+    # cannot answer (live.py shows nothing then).
+    def live_sequences(self) -> Any:
+        return self._live("live_sequences")
+
+    def live_steps(self, since: float) -> Any:
+        return self._live("live_steps", since)
+
+    def live_parked(self) -> Any:
+        return self._live("live_parked")
+
+    def _live(self, view: str, *args: Any) -> Any:
         try:
-            return self._quick(f"live_{view}", *args)
+            return self._quick(view, *args)
         except Exception:  # noqa: BLE001
             return None
 
