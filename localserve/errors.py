@@ -10,7 +10,7 @@ status and an OpenAI error body (`server/errors.py`) through `http_status`, `err
     │   ├── InvalidNameError         a model name/tag that could escape the cache directory
     │   └── ContextLengthExceededError
     ├── ModelNotFoundError           not in the catalog / not pulled (404)
-    ├── NotFoundError                an unknown file or batch id (404)
+    ├── NotFoundError                an unknown file, batch or stored response id (404)
     ├── GGUFError                    malformed, truncated or non-GGUF file
     ├── ModelDirError                an ONNX / onnxruntime-genai model folder that is incomplete or corrupt
     ├── DownloadError                pull failures
@@ -21,14 +21,19 @@ status and an OpenAI error body (`server/errors.py`) through `http_status`, `err
     │   └── PullLockedError          another process is pulling the same model
     ├── QueueFullError               a lane's queue is full (429 + Retry-After)
     ├── OverloadedError              the whole server is full or a model is loading (503)
+    │   ├── RequestCancelledError    the server ended a request: shutdown, unload (503 + Retry-After)
+    │   │   └── SwapPreemptedError   batch-lane work ended at a step boundary so another model can load
+    │   ├── EngineCrashedError       a model's engine worker died under its requests (503, restarted)
+    │   └── ModelFailedError         a model whose worker kept crashing, until loaded again explicitly
     ├── BackendError                 a model failed to load or decode (500, details only in the log)
     ├── GenerationError              a request failed inside the engine (500, our message, shown)
     ├── InternalError                an unexpected failure, logged where it was caught (500)
-    ├── RequestCancelledError        the server ended a request: shutdown, unload (503 + Retry-After)
-    │   └── SwapPreemptedError       batch-lane work ended at a step boundary so another model can load
     ├── RequestSupersededError       a newer request for the same id_slot ended this one (409)
     ├── UpstreamError                a remote upstream failed or refused (502)
     └── DaemonError                  the daemon cannot be started, reached or stopped, or answered an error
+
+Subclasses that belong to one module live there (api/json_body.py's body limits, convert/'s
+unsupported models, the Responses store's unknown previous response, launch's and setup's own).
 """
 
 from __future__ import annotations
