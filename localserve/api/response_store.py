@@ -185,7 +185,7 @@ class ResponseStore:
 
     @classmethod
     def of(cls, settings: Settings) -> "ResponseStore":
-        return cls(settings.home / "responses" / "responses.sqlite3", settings.responses_retention_days)
+        return cls(settings.responses_dir / "responses.sqlite3", settings.responses_retention_days)
 
     async def save(self, response: dict[str, Any], previous_id: str | None,
                    inputs: Sequence[dict[str, Any] | StoredItem]) -> None:
