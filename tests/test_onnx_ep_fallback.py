@@ -21,7 +21,7 @@ DML_FAILURE = ("[ONNXRuntimeError] : 1 : FAIL : D:\\a\\_work\\1\\s\\onnxruntime\
 def test_a_failing_ep_falls_back_to_the_cpu_with_the_reason_logged(tmp_path, monkeypatch, caplog):
     import onnxruntime as ort
 
-    from localserve.backends.onnx.backend import CPU_EP, open_session
+    from localserve.backends.onnx.session import CPU_EP, open_session
     from localserve.convert import convert_gguf
     from onnx_helpers import write_tiny_gguf
 
@@ -46,7 +46,7 @@ def test_a_failing_ep_falls_back_to_the_cpu_with_the_reason_logged(tmp_path, mon
 
 
 def test_the_cpu_ep_failing_is_an_error_without_a_path(tmp_path):
-    from localserve.backends.onnx.backend import CPU_EP, open_session
+    from localserve.backends.onnx.session import CPU_EP, open_session
     from localserve.errors import BackendError
 
     (tmp_path / "m").mkdir()
