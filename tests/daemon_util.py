@@ -19,7 +19,7 @@ REPO = Path(__file__).resolve().parent.parent
 # greedy answers: the product's default, auto, drafts or not by the step times it measures, and a
 # drafted answer can part from a plain one at a near-tie (docs/architecture.md). Tests that compare
 # answers across runs, lanes or daemons (a batch line against the same request alone, one upstream
-# against another) failed that way under load. tests/test_speculation.py turns it on where it tests it.
+# against another) failed that way under load. tests/model/test_speculation.py turns it on where it tests it.
 SPECULATIVE = "off"
 
 

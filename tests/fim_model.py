@@ -1,4 +1,4 @@
-"""SmolLM2 as a fill-in-the-middle model, for tests/test_fim.py and benchmarks/fim.py.
+"""SmolLM2 as a fill-in-the-middle model, for tests/model/test_fim.py and benchmarks/fim.py.
 
 No small GGUF with FIM tokens ships in a package these machines can reach, and SmolLM2 names none
 (llama.cpp finds only its <reponame>). A copy with llama.cpp's FIM metadata keys pointing at

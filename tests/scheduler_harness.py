@@ -1,6 +1,6 @@
 """Drives a Scheduler over any Backend synchronously, step by step, checking the invariants
 that must hold after every step (shared by the scheduler test modules). The fake backend is the
-default; tests/test_scheduler_backends.py runs the same harness over llama.cpp and ONNX Runtime."""
+default; tests/model/test_scheduler_backends.py runs the same harness over llama.cpp and ONNX Runtime."""
 
 from __future__ import annotations
 

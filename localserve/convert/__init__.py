@@ -45,7 +45,7 @@ def default_weights(execution_provider: str | None, matmul_types: Collection[str
     (None: the CPU's) runs MatMulNBits; "fp32" otherwise.
 
     Re-quantizing costs llama.cpp's answers, measured on SmolLM2 Q4_1 (CPU EP, first 8 greedy
-    tokens on 8 prompts, tests/test_convert_nbits.py): fp32 kept 7, int8 6 (8 with float
+    tokens on 8 prompts, tests/model/test_convert_nbits.py): fp32 kept 7, int8 6 (8 with float
     activations, which run 10-40x slower), int4 1 (Q4_1's offsets are on no 4-bit grid with
     integer zero points). So a re-quantized form is there to ask for (`--weights`: int8 is 227
     MiB against fp32's 515), not the default the issue's parity bar is held to."""

@@ -3,7 +3,7 @@
 onnxruntime-genai tokenizes with Hugging Face's `tokenizer.json` format, so the converter writes
 the GGUF's BPE vocabulary, merges and special tokens in it, with the pre-tokenizer llama.cpp uses
 for the GGUF's `tokenizer.ggml.pre`. Only pre-tokenizers whose llama.cpp regexes have an exact
-Hugging Face equivalent are accepted; the rest are refused before any work (tests/test_oga.py checks
+Hugging Face equivalent are accepted; the rest are refused before any work (tests/system/test_oga.py checks
 OGA's encoding against llama.cpp's on the test prompts). Which tokens end a generation is asked of
 llama.cpp itself (a vocab-only load), so OGA stops where the llama.cpp backend stops.
 """

@@ -4,7 +4,7 @@ The thread governor (threads.py) follows other processes' load, but it reads the
 late and acts between steps only. Two models of ours decoding at once is the case that costs most:
 the second model's first step starts while the first's step holds every core, and with libgomp's
 default spin each thread then waits out its partner's whole time slice at every barrier; a step
-that takes 0.1 s alone took over 4 s (tests/test_engine_workers.py's hang watchdog, 1 run in 5).
+that takes 0.1 s alone took over 4 s (tests/system/test_engine_workers.py's hang watchdog, 1 run in 5).
 Our engines need not guess about each other: they keep a small record in shared memory, one slot
 per engine (its process id, whether it has work, the threads its running step computes on, when
 that step began, how long its steps take), and before a step each takes the smallest of

@@ -22,7 +22,7 @@ The first step after an idle spell decides from the whole spell's average at onc
 guess there is without polling while idle. A new engine reads the machine for FIRST_READ_S before
 its first step (part of the model's load, not of a request's wait): a second model's worker that
 started beside a busy one ran its first prompt with 2 threads beside the other's 2, on 2 cores,
-and one step took over 4 s (tests/test_engine_workers.py's hang watchdog caught it).
+and one step took over 4 s (tests/system/test_engine_workers.py's hang watchdog caught it).
 The cost that stays: a step running when a process starts runs slowly to its end (the threads
 cannot change inside a llama_decode); the next one is governed. Our own engines (a second model's
 worker) never cause it: they share the cores through core_share.py, which caps what the governor
@@ -33,7 +33,7 @@ rows are libgomp's default (what the daemon uses) and the short spin it set befo
 (which kept half a shared machine's throughput and paid a tenth on a quiet one).
 
 llama.cpp's results do not depend on the thread count (each output element is summed by one
-thread; tests/test_thread_governor.py checks the logits are bit-equal), so this changes speed only.
+thread; tests/system/test_thread_governor.py checks the logits are bit-equal), so this changes speed only.
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@
 async stream of GenerationEvents comes out. engine.Engine implements it with a step-level Backend
 under our Scheduler; an engine that batches by itself (onnxruntime-genai's, a remote upstream)
 implements the same members without either, and the server cannot tell them apart
-(tests/test_engine_protocol.py serves a minimal second implementation through the real app).
+(tests/model/test_engine_protocol.py serves a minimal second implementation through the real app).
 
 Everything above this seam (models.py, server/) is typed against these names only: no backend,
 scheduler or llama.cpp member is reachable from a handler.

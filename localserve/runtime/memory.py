@@ -58,7 +58,7 @@ def compute_buffer_bytes(facts: GGUFFacts, n_cells: int, n_ubatch: int = DEFAULT
     the output projection 4·b·(embd + vocab), with b = min(ctx, n_ubatch); plus the f32 logits
     buffer of one output row per sequence. Measured on SmolLM2-135M at ctx 8192 with llama.cpp
     (llama-cpp-python 0.3.36, CPU): estimate 164.7 MiB; llama.cpp reserves 166.4 MiB without flash
-    attention and 98.3 MiB + 0.2 MiB with it (tests/test_memory.py checks the live figure).
+    attention and 98.3 MiB + 0.2 MiB with it (tests/system/test_memory.py checks the live figure).
     With flash attention no score matrix is kept, so the projection term is what remains."""
     b = min(n_cells, n_ubatch)
     attention = 0 if flash_attention else F32 * b * (1 + 4 * facts.n_embd + n_cells * (1 + facts.n_heads))

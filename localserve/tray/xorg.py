@@ -6,7 +6,7 @@ sends and flushes that message on the loop's own X connection, and python-xlib 0
 between two threads in send_and_recv: a sender that finds a reply readable but is not the
 receiving thread returns without waking the thread that waits for that reply. The loop then waits
 forever in the middle of a redraw (get_geometry), and the caller waits forever for the loop. Seen
-as a hang of tests/test_tray_xvfb.py in a CI run; a title set 3,000 times from a second thread
+as a hang of tests/system/test_tray_xvfb.py in a CI run; a title set 3,000 times from a second thread
 under a flood of Expose events froze in 3 of 3 runs, after 13 to 124 changes. Flushing the loop's
 connection from a watchdog thread did not cure it (it froze later, with other stale states).
 

@@ -181,7 +181,7 @@ class LlamaCppBackend(LlamaTokenizer, Backend):
             to a tiled variant for micro-batches of 64+ tokens, which rounds differently, so a
             prompt prefilled in other chunk sizes (alone vs. beside other requests) can end in other
             greedy tokens. With per-sequence streams and flash attention off, outputs are identical
-            whatever the batch (tests/test_engine_llamacpp.py), with the F16 cache.
+            whatever the batch (tests/model/test_engine_llamacpp.py), with the F16 cache.
         kv_type: "f16" or "q8_0" for K and V (q8_0 halves KV memory; llama.cpp needs flash
             attention for a quantized V cache, so it turns flash attention on). Ignored with
             exact_attention, which keeps F32.

@@ -18,7 +18,7 @@ oversubscribed to its end (the governor changes threads between steps), and ther
 through its partner's whole time slice at every barrier. For a second model of ours that is no
 longer so: our engines share the cores (engine/core_share.py), and no step of one starts on cores
 another's running step holds. Before the share, libgomp's default let one step of two models
-decoding at once on 2 cores run past the 4 s hang watchdog of tests/test_engine_workers.py (1 run
+decoding at once on 2 cores run past the 4 s hang watchdog of tests/system/test_engine_workers.py (1 run
 in 5), and 30000 was shipped for a day at a cost of 5-8% (load B 112-115 against 122-123, the
 edit's plain decode 36.7 against 40.0 tok/s); with the share, 3 runs of that module and 3 of its
 two-model test passed at the default. What is left is another program starting during a step:

@@ -11,7 +11,7 @@ memmove in the engine thread, the OpenMP worker idle).
 
 `llama_state_seq_get_data` / `set_data` move the source's used cells only (their positions and K/V
 rows, bit for bit), into free cells of the destination's stream, at once. The result is the same
-KV data at the same positions, so outputs do not change (tests/test_backend_llamacpp.py compares
+KV data at the same positions, so outputs do not change (tests/model/test_backend_llamacpp.py compares
 logits after both copies). It is used where it is cheaper and exact:
 - the source holds less than half a stream (the state copy moves each used cell twice, out to a
   buffer and in; the stream copy moves every cell of the stream once);

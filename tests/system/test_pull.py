@@ -39,7 +39,7 @@ from localserve.pull.policy import UrlPolicy
 from localserve.pull.puller import claim_partial, link_tag
 from localserve.store.cache import ModelStore
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 FAST_RETRY = RetryPolicy(attempts=4, backoff=0.01, max_backoff=0.05)
 PAYLOAD = os.urandom(3 * 1024 * 1024 + 12345)
 PAYLOAD_SHA = hashlib.sha256(PAYLOAD).hexdigest()

@@ -31,8 +31,8 @@ from daemon_util import cli_env, free_port, register_model, serving, stop_quietl
 
 pytestmark = pytest.mark.model
 
-REPO = Path(__file__).resolve().parent.parent
-PAGE_DIR = Path(__file__).resolve().parent / "fixtures" / "browser"
+REPO = Path(__file__).resolve().parents[2]
+PAGE_DIR = Path(__file__).resolve().parents[1] / "fixtures" / "browser"
 NPM_DIR = REPO / ".test-cache" / "npm"
 OPENAI_JS = "openai@7"  # the major the page is written for
 MODEL = "smollm2-135m"

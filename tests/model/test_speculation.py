@@ -32,7 +32,7 @@ from test_engine_llamacpp import chat, run, running_engine
 GREEDY = SamplingParams(temperature=0.0)
 SOURCES = ["localserve/batching/step_clock.py", "localserve/batching/lanes.py", "localserve/batching/kv_ops.py",
            "localserve/batching/text.py"]
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def edit_prompt(backend, path: str, lines: int = 24) -> list[int]:

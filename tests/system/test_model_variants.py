@@ -287,7 +287,7 @@ def test_per_model_override_and_bad_preferences(tmp_path, smollm2_gguf):
     with pytest.raises(ConfigError, match="setting 'backend': 'tpu' is not one of auto, llamacpp, onnx"):
         registry.preference(settings_for(tmp_path, LOCALSERVE_BACKEND="tpu"), "smol:latest")
     gguf_only = ModelStore(settings).register_local(smollm2_gguf, "plain")
-    if HAVE_ORT:  # the onnx backend takes it after converting its GGUF (tests/test_convert_first_use.py)
+    if HAVE_ORT:  # the onnx backend takes it after converting its GGUF (tests/model/test_convert_first_use.py)
         assert registry.choose(gguf_only, settings, strix_halo_with_vitisai(), None).convert
     with pytest.raises(BackendError, match="backend llamacpp was requested by setting model_backends, but the model "
                                            "has no variant it runs"):

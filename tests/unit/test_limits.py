@@ -84,7 +84,7 @@ def test_streams_are_sized_for_the_sequences_that_can_run():
 
 
 # --- the automatic limits on consumer machines ---------------------------------------------------
-# Model facts the way tests/test_placement.py builds them: shapes and sizes of the Q4_K_M / Q4_1
+# Model facts the way tests/unit/test_placement.py builds them: shapes and sizes of the Q4_K_M / Q4_1
 # files people run. KV bytes per token come from memory.kv_cache_bytes, as plan_model passes them.
 def _facts(**kw) -> GGUFFacts:
     base = dict(architecture="llama", name=None, n_params=0, quant="Q4_K_M", file_type_id=15,

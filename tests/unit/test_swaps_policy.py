@@ -1,5 +1,5 @@
 """The swap policy (runtime/swaps.py) on its own: which loaded model makes room, in which order, and
-when the thrash guard holds it. The real models' swaps are tests/test_model_swaps.py."""
+when the thrash guard holds it. The real models' swaps are tests/model/test_model_swaps.py."""
 
 from __future__ import annotations
 

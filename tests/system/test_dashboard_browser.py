@@ -31,7 +31,7 @@ pytestmark = pytest.mark.model
 if not (CHROMIUM and CHROMEDRIVER):
     pytest.skip(MISSING, allow_module_level=True)
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 SCREENSHOT = REPO / "docs" / "dashboard.png"
 MODEL = "smollm2-135m"
 API_KEY = "dashboard-test-key"

@@ -15,7 +15,7 @@ import pytest
 from server_harness import MODEL, model_server
 
 pytestmark = pytest.mark.model
-FIXTURES = Path(__file__).parent / "fixtures" / "agents"
+FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "agents"
 TEXT_KEYS = {"text", "description", "content", "instructions"}
 
 

@@ -27,7 +27,7 @@ import pytest
 from daemon_util import cli_env, free_port, register_model, serving, stop_quietly, wait_published
 from localserve.desktop.service import ServiceSpec, launch_agent, systemd_unit
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 INSTALL = REPO / "installer" / "install.sh"
 
 

@@ -34,7 +34,7 @@ from test_error_channel import SCHEMA, banned  # noqa: F401 - the fixture
 from test_server_load import NO_EOS, assert_silent_disconnect_frees_the_slot, open_stream, slot_deadline, wait_idle
 
 GREEDY = {"temperature": 0.0}
-FIXTURES = Path(__file__).parent / "fixtures" / "agents"
+FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "agents"
 QUESTION = "What is the capital of France?"
 WEATHER_TOOL = {"type": "function", "name": "get_weather", "description": "The weather in a city",
                 "parameters": {"type": "object", "properties": {"city": {"type": "string", "enum": ["Paris", "Rome"]}},

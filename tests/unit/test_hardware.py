@@ -174,7 +174,7 @@ def test_missing_proc_files(tmp_path: Path) -> None:
     ("sys/fs/cgroup/memory/memory.limit_in_bytes", "sys/fs/cgroup/memory/memory.usage_in_bytes"),
 ])
 def test_container_memory_limit(tmp_path: Path, limit_file: str, usage_file: str) -> None:
-    src = Path(__file__).parent / "fixtures/hw/linux_intel/root/proc/meminfo"
+    src = Path(__file__).resolve().parents[1] / "fixtures/hw/linux_intel/root/proc/meminfo"
     (tmp_path / "proc").mkdir()
     (tmp_path / "proc/meminfo").write_bytes(src.read_bytes())
     (tmp_path / limit_file).parent.mkdir(parents=True)
@@ -219,7 +219,7 @@ def test_intel_mac_has_no_metal_gpu() -> None:
 def test_raised_metal_wired_limit() -> None:
     from fixtures.hw.loader import _sysctl
 
-    base = _sysctl(Path(__file__).parent / "fixtures/hw/apple_m2_pro/sysctl.txt")
+    base = _sysctl(Path(__file__).resolve().parents[1] / "fixtures/hw/apple_m2_pro/sysctl.txt")
     report = detect_hardware(fixture_env("apple_m2_pro", sysctl=lambda k: "28672" if k == "iogpu.wired_limit_mb" else base(k)))
     assert report.gpus[0].vram_bytes == 28 * GiB
 

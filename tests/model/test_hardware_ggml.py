@@ -27,7 +27,7 @@ VULKAN = (True, ["Vulkan"])
 def gpuless_root(tmp_path: Path) -> Path:
     """The recorded Intel laptop without its GPU in sysfs: what the lavapipe VM shows the OS probes."""
     root = tmp_path / "root"
-    shutil.copytree(Path(__file__).parent / "fixtures/hw/linux_intel/root", root)
+    shutil.copytree(Path(__file__).resolve().parents[1] / "fixtures/hw/linux_intel/root", root)
     shutil.rmtree(root / "sys/class/drm")
     return root
 

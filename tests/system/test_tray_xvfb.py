@@ -32,7 +32,7 @@ if not (XVFB and XCLIP):
 if not (find_spec("pystray") and find_spec("Xlib")):
     pytest.skip("needs the tray extra and python-xlib (pip install -e '.[dev]')", allow_module_level=True)
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 SCREENSHOT = REPO / "docs" / "tray.png"
 MODEL = "smollm2-135m"
 KEY = "tray-test-key"

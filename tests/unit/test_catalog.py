@@ -40,7 +40,7 @@ def test_builtin_catalog_has_complete_entries(settings):
 
 
 def test_repo_root_models_json_is_the_shipped_catalog():
-    root = Path(__file__).resolve().parent.parent
+    root = Path(__file__).resolve().parents[2]
     assert (root / "models.json").resolve() == (root / "localserve" / "models.json").resolve()
 
 
