@@ -8,7 +8,7 @@ package and editor plugins built on it work unchanged.
 
 These handlers hold only what is HTTP: reading the body, the X-Priority header, SSE, and watching
 the connection (guard_disconnect). Parsing, the engine work and the response objects are
-openai_api.py's, shared with callers that have no HTTP request (the Batch API).
+api/openai.py's, shared with callers that have no HTTP request (the Batch API).
 """
 
 from __future__ import annotations

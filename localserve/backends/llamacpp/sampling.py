@@ -33,6 +33,7 @@ from ...errors import BackendError, InvalidRequestError
 from ..base import SampledToken, Sampler
 from ..common import sampler_thread
 from ..common.grammar import grammar_text
+from ..common.logprobs import token_logprob
 from .runtime import error_count, last_error_since, native_stderr_captured
 
 
@@ -265,16 +266,7 @@ class LlamaCppSampler(Sampler):
         return math.isfinite(float(one.buf["logit"][0]))
 
     def _logprob(self, row: np.ndarray, token: int) -> TokenLogprob:
-        # log-softmax of the raw logits (before bias, penalties and temperature), like OpenAI reports.
-        top_max = float(row.max())
-        log_z = top_max + math.log(float(np.exp(row - top_max).sum(dtype=np.float64)))
-        top: list[tuple[int, str, float]] = []
-        k = min(self._n_logprobs or 0, row.size)
-        if k > 0:
-            idx = np.argpartition(row, row.size - k)[row.size - k:]
-            idx = idx[np.argsort(-row[idx], kind="stable")]
-            top = [(int(i), self._backend.token_text(int(i)), float(row[i]) - log_z) for i in idx]
-        return TokenLogprob(token=token, text=self._backend.token_text(token), logprob=float(row[token]) - log_z, top=top)
+        return token_logprob(row, token, self._n_logprobs or 0, self._backend.token_text)
 
     def close(self) -> None:
         if self._finalizer is not None:

@@ -28,6 +28,7 @@ import numpy as np
 from ...errors import InvalidRequestError
 from ...protocol.requests import SamplingParams
 from ..base import SampledToken, Sampler
+from ..common.logprobs import token_logprob
 from ..llamacpp.sampling import ChainHost, LlamaCppSampler
 
 
@@ -63,9 +64,6 @@ def numpy_sampler(source: LogitsSource, host: ChainHost, params: SamplingParams,
 
 
 class NumpySampler(Sampler):
-    # The logprobs listing is the llama.cpp backend's (log-softmax of the raw row, top alternatives
-    # by logit): one implementation, so both backends report the same numbers for the same logits.
-    _logprob = LlamaCppSampler._logprob
 
     def __init__(self, backend: LogitsSource, params: SamplingParams, prompt_tokens: Sequence[int]) -> None:
         params.validate(backend.n_vocab)
@@ -104,7 +102,8 @@ class NumpySampler(Sampler):
         else:
             token = self._sample_chain(row)
         self._accept(token)
-        logprob = self._logprob(row, token) if self._n_logprobs is not None else None
+        logprob = (token_logprob(row, token, self._n_logprobs, self._backend.token_text)
+                   if self._n_logprobs is not None else None)
         return SampledToken(token=token, logprob=logprob)
 
     def _sample_chain(self, row: np.ndarray) -> int:
