@@ -126,6 +126,10 @@ class Settings:
     # the embeddings context holds one group of inputs at a time); time is: it runs between
     # generation steps, so a big request slows chats a little but for long.
     max_embed_tokens: int = 300_000
+    # /v1/embeddings `input` as token ids: refused unless on. langchain-openai's OpenAIEmbeddings sends
+    # ids of OpenAI's cl100k tokenizer by default; read as this model's ids they are other text, and the
+    # vectors came back 200 and wrong. On: the ids are taken as the served model's own.
+    embed_token_ids: bool = False
     # Seconds a streaming response may stay blocked on a client that reads nothing before the
     # connection is dropped and its sequence freed (server/generation.guard_disconnect); 0 = never.
     stream_write_timeout: float = 30.0
