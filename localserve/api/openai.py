@@ -436,12 +436,25 @@ def parse_embeddings(body: Body, env: ApiEnv) -> EmbeddingsCall:
     )
 
 
+def refuse_foreign_token_ids(inputs: Sequence[str | list[int]], allowed: bool) -> None:
+    """Token ids are another tokenizer's unless the user said otherwise: langchain-openai's default
+    OpenAIEmbeddings sends OpenAI's cl100k ids, which read as this model's ids are other text (its
+    vectors had cosine 0.75 with the same sentence sent as text). An upstream is not asked this: its
+    model may well be the one whose tokenizer made them."""
+    if allowed or all(isinstance(item, str) for item in inputs):
+        return
+    raise invalid("'input' holds token ids, which this server cannot tell are this model's tokenizer's: send "
+                  "the text instead (langchain-openai: OpenAIEmbeddings(check_embedding_ctx_length=False)), or "
+                  "turn on the setting embed_token_ids if the ids come from this model's own tokenizer", "input")
+
+
 async def embeddings(call: EmbeddingsCall, env: ApiEnv) -> dict[str, Any]:
     """The embeddings list object for a parsed call."""
     async with env.manager.use(call.model, lane=call.lane) as loaded:
         if isinstance(loaded.engine, TextEngine):  # the upstream tokenizes, counts and checks dimensions
             vectors, n_tokens = await loaded.engine.embed_text(call.inputs, call.dimensions)
         else:
+            refuse_foreign_token_ids(call.inputs, env.settings.embed_token_ids)
             n_embd = loaded.engine.info.n_embd
             if call.dimensions is not None and call.dimensions != n_embd:
                 raise invalid(f"'dimensions' must be {n_embd} for this model (no reduction supported)", "dimensions")

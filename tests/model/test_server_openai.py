@@ -175,8 +175,11 @@ def test_embeddings(client):
     many = client.embeddings.create(model=MODEL, input=["hello world", "goodbye"], encoding_format="float")
     assert [d.index for d in many.data] == [0, 1]
     assert many.data[0].embedding == pytest.approx(item.embedding, abs=1e-5)
-    tokens = client.embeddings.create(model=MODEL, input=[[28120, 905]], encoding_format="float")
-    assert len(tokens.data[0].embedding) == 576
+    # Token ids are refused unless the setting embed_token_ids says they are this model's
+    # (tests/model/test_ui_clients.py replays langchain-openai's cl100k ids).
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.embeddings.create(model=MODEL, input=[[28120, 905]], encoding_format="float")
+    assert refused.value.body["param"] == "input" and "embed_token_ids" in refused.value.body["message"]
 
 
 def test_models(client):
