@@ -7,7 +7,6 @@ cache although its billing header changes every turn."""
 from __future__ import annotations
 
 import json
-import socket
 import time
 from typing import Any
 
@@ -17,7 +16,8 @@ import pytest
 
 from server_harness import MODEL, MODEL_TAG, LiveServer, install_model, model_server, server_settings
 from test_batches import contents, line, submit, wait
-from test_server_load import long_completion, open_stream, slot_deadline, wait_idle
+from test_server_load import (assert_silent_disconnect_frees_the_slot, long_completion, open_stream, slot_deadline,
+                              wait_idle)
 
 pytestmark = pytest.mark.model
 SERVED = f"{MODEL}:{MODEL_TAG}"
@@ -323,17 +323,7 @@ def test_disconnect_cancels_the_message(live):
 
 
 def test_disconnect_without_streaming_cancels_the_message(live):
-    payload = json.dumps(long_message(stream=False)).encode()
-    s = socket.create_connection(("127.0.0.1", live.port))
-    s.sendall(f"POST /v1/messages HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
-              f"Content-Length: {len(payload)}\r\n\r\n".encode() + payload)
-    deadline = time.monotonic() + 30
-    while live.engine_stats().get("running", 0) == 0:
-        assert time.monotonic() < deadline
-        time.sleep(0.02)
-    deadline = slot_deadline(live)
-    s.close()
-    wait_idle(live, deadline)
+    assert_silent_disconnect_frees_the_slot(live, "/v1/messages", long_message(stream=False))
 
 
 def test_batch_of_messages_answers_as_single_requests(live, client, oai):
