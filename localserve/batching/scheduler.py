@@ -24,7 +24,7 @@ from ..backends.base import BatchToken, Capabilities
 from ..errors import GenerationError, LocalserveError, OverloadedError
 from .drafting import add_drafts, feed_draft, keep_verified, take_verified
 from .kvpool import KVPool
-from .lanes import LaneQueues, priority_key
+from .lanes import LaneQueues, due_step, priority_key, prompt_key
 from .limits import EngineLimits
 from .prefix_cache import CachedPrefix, PrefixCache
 from .prompt_rooms import PromptRooms
@@ -74,7 +74,7 @@ class Scheduler:
         self.cache = PrefixCache(self.pool, limits.prefix_cache, caps.min_recompute)
         speculate = caps.speculation and limits.speculative != "off"
         self.drafts = DraftPolicy(limits.speculative, caps.consecutive_ids) if speculate else None
-        self.lanes = LaneQueues(limits.aging_steps)
+        self.lanes = LaneQueues()
         self.aging_steps = limits.aging_steps
         self.queue_timeout = limits.queue_timeout
         self.running: list[Sequence] = []
@@ -83,6 +83,9 @@ class Scheduler:
         self.interrupted_steps = 0
         self._updated: list[Sequence] = []  # sequences with an event for the next StepOutput
         self._next_timeout_check = 0.0
+        # lane -> when a step last fed one of its sequences (monotonic): the queue timeout counts
+        # from there, so a request waiting while the ones ahead of it are read is never "stuck".
+        self.lane_progress: dict[str, float] = {}
         # Set when a decode found the backend fuller than our books and a sequence was preempted
         # for it: no admissions while others run, until one of them finishes. Without it the victim
         # came straight back (the books still said it fits), the next decode overflowed again, and
@@ -95,6 +98,10 @@ class Scheduler:
     # --- entry points (engine thread only) -------------------------------------------------
     def add(self, seq: Sequence) -> None:
         seq.arrival_step = self.step
+        # Its work is what the prefix cache holds no copy of now (an agent's next turn needs only
+        # its tail); the hit itself is taken when it starts, and may have grown or gone by then.
+        _, hit = self.cache.lookup(seq.tokens, self.running)
+        seq.due_step = due_step(self.step, len(seq.tokens) - hit, self.budget)
         self.lanes.push(seq)
 
     def has_work(self) -> bool:
@@ -102,6 +109,10 @@ class Scheduler:
 
     def key(self, seq: Sequence) -> tuple[int, int]:
         return priority_key(seq, self.step, self.aging_steps)
+
+    def prompt_key(self, seq: Sequence) -> tuple[int, int, int]:
+        """The order prompts are admitted and read in: lane first, then earliest due (lanes.py)."""
+        return prompt_key(seq, self.step, self.aging_steps)
 
     def schedule(self) -> StepPlan:
         """The next step's plan, by the rules docs/architecture.md numbers."""
@@ -114,7 +125,7 @@ class Scheduler:
         # (Decoders' reservations may have preempted some of these: only running ones remain.)
         prefillers = [s for s in order if s.pending > 1 and s.status is Status.RUNNING]
         self._admit(prefillers, fed.budget)  # 4. waiting requests whose prompts fit
-        prefillers.sort(key=self.key)
+        prefillers.sort(key=self.prompt_key)
         fed.unscheduled.update(map(id, prefillers))
         self._feed_prompts(prefillers, fed)  # 5. prompt chunks in the rest of the budget
         self._never_empty(prefillers, fed)
@@ -228,8 +239,10 @@ class Scheduler:
             self.drafts.costs.observe(calls, len(plan.batch), result.seconds)
         log.debug("step %d: %d decode + %d prompt tokens in %.1f ms; %d running, %d waiting", self.step,
                   plan.decode_tokens, plan.prompt_tokens, result.seconds * 1000, len(self.running), len(self.lanes))
+        now = time.monotonic()
         for seq, n in plan.scheduled:
             seq.num_computed += n
+            self.lane_progress[seq.request.lane] = now
         for (seq, _), sample in zip(plan.outputs, result.samples):
             if seq.status is not Status.RUNNING:
                 continue
@@ -365,17 +378,19 @@ class Scheduler:
         return n
 
     def _admit(self, prefillers: list[Sequence], budget: int) -> None:
-        """Move waiting sequences into the running set (appending them to `prefillers`) while
-        their prompts fit the KV cache and this step has budget their prompts could use."""
+        """Move waiting sequences into the running set (appending them to `prefillers`), in prompt
+        order, while their prompts fit the KV cache and this step has budget they could use: the
+        prompts read before them leave some. One that would not be fed waits: admitted later, it
+        finds the prefix those before it computed meanwhile (six agents with one system prompt)."""
         if self._hold_admissions and self.running:
             return
         demand = sum(s.pending for s in prefillers)
         while len(self.running) < self.max_running:
-            seq = self.lanes.peek(self.step)
+            seq = self.lanes.peek(self.prompt_key)
             if seq is None:
                 break
-            # Budget already spoken for by earlier prompts: only a better lane may still join.
-            if demand >= budget and not any(self.key(p)[0] > self.key(seq)[0] for p in prefillers):
+            key = self.prompt_key(seq)
+            if sum(p.pending for p in prefillers if self.prompt_key(p) < key) >= budget:
                 break
             if not self._start(seq, reserved=demand):
                 break
@@ -446,7 +461,7 @@ class Scheduler:
 
     def _make_room(self) -> None:
         """Preempt running sequences of a worse lane when the best waiting one cannot start."""
-        seq = self.lanes.peek(self.step)
+        seq = self.lanes.peek(self.prompt_key)
         while seq is not None and self.running:
             victim = max(self.running, key=self.key)
             if self.key(victim)[0] <= self.key(seq)[0]:
@@ -486,7 +501,9 @@ class Scheduler:
                 self.pool.uncount(seq, len(seq.cells) - n)
 
     def _reap(self) -> None:
-        """Finish cancelled sequences and those that waited past the queue timeout."""
+        """Finish cancelled sequences, and waiting ones whose lane made no progress for the queue
+        timeout: stuck, not busy. Counted from arrival, it failed requests that waited while every
+        prompt ahead of them was being read (six agents at once: two timed out after 600 s)."""
         for seq in [s for s in self.running if s.cancelled]:
             self.finish(seq, "cancelled")
         if not len(self.lanes):
@@ -496,5 +513,11 @@ class Scheduler:
         now = time.monotonic()
         if now >= self._next_timeout_check:
             self._next_timeout_check = now + 1.0
-            for seq in [s for s in self.lanes if s.queued and now - s.t_submit > self.queue_timeout]:
-                self.finish(seq, "error", OverloadedError("timed out waiting in the queue; the server is busy"))
+            for seq in [s for s in self.lanes if s.queued and self.stalled_s(s, now) > self.queue_timeout]:
+                self.finish(seq, "error", OverloadedError(
+                    f"timed out waiting in the queue: its lane made no progress for {self.queue_timeout:g} s"))
+
+    def stalled_s(self, seq: Sequence, now: float) -> float:
+        """Seconds a waiting request has waited with no step feeding its lane (the queue timeout's
+        measure); the dashboard shows it beside the prompt's progress."""
+        return now - max(seq.t_submit, self.lane_progress.get(seq.request.lane, 0.0))

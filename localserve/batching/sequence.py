@@ -31,7 +31,7 @@ class Status(enum.Enum):
 
 class Sequence:
     __slots__ = (
-        "request", "sampler", "lane_rank", "order", "arrival_step", "tokens", "num_prompt",
+        "request", "sampler", "lane_rank", "order", "arrival_step", "due_step", "tokens", "num_prompt",
         "num_computed", "seq_id", "cells", "status", "cancelled", "queued", "num_generated",
         "cached_tokens", "num_preemptions", "finish_reason", "error", "n_ctx_seq", "t_submit",
         "t_scheduled", "t_first_token", "t_finish", "_detok", "_is_eog", "_text", "_token_ids",
@@ -51,6 +51,7 @@ class Sequence:
         self.lane_rank = LANE_RANK[request.lane]
         self.order = next(_order)  # arrival order: older wins ties, newer is preempted first
         self.arrival_step = 0  # set by the scheduler when it first sees the sequence
+        self.due_step = 0  # when its prompt is due to be read (lanes.due_step), set with arrival_step
         self.tokens: list[int] = list(request.prompt_tokens)
         self.num_prompt = len(self.tokens)
         self.num_computed = 0

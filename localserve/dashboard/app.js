@@ -136,8 +136,13 @@ function sequenceRow(m, r) {
   return el("tr", { "data-request": r.id, "data-state": r.state, "data-generated": String(r.generated) },
     el("td", {}, laneTag(r.lane)), el("td", {}, `${r.dialect} ${r.route}`), prompt,
     el("td", { class: "num" }, String(r.generated)), el("td", { class: "num" }, String(r.cached)),
-    el("td", { class: "num" }, r.age_s.toFixed(1) + " s"), el("td", { class: "state" }, r.state),
+    el("td", { class: "num" }, r.age_s.toFixed(1) + " s"), el("td", { class: "state" }, stateText(r)),
     el("td", {}, el("button", { class: "cancel", onclick: () => cancelRequest(r.id) }, "Cancel")));
+}
+
+// A waiting request's lane without progress for a while: the queue timeout counts this, not its age.
+function stateText(r) {
+  return r.state === "waiting" && r.stalled_s >= 1 ? `waiting, lane idle ${r.stalled_s.toFixed(0)} s` : r.state;
 }
 
 async function cancelRequest(id) {

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import Any, Callable
 
 from ..batching.prefix_cache import CachedPrefix
 from ..batching.sequence import Sequence, Status
@@ -29,13 +29,15 @@ class SequenceProgress:
     cached: int  # prompt tokens the prefix cache served
     age_s: float
     preemptions: int
+    # Waiting: seconds its lane has gone without a step (what queue_timeout counts); 0 otherwise.
+    stalled_s: float = 0.0
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
 
-def progress_of(seq: Sequence, now: float) -> SequenceProgress | None:
-    """None once it finished (its row is about to go)."""
+def progress_of(seq: Sequence, now: float, stalled: Callable[[Sequence, float], float]) -> SequenceProgress | None:
+    """None once it finished (its row is about to go). `stalled`: Scheduler.stalled_s."""
     status = seq.status
     if status is Status.FINISHED:
         return None
@@ -45,13 +47,15 @@ def progress_of(seq: Sequence, now: float) -> SequenceProgress | None:
     else:
         state = "prefilling" if seq.pending > 1 else "decoding"
     return SequenceProgress(state, seq.num_prompt, min(seq.num_computed, seq.num_prompt), seq.num_generated,
-                            seq.cached_tokens, round(now - seq.t_submit, 2), seq.num_preemptions)
+                            seq.cached_tokens, round(now - seq.t_submit, 2), seq.num_preemptions,
+                            round(stalled(seq, now), 2) if status is Status.WAITING else 0.0)
 
 
-def progress_rows(in_flight: dict[str, Sequence]) -> dict[str, SequenceProgress]:
+def progress_rows(in_flight: dict[str, Sequence],
+                  stalled: Callable[[Sequence, float], float]) -> dict[str, SequenceProgress]:
     """request id -> progress of an engine's requests (queued ones included; finished ones not)."""
     now = time.monotonic()
-    rows = ((request_id, progress_of(seq, now)) for request_id, seq in in_flight.items())
+    rows = ((request_id, progress_of(seq, now, stalled)) for request_id, seq in in_flight.items())
     return {request_id: progress for request_id, progress in rows if progress is not None}
 
 

@@ -229,7 +229,7 @@ class Engine:
 
     # The dashboard's views (live.py): copies, read from the event loop while the thread works.
     def live_sequences(self) -> dict[str, SequenceProgress]:
-        return progress_rows(self.in_flight())
+        return progress_rows(self.in_flight(), self.scheduler.stalled_s)
 
     def live_steps(self, since: float) -> list[tuple[float, float, int, int]]:
         return self.recent_steps(since)

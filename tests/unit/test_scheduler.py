@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 
 from fake_backend import FakeBackend
 from localserve.batching.kvpool import KVPool
+from localserve.batching.lanes import STRETCH
 from scheduler_harness import Harness, alone
 
 
@@ -396,19 +397,69 @@ def test_step_count_is_bounded_by_work():
     assert not plan.batch
 
 
-def test_queue_timeout_finishes_requests_that_never_started():
-    h = Harness(FakeBackend(n_ctx=4096, n_batch=16), max_sequences=1, queue_timeout=0.05)
+def test_queue_timeout_counts_time_without_progress_on_the_lane_not_time_since_arrival():
+    h = Harness(FakeBackend(n_ctx=4096, n_batch=16), max_sequences=1, queue_timeout=0.05, aging_steps=100_000)
     running = h.submit([1, 2, 3], max_tokens=10_000)
-    waiting = h.submit([4, 5, 6], max_tokens=5)
+    behind = h.submit([4, 5, 6], max_tokens=5)  # its lane decodes `running` every step: busy
+    stuck = h.submit([7, 8, 9], max_tokens=5, lane="batch")  # no slot and no step for its lane
     h.step()
-    waiting.seq.t_submit -= 1.0  # it has now waited a second
+    for r in (behind, stuck):
+        r.seq.t_submit -= 1.0  # both have now waited a second
     h.sched._next_timeout_check = 0.0
     h.step()
-    assert waiting.finish_reason == "error" and "queue" in waiting.seq.error.message
-    assert waiting.seq.error.http_status == 503  # typed: the server is busy, a retry may succeed
+    assert stuck.finish_reason == "error" and "no progress" in stuck.seq.error.message
+    assert stuck.seq.error.http_status == 503  # typed: the server is busy, a retry may succeed
+    assert behind.finish_reason is None and running.finish_reason is None
+    # The same request once its lane stops moving (its last step a second ago): stuck, timed out.
+    h.sched.lane_progress["default"] -= 1.0
+    h.sched._next_timeout_check = 0.0
+    h.step()
+    assert behind.finish_reason == "error" and "no progress" in behind.seq.error.message
     assert running.finish_reason is None  # a running request never times out of the queue
     running.seq.cancelled = True
     h.run()
+    h.assert_drained()
+
+
+def test_a_short_prompt_behind_a_long_one_generates_before_the_long_prompt_is_read():
+    rng = random.Random(21)
+    long_prompt, short_prompt = _prompt(rng, 2000), _prompt(rng, 100)
+    idle = Harness(FakeBackend(n_ctx=8192, n_batch=64))
+    alone_short = idle.submit(short_prompt, max_tokens=4)
+    idle.run()
+    h = Harness(FakeBackend(n_ctx=8192, n_batch=64))
+    long = h.submit(long_prompt, max_tokens=4)
+    for _ in range(5):
+        h.step()  # the long prompt is being read
+    start = h.sched.step
+    short = h.submit(short_prompt, max_tokens=4)
+    while short.first_token_step is None:
+        h.step()
+    assert long.first_token_step is None and long.seq.pending > 1000
+    # As many steps as alone: the short prompt took the whole budget, not a share of it.
+    assert short.first_token_step - start == alone_short.first_token_step
+    h.run()
+    assert short.tokens == alone(short_prompt, 4) and long.tokens == alone(long_prompt, 4)
+    h.assert_drained()
+
+
+def test_a_long_prompt_is_not_starved_by_a_stream_of_short_ones():
+    rng = random.Random(22)
+    budget, long_tokens = 32, 640  # 20 steps alone
+    h = Harness(FakeBackend(n_ctx=16384, n_batch=budget, n_seq_max=16), max_sequences=4)
+    long = h.submit(_prompt(rng, long_tokens), max_tokens=2)
+    shorts = []
+    while long.first_token_step is None:
+        # Always a fresh short prompt waiting, due before the long one until it is late.
+        if sum(r.seq.status.value == "waiting" for r in shorts) < 2:
+            shorts.append(h.submit(_prompt(rng, 40), max_tokens=2))
+        h.step()
+        assert h.sched.step < 500, "the long prompt starved"
+    # Shorter prompts went first while it was not due; from its due step on, it came first.
+    assert any(r.first_token_step is not None for r in shorts)
+    assert long.first_token_step <= (STRETCH + 1) * (long_tokens // budget) + 4
+    h.run()
+    assert long.tokens == alone(long.seq.request.prompt_tokens, 2)
     h.assert_drained()
 
 
