@@ -99,6 +99,10 @@ class Settings:
     # on a prompt's output depends on how its prefill was chunked beside other requests.
     flash_attention: bool = False
     prefix_cache: bool = True  # keep finished requests' KV to serve later prompts sharing a prefix
+    # Bytes the prompt cache on disk may hold, all models together (store/prompt_cache.py): what the
+    # prefix cache parked, kept across unloads, restarts and crashes. It never leaves less than a
+    # tenth of the disk free either; least recently used files go first. 0 = off.
+    prompt_cache_disk_bytes: int = 8 * 1024 ** 3
     # Speculative decoding by prompt lookup (batching/speculation.py): "auto" drafts where the
     # step costs measured on this machine say it pays (an edit copying its input, alone: yes; eight
     # chats: no), "ngram" drafts whenever the sequence's own tokens offer a match, "off" never.
