@@ -21,7 +21,7 @@ from ..protocol.requests import GenerationRequest, Usage
 from ..store.cache import InstalledModel
 from .fim import fim_prompt_async, prompt_budget
 from .generation import Clock
-from .templates import ChatTemplate, is_reasoning_template
+from .templates import is_reasoning_template
 from .validation import (Body, clamp_max_tokens, invalid, parse_json_format, parse_lane, parse_seed, parse_stop,
                          sampling_from)
 
@@ -37,11 +37,11 @@ def version_body(own_version: str) -> dict[str, str]:
 
 
 def capabilities(template: str, fim: bool) -> list[str]:
-    """What the plugins look for: tools (a template that renders them), insert (fill-in-the-middle
-    from the model's own FIM tokens), thinking. No "vision": we serve no images."""
-    found = ["completion"]
-    if template and ChatTemplate(template).supports_tools:
-        found.append("tools")
+    """What the plugins look for: tools, insert (fill-in-the-middle from the model's own FIM
+    tokens), thinking. No "vision": we serve no images. Tools are served for every model: in its own
+    template's way, or described in a system prompt (templates.py) for a template without them;
+    listing them only for the first kind made llm-ollama refuse tools that work."""
+    found = ["completion", "tools"]
     if fim:
         found.append("insert")
     if is_reasoning_template(template):
@@ -123,29 +123,69 @@ def model_name(body: Body) -> str:
     return name
 
 
+# The Vercel AI SDK's Ollama provider (ollama-ai-provider-v2) sends the SDK's own settings at the
+# top of /api/chat rather than in `options`; Ollama ignores them there, and so did we: a client
+# asking for greedy output got sampling, one asking for 200 tokens an answer to the context's end.
+# They count where `options` does not name the same thing (an explicit Ollama option wins).
+_TOP_LEVEL_OPTIONS = {"temperature": "temperature", "top_p": "top_p", "max_output_tokens": "num_predict"}
+
+
+def request_options(body: Body) -> Body:
+    """`options`, with the top-level settings above filling what it leaves out (each checked under
+    its own name first, so an error names the field the client sent)."""
+    options = body.get_object("options") or Body({}, "options.")
+    top = {"temperature": body.get_float("temperature", None, lo=0.0, hi=2.0),
+           "top_p": body.get_float("top_p", None, lo=0.0, hi=1.0),
+           "max_output_tokens": body.get_int("max_output_tokens", None, lo=1, hi=(1 << 63) - 1)}
+    filled = {_TOP_LEVEL_OPTIONS[name]: value for name, value in top.items() if value is not None}
+    if not filled:
+        return options
+    return Body({**filled, **options.data}, options.prefix)
+
+
+def request_context(options: Body, engine: ModelEngine | None) -> tuple[int, str, str]:
+    """(tokens of context, the param and the words naming its limit in an error). The context is
+    fixed when the model loads: clients that each send their own num_ctx (Continue, Cline, Aider,
+    Zed) share one load instead of reloading it per request, as Ollama does. A request asking for
+    less is kept within it; one asking for more gets the loaded context, and its final line says
+    so (context_note)."""
+    n_ctx = engine.n_ctx_per_seq if engine else 1 << 24
+    num_ctx = options.get_int("num_ctx", None, lo=1, hi=1 << 24)
+    if num_ctx is not None and num_ctx < n_ctx:
+        return num_ctx, "options.num_ctx", "the request's num_ctx"
+    return n_ctx, "prompt", "this model's context"
+
+
+def answer_length(options: Body, default_max_tokens: int) -> int | None:
+    """The answer's asked length: num_predict, else the setting; None: to the context's end."""
+    num_predict = options.get_int("num_predict", None, lo=-2, hi=(1 << 63) - 1)
+    requested = None if num_predict is None or num_predict <= 0 else num_predict  # -1 / -2: to the context's end
+    return requested if requested is not None else default_max_tokens or None
+
+
+def check_options(options: Body) -> None:
+    """Every option a request (or a created model's `parameters`) may hold, checked without a model."""
+    sampling_from(options, n_vocab=None, seed=parse_seed(options), names=_OLLAMA_NAMES)
+    request_context(options, None)
+    answer_length(options, 0)
+    parse_stop(options.raw("stop"), options.param("stop"))
+
+
 def build_request(body: Body, priority: str | None, engine: ModelEngine | None, tokens: list[int], *,
                   interactive: bool, default_max_tokens: int = 0) -> GenerationRequest:
     """The engine request; with engine=None only checks the body (before a model is loaded for it).
     `default_max_tokens`: the setting, for a num_predict that is absent or -1 / -2."""
-    n_vocab, n_ctx = (engine.info.n_vocab, engine.n_ctx_per_seq) if engine else (None, 1 << 24)
-    options = body.get_object("options") or Body({}, "options.")
-    # The context is fixed when the model loads: clients that each send their own num_ctx
-    # (Continue, Cline, Aider, Zed) share one load instead of reloading it per request, as Ollama
-    # does. A request asking for less is kept within it; one asking for more gets the loaded
-    # context, and its final line says so (context_note).
-    num_ctx = options.get_int("num_ctx", None, lo=1, hi=1 << 24)
-    ctx_param, whose = "prompt", "this model's context"
-    if num_ctx is not None and num_ctx < n_ctx:
-        n_ctx, ctx_param, whose = num_ctx, "options.num_ctx", "the request's num_ctx"
+    n_vocab = engine.info.n_vocab if engine else None
+    options = request_options(body)
+    n_ctx, ctx_param, whose = request_context(options, engine)
     sampling = sampling_from(options, n_vocab=n_vocab, seed=parse_seed(options), names=_OLLAMA_NAMES)
     sampling.json_schema = parse_json_format(body.raw("format"), "format")
     sampling.constraint_param = "format"
-    num_predict = options.get_int("num_predict", None, lo=-2, hi=(1 << 63) - 1)
-    requested = None if num_predict is None or num_predict <= 0 else num_predict  # -1 / -2: to the context's end
     return GenerationRequest(
         prompt_tokens=tokens,
         sampling=sampling,
-        max_tokens=clamp_max_tokens(requested, len(tokens), n_ctx, ctx_param, whose, default=default_max_tokens),
+        max_tokens=clamp_max_tokens(answer_length(options, default_max_tokens), len(tokens), n_ctx, ctx_param,
+                                    whose),
         stop=parse_stop(options.raw("stop"), "options.stop"),
         lane=parse_lane(body, priority, "interactive" if interactive else "default"),
     )
@@ -155,17 +195,14 @@ async def fim_request_tokens(body: Body, engine: ModelEngine, model: str, prefix
                              default_max_tokens: int = 0) -> list[int]:
     """/api/generate with a `suffix`: the model's own FIM prompt (raw or not: Ollama's coder
     templates build exactly this from .Prompt and .Suffix), leaving the answer its num_predict."""
-    options = body.get_object("options") or Body({}, "options.")
-    asked = options.get_int("num_predict", None, lo=-2, hi=(1 << 63) - 1)
-    budget = prompt_budget(engine, asked if asked and asked > 0 else default_max_tokens or None)
+    budget = prompt_budget(engine, answer_length(request_options(body), default_max_tokens))
     return (await fim_prompt_async(engine, model, prefix, suffix, budget=budget)).tokens
 
 
 def context_note(body: Body, engine: ModelEngine) -> dict[str, Any]:
     """For a request whose num_ctx is more than this model is served with: the context it got, and a
     warning, on its final line (no client misreads an extra field; a silent cut would mislead)."""
-    options = body.get_object("options") or Body({}, "options.")
-    asked = options.get_int("num_ctx", None, lo=1, hi=1 << 24)
+    asked = request_options(body).get_int("num_ctx", None, lo=1, hi=1 << 24)
     served = engine.n_ctx_per_seq
     if asked is None or asked <= served:
         return {}
@@ -192,6 +229,16 @@ def final_fields(clock: Clock, usage: Usage | None, reason: str | None) -> dict[
 def tag_entry(model: Any) -> dict[str, Any]:
     return {"name": model.ref, "model": model.ref, "modified_at": now_iso(model.modified), "size": model.size,
             "digest": model.sha256 or "", "details": details(model)}
+
+
+def created_tag(created: Any, source: Any | None) -> dict[str, Any]:
+    """A created model (store/created.py) in /api/tags: its name, with its installed source's
+    size and details (none for an upstream's)."""
+    entry = tag_entry(source) if source is not None else remote_tag(created.source, [])
+    entry.pop("remote_model", None), entry.pop("remote_host", None)
+    name = created.name if ":" in created.name else f"{created.name}:latest"
+    return {**entry, "name": name, "model": name, "modified_at": now_iso(created.modified),
+            "details": {**entry["details"], "parent_model": created.source}}
 
 
 def remote_tag(name: str, upstreams: list[str]) -> dict[str, Any]:

@@ -10,7 +10,7 @@ and answer tokens a client sends back to continue), /api/chat's the tool calls t
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from ..protocol.engine import ModelEngine
@@ -41,7 +41,7 @@ class OllamaCall:
 
     def final_line(self, name: str, clock: Clock, event: GenerationEvent | Choice, engine: ModelEngine,
                    **fields: Any) -> dict[str, Any]:
-        return {"model": name, "created_at": now_iso(), **fields,
+        line = {"model": name, "created_at": now_iso(), **fields,
                 **final_fields(clock, event.usage, event.finish_reason), **context_note(self.body, engine)}
 
 
@@ -73,7 +73,7 @@ class GenerateCall(OllamaCall):
         if self.raw:
             text, template = self.prompt, None
         else:
-            template = chat_template(engine)
+            template = self.chat_template(engine)
             system = [{"role": "system", "content": self.system}] if self.system else []
             text = await template.render_async(system + [{"role": "user", "content": self.prompt}])
         # A continuation of `context`: the earlier turn already began with BOS.
@@ -130,7 +130,9 @@ class GenerateAnswer:
 @dataclass
 class ChatCall(OllamaCall):
     messages: list[dict[str, Any]] = field(default_factory=list)
-    tools: list[dict[str, Any]] = field(default_factory=list)
+    tools: list[dict[str, Any]] = field(default_factory=list)  # none when tool_choice is "none"
+    forced: list[dict[str, Any]] | None = None  # tools one of which must be called
+    dropped: int = 0  # the oldest turns cut so the chat fits its context (chat_history.py)
 
     @property
     def loads_only(self) -> bool:
@@ -148,7 +150,8 @@ def parse_chat(body: Body, priority: str | None, default_max_tokens: int) -> Cha
     if not raw_messages:
         return call
     call.messages = parse_messages(raw_messages)
-    call.tools = parse_tools(body.raw("tools"))
+    call.tools, call.forced = tool_choice_plan(body.raw("tool_choice"), parse_tools(body.raw("tools")),
+                                               parse_json_format(body.raw("format"), "format"), "format")
     # Bad options fail before any model load; the lane is also the one a wait for the load takes.
     call.lane = build_request(body, priority, None, [], interactive=call.stream).lane
     return call

@@ -26,7 +26,6 @@ from .. import __version__
 from ..config.settings import Settings
 from ..protocol.engine import ModelEngine, TextEngine
 from ..protocol.requests import MAX_LOGPROBS, GenerationRequest, Lane, TextPrompt, TokenLogprob, Usage
-from ..backends.common.schema_bounds import check_schema
 from .live import mark_fim
 from .generation import (
     Choice,
@@ -43,7 +42,7 @@ from .generation import (
 )
 from .fim import fim_prompt_async, prompt_budget
 from .metrics import Metrics
-from .tools import forced_call_schema, parse_tool_calls
+from .tools import forced_call_schema, parse_tool_calls, tool_choice_plan
 from .validation import (
     MAX_EMBED_INPUTS,
     MAX_PROMPTS,
@@ -58,7 +57,6 @@ from .validation import (
     parse_n,
     parse_seed,
     parse_stop,
-    parse_tool_choice,
     parse_tools,
     sampling_from,
 )
@@ -275,13 +273,8 @@ def parse_chat(body: Body, env: ApiEnv) -> ChatCall:
     opts = parse_options(body, env, chat=True)
     messages = parse_messages(body.raw("messages"))
     tools = parse_tools(body.raw("tools"))
-    tool_choice = parse_tool_choice(body.raw("tool_choice"), tools)
-    forced = tools if tool_choice == "required" else [tool_choice] if isinstance(tool_choice, dict) else None
-    if forced and opts.json_schema is not None:
-        raise invalid("'response_format' cannot be combined with a forced 'tool_choice'", "response_format")
-    if forced:
-        check_schema(forced_call_schema(forced), "tools")  # refused before any model load
-    return ChatCall(body, opts, messages, [] if tool_choice == "none" else tools, forced)
+    served, forced = tool_choice_plan(body.raw("tool_choice"), tools, opts.json_schema, "response_format")
+    return ChatCall(body, opts, messages, served, forced)
 
 
 def chat_response(call: ChatCall, head: Head, choices: Sequence[Choice]) -> dict[str, Any]:

@@ -19,6 +19,9 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..backends.common.schema_bounds import check_schema
+from .validation import invalid, parse_tool_choice
+
 TOOL_CALL_OPEN = "<tool_call>"
 _BLOCK_RE = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.DOTALL)
 _FENCE_RE = re.compile(r"^```(?:json)?\s*(.*?)\s*```$", re.DOTALL)
@@ -160,3 +163,17 @@ def forced_call_schema(tools: list[dict[str, Any]]) -> dict[str, Any]:
             "required": ["name", "arguments"],
         })
     return options[0] if len(options) == 1 else {"anyOf": options}
+
+
+def tool_choice_plan(value: Any, tools: list[dict[str, Any]], json_schema: dict | None,
+                     format_param: str) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None]:
+    """(the tools the model may call, the tools one of which it must call, or None) for a body's
+    `tool_choice`; a forced call is refused beside a JSON format (`format_param`), and its grammar is
+    checked against the schema bounds before any model load."""
+    choice = parse_tool_choice(value, tools)
+    forced = tools if choice == "required" else [choice] if isinstance(choice, dict) else None
+    if forced and json_schema is not None:
+        raise invalid(f"'{format_param}' cannot be combined with a forced 'tool_choice'", format_param)
+    if forced:
+        check_schema(forced_call_schema(forced), "tools")
+    return ([] if choice == "none" else tools), forced

@@ -379,8 +379,11 @@ def parse_tool_choice(value: Any, tools: list[dict[str, Any]]) -> str | dict:
         if value == "required" and not tools:
             raise invalid("'tool_choice' is \"required\" but no tools were given", "tool_choice")
         return value
-    if isinstance(value, dict) and isinstance(value.get("function"), dict):
-        name = value["function"].get("name")
+    # {"type": "function", "function": {"name"}} as chat completions names one; {"type": "function",
+    # "name"} as Responses does and ollama-ai-provider-v2 sends it to /api/chat.
+    named = value.get("function") if isinstance(value, dict) else None
+    if isinstance(value, dict) and (isinstance(named, dict) or (named is None and "name" in value)):
+        name = (named or value).get("name")
         for tool in tools:
             if tool["function"]["name"] == name:
                 return tool

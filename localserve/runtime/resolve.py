@@ -1,5 +1,6 @@
-"""What serves a model name a request sends: an installed model, a remote upstream's, or the model
-a `model_aliases` item maps it to (config/aliases.py); a name none of them serve is a 404 that says
+"""What serves a model name a request sends: an installed model, a remote upstream's, the source of
+a model Ollama's /api/create or /api/copy made (store/created.py), or the model a `model_aliases`
+item maps it to (config/aliases.py); a name none of them serve is a 404 that says
 how to serve it."""
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from ..config.settings import Settings
 from ..errors import InvalidNameError, ModelNotFoundError
 from ..protocol.engine import ModelEngine
 from ..store.cache import InstalledModel, ModelStore
+from ..store.created import CreatedModels
 
 if TYPE_CHECKING:
     from ..engine.upstream.pool import UpstreamPool
@@ -24,6 +26,9 @@ async def resolve(model_ref: str, store: ModelStore, upstreams: "UpstreamPool | 
     try:
         return await _lookup(model_ref, store, upstreams)
     except (ModelNotFoundError, InvalidNameError) as missing:
+        created = await asyncio.to_thread(CreatedModels(settings).get, model_ref)
+        if created is not None:  # Ollama's /api/create or /api/copy made this name
+            return await _lookup(created.source, store, upstreams)
         target = alias_target(model_ref, settings.model_aliases)
         if target is not None:
             return await _lookup(target, store, upstreams)

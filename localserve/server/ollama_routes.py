@@ -21,10 +21,13 @@ from ..errors import LocalserveError
 from ..protocol.requests import GenerationEvent, Usage
 from ..api.errors import json_dumps, safe_message
 from ..api.generation import Clock, Run, collect, embed_texts, generation, merge, raise_if_failed
-from ..api.ollama import FOREVER, details, model_name, now_iso, remote_tag, show_body, tag_entry, version_body
+from ..api.ollama import (FOREVER, created_tag, details, model_name, now_iso, remote_tag, show_body, tag_entry,
+                          version_body)
+from ..api.ollama_models import overlay, parse_copy, parse_create, show_overlay
 from ..api.ollama_chat import (ChatAnswer, ChatCall, GenerateAnswer, GenerateCall, OllamaCall, parse_chat,
                                parse_generate)
-from ..api.validation import MAX_EMBED_INPUTS, invalid, parse_keep_alive
+from ..api.validation import MAX_EMBED_INPUTS, Body, invalid, parse_keep_alive
+from ..store.created import CreatedModel, CreatedModels
 from ..runtime.model_facts import fim_capable
 from .disconnect import guard_disconnect
 from .ndjson import open_ndjson, send_line
@@ -99,7 +102,9 @@ def _call_args(request: web.Request) -> tuple[str | None, int]:
 
 @routes.post("/api/generate")
 async def generate(request: web.Request) -> web.StreamResponse:
-    call = parse_generate(await read_json(request), *_call_args(request))
+    body, created = await _body_for(request, chat=False)
+    call = parse_generate(body, *_call_args(request))
+    call.template = created.template if created else None
     if call.loads_only:
         return await load_only(request, call, {"response": ""})
     return await _answer(request, call, lambda run, clock: GenerateAnswer(
@@ -108,7 +113,9 @@ async def generate(request: web.Request) -> web.StreamResponse:
 
 @routes.post("/api/chat")
 async def chat(request: web.Request) -> web.StreamResponse:
-    call = parse_chat(await read_json(request), *_call_args(request))
+    body, created = await _body_for(request, chat=True)
+    call = parse_chat(body, *_call_args(request))
+    call.template = created.template if created else None
     if call.loads_only:
         return await load_only(request, call, {"message": {"role": "assistant", "content": ""}})
     return await _answer(request, call, lambda run, clock: ChatAnswer(call, run.model, run.engine, clock))
@@ -174,7 +181,58 @@ async def show(request: web.Request) -> web.Response:
     model = await asyncio.to_thread(request.app[STORE_KEY].find, model_name(body))
     context = (await served(request, model)).context
     fim = await asyncio.to_thread(fim_capable, model)
-    return web.json_response(show_body(model, context, now_iso(model.modified), fim), dumps=json_dumps)
+    show = show_body(model, context, now_iso(created.modified if created else model.modified), fim)
+    return web.json_response(show_overlay(show, created) if created else show, dumps=json_dumps)
+
+
+@routes.post("/api/create")
+async def create(request: web.Request) -> web.StreamResponse:
+    """A new name for a model served here, with an overlay (store/created.py); Ollama's progress
+    lines, or one object with stream false."""
+    body = await read_json(request)
+    made = parse_create(body, _created(request).get)
+    await _refuse_shadowing(request, made.name)
+    await _served(request, made.source)
+    await asyncio.to_thread(_created(request).put, made)
+    return await _status_lines(request, body, [f"using model {made.source}", "writing manifest", "success"])
+
+
+@routes.post("/api/copy")
+async def copy(request: web.Request) -> web.Response:
+    source, destination = parse_copy(await read_json(request))
+    made = await asyncio.to_thread(_created(request).get, source)
+    if made is None:
+        await _served(request, source)
+        made = CreatedModel(name=destination, source=source)
+    await _refuse_shadowing(request, destination)
+    await asyncio.to_thread(_created(request).put, replace(made, name=destination, modified=time.time()))
+    return web.Response(status=200)
+
+
+async def _served(request: web.Request, name: str) -> None:
+    """ModelNotFoundError (404) for a name nothing here serves: a created model needs a source."""
+    app = request.app
+    await resolve(name, app[STORE_KEY], app[MANAGER_KEY].upstreams, app[SETTINGS_KEY])
+
+
+async def _refuse_shadowing(request: web.Request, name: str) -> None:
+    """A created name that an installed model already answers to would never be reached."""
+    try:
+        installed = await asyncio.to_thread(request.app[STORE_KEY].find, name)
+    except LocalserveError:
+        return
+    raise invalid(f"{name!r} is the installed model {installed.ref}: create another name", "model")
+
+
+async def _status_lines(request: web.Request, body: Body, statuses: list[str]) -> web.StreamResponse:
+    if not body.get_bool("stream", True):
+        return web.json_response({"status": statuses[-1]})
+    response = web.StreamResponse(headers={"Content-Type": "application/x-ndjson"})
+    await response.prepare(request)
+    for status in statuses:
+        await send_line(response, {"status": status})
+    await response.write_eof()
+    return response
 
 
 @routes.get("/api/ps")
@@ -212,9 +270,11 @@ async def ps(request: web.Request) -> web.Response:
 
 @routes.delete("/api/delete")
 async def delete(request: web.Request) -> web.Response:
-    body = await read_json(request)
+    name = model_name(await read_json(request))
+    if await asyncio.to_thread(_created(request).remove, name) is not None:
+        return web.Response(status=200)  # the created name only: its source stays
     store = request.app[STORE_KEY]
-    model = await asyncio.to_thread(store.find, model_name(body))
+    model = await asyncio.to_thread(store.find, name)
     await request.app[MANAGER_KEY].unload(model.ref)
     await asyncio.to_thread(store.remove, model.ref)
     return web.Response(status=200)

@@ -122,7 +122,7 @@ def test_model_listing_show_and_version(server):
     assert show["model_info"]["general.architecture"] == "llama"
     # The context a request is served with here (the harness loads 1024), not the trained 8192.
     assert show["model_info"]["llama.context_length"] == 1024 and show["parameters"] == "num_ctx 1024"
-    assert show["capabilities"] == ["completion"]  # SmolLM2's template renders no tools
+    assert show["capabilities"] == ["completion", "tools"]  # tools through the system-prompt fallback
     assert "/" not in show["modelfile"].split("FROM", 1)[1].strip().split(":")[0]  # names the model, not a path
 
     status, version = server.json("GET", "/api/version")
