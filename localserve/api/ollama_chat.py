@@ -17,9 +17,12 @@ from ..protocol.engine import ModelEngine
 from ..protocol.requests import GenerationEvent, GenerationRequest, Lane
 from .generation import Choice, Clock, chat_template, check_tokens, is_token_list, tokenize_async
 from .live import mark_fim
-from .ollama import build_request, context_note, final_fields, fim_request_tokens, model_name, now_iso
-from .tools import ToolCallStream, parse_tool_calls
-from .validation import Body, invalid, parse_keep_alive, parse_messages, parse_tools
+from .chat_history import answer_room, fit_history
+from .ollama import (answer_length, build_request, context_note, final_fields, fim_request_tokens, model_name, now_iso,
+                     request_context, request_options)
+from .templates import ChatTemplate
+from .tools import ToolCallStream, forced_call_schema, parse_tool_calls, tool_choice_plan
+from .validation import Body, invalid, parse_json_format, parse_keep_alive, parse_messages, parse_tools
 
 
 @dataclass
@@ -34,6 +37,11 @@ class OllamaCall:
     priority: str | None  # the X-Priority header
     default_max_tokens: int
     lane: Lane = "default"
+    template: str | None = None  # a created model's chat template, in place of the model's own
+
+    def chat_template(self, engine: ModelEngine) -> ChatTemplate:
+        own = chat_template(engine)
+        return replace(own, source=self.template, is_fallback=False) if self.template else own
 
     def request(self, engine: ModelEngine, tokens: list[int], interactive: bool) -> GenerationRequest:
         return build_request(self.body, self.priority, engine, tokens, interactive=interactive,
@@ -43,6 +51,11 @@ class OllamaCall:
                    **fields: Any) -> dict[str, Any]:
         line = {"model": name, "created_at": now_iso(), **fields,
                 **final_fields(clock, event.usage, event.finish_reason), **context_note(self.body, engine)}
+        # What the next turn has: a chat UI that shows it (or a user reading the line) sees the
+        # conversation near its end before turns start being cut.
+        n_ctx, _, _ = request_context(request_options(self.body), engine)
+        line["context_left"] = max(0, n_ctx - line["prompt_eval_count"] - line["eval_count"])
+        return line
 
 
 def _common(body: Body, priority: str | None, default_max_tokens: int) -> dict[str, Any]:
@@ -139,9 +152,31 @@ class ChatCall(OllamaCall):
         return not self.messages
 
     async def prepare(self, engine: ModelEngine) -> list[GenerationRequest]:
-        template = chat_template(engine)
-        prompt = await template.render_async(self.messages, tools=self.tools or None)
-        return [self.request(engine, await tokenize_async(engine, prompt, template), interactive=self.stream)]
+        template = self.chat_template(engine)
+
+        async def tokens_of(messages: list[dict[str, Any]]) -> list[int]:
+            prompt = await template.render_async(messages, tools=self.tools or None)
+            return await tokenize_async(engine, prompt, template)
+
+        options = request_options(self.body)
+        n_ctx, _, _ = request_context(options, engine)
+        budget = n_ctx - answer_room(n_ctx, answer_length(options, self.default_max_tokens))
+        tokens, self.dropped = await fit_history(self.messages, tokens_of, budget)
+        request = self.request(engine, tokens, interactive=self.stream)
+        if self.forced:
+            request.sampling.json_schema = forced_call_schema(self.forced)
+            request.sampling.constraint_param = "tools"
+        return [request]
+
+    def final_line(self, name: str, clock: Clock, event: GenerationEvent | Choice, engine: ModelEngine,
+                   **fields: Any) -> dict[str, Any]:
+        line = super().final_line(name, clock, event, engine, **fields)
+        if self.dropped:
+            # prompt_eval_count is already the cut prompt's; this says what it left out.
+            line["messages_dropped"] = self.dropped
+            note = f"the oldest {self.dropped} messages were left out so that the chat fits its context"
+            line["warning"] = f"{line['warning']}; {note}" if "warning" in line else note
+        return line
 
 
 def parse_chat(body: Body, priority: str | None, default_max_tokens: int) -> ChatCall:

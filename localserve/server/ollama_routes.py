@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from dataclasses import replace
 from typing import Any, Callable
 
 from aiohttp import web
@@ -29,6 +30,7 @@ from ..api.ollama_chat import (ChatAnswer, ChatCall, GenerateAnswer, GenerateCal
 from ..api.validation import MAX_EMBED_INPUTS, Body, invalid, parse_keep_alive
 from ..store.created import CreatedModel, CreatedModels
 from ..runtime.model_facts import fim_capable
+from ..runtime.resolve import resolve
 from .disconnect import guard_disconnect
 from .ndjson import open_ndjson, send_line
 from .state import MANAGER_KEY, METRICS_KEY, SETTINGS_KEY, STORE_KEY
@@ -103,6 +105,18 @@ def _call_args(request: web.Request) -> tuple[str | None, int]:
 @routes.post("/api/generate")
 async def generate(request: web.Request) -> web.StreamResponse:
     body, created = await _body_for(request, chat=False)
+async def _body_for(request: web.Request, *, chat: bool) -> tuple[Body, CreatedModel | None]:
+    """The request's body, with the overlay of the created model it names (api/ollama_models.py)."""
+    body = await read_json(request)
+    name = body.raw("model") or body.raw("name")
+    created = await asyncio.to_thread(_created(request).get, name) if isinstance(name, str) and name else None
+    return (Body(overlay(body.data, created, chat=chat)) if created else body), created
+
+
+def _created(request: web.Request) -> CreatedModels:
+    return CreatedModels(request.app[SETTINGS_KEY])
+
+
     call = parse_generate(body, *_call_args(request))
     call.template = created.template if created else None
     if call.loads_only:
@@ -171,14 +185,19 @@ async def tags(request: web.Request) -> web.Response:
     pool = request.app[MANAGER_KEY].upstreams
     if pool is not None:
         local = {m.ref for m in models}
+    by_ref = {m.ref.lower(): m for m in models}
+    for made in (await asyncio.to_thread(_created(request).all)).values():
+        source = by_ref.get(made.source.lower())
+        entries.append(created_tag(made, source))
         entries += [remote_tag(name, ups) for name, ups in pool.models().items() if name not in local]
     return web.json_response({"models": entries})
 
 
 @routes.post("/api/show")
 async def show(request: web.Request) -> web.Response:
-    body = await read_json(request)
-    model = await asyncio.to_thread(request.app[STORE_KEY].find, model_name(body))
+    name = model_name(await read_json(request))
+    created = await asyncio.to_thread(_created(request).get, name)
+    model = await asyncio.to_thread(request.app[STORE_KEY].find, created.source if created else name)
     context = (await served(request, model)).context
     fim = await asyncio.to_thread(fim_capable, model)
     show = show_body(model, context, now_iso(created.modified if created else model.modified), fim)
