@@ -126,9 +126,14 @@ class GenerateAnswer:
 
     def line(self, event: GenerationEvent) -> dict[str, Any] | None:
         self._generated.extend(event.token_ids)
-        if not event.text:
-            return None
-        return {"model": self.name, "created_at": now_iso(), "response": event.text, "done": False}
+        return self._text_line(event.text) if event.text else None
+
+    def keepalive(self) -> dict[str, Any]:
+        """A line with no text, `done: false`: what a silent stream sends so clients see it alive."""
+        return self._text_line("")
+
+    def _text_line(self, text: str) -> dict[str, Any]:
+        return {"model": self.name, "created_at": now_iso(), "response": text, "done": False}
 
     def final(self, event: GenerationEvent) -> list[dict[str, Any]]:
         return [self.call.final_line(self.name, self.clock, event, self.engine, response="",
@@ -222,6 +227,10 @@ class ChatAnswer:
         if calls:
             message["tool_calls"] = [c.ollama() for c in calls]
         return self.call.final_line(self.name, self.clock, choice, self.engine, message=message)
+
+    def keepalive(self) -> dict[str, Any]:
+        """A line with no text, `done: false`: what a silent stream sends so clients see it alive."""
+        return self._message_line("")
 
     def _message_line(self, text: str, tool_calls: list[dict[str, Any]] | None = None) -> dict[str, Any]:
         message: dict[str, Any] = {"role": "assistant", "content": text}

@@ -66,6 +66,11 @@ class ResponseEvents:
         return [self._event("response.created", response=response),
                 self._event("response.in_progress", response=response)]
 
+    def still_working(self) -> Event:
+        """The keepalive of a silent stream (a long prefill): `response.in_progress` again, an
+        event every client reads and none acts on."""
+        return self._event("response.in_progress", response=self._response("in_progress"))
+
     # --- text ------------------------------------------------------------------------------
     def feed(self, event: GenerationEvent) -> list[Event]:
         """The events of one generation step's text (none while it may be a tag or a call)."""

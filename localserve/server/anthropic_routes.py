@@ -21,7 +21,7 @@ from ..api.openai import ApiEnv, observe, start
 from ..errors import LocalserveError
 from .body import read_json
 from .disconnect import guard_disconnect
-from .streamed import stream_after_200
+from .streamed import run_stream
 from .openai_routes import api_env
 from .sse import event_frame, open_sse, send_event
 from .state import METRICS_KEY
@@ -47,23 +47,22 @@ async def messages_count_tokens(request: web.Request) -> web.Response:
 
 
 async def _stream(request: web.Request, env: ApiEnv, call: MessagesCall, run: Run) -> web.StreamResponse:
-    response = await open_sse(request, ping=event_frame(*PING))
+    out = open_sse(request, keepalive=lambda: event_frame(*PING))
     stream = message_stream(call, run)
     timer = request.app[METRICS_KEY].token_timer(run.model)
 
     async def body() -> None:
         for name, data in stream.start():
-            await send_event(response, name, data)
+            await out.hold(event_frame(name, data))
         async for event in run.streams[0]:
             raise_if_failed(event)
             timer.tokens(len(event.token_ids))
             for name, data in stream.feed(event):
-                await send_event(response, name, data)
+                await send_event(out, name, data)
             if event.finish_reason is not None:
                 observe(env, run.model, [event.usage])
 
-    async def send_error(e: LocalserveError) -> None:
-        await send_event(response, "error", anthropic_exception_body(e, f"stream of {request.path}")[1])
+    async def send_error(e: LocalserveError) -> None:  # the stream's last event, as Anthropic ends one
+        await send_event(out, "error", anthropic_exception_body(e, f"stream of {request.path}")[1])
 
-    await stream_after_200(request, body(), send_error, request.path)
-    return response
+    return await run_stream(out, body(), send_error, request.path)

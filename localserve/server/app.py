@@ -3,7 +3,7 @@
 Middleware order (outermost first): security (Host check, CORS preflight, API key) answers before
 anything is parsed; metrics counts every answer with its final status; errors turns exceptions
 into JSON bodies in the caller's dialect; body limits refuse a declared oversize body (413)
-before any handler reads it; innermost, the SSE pinger of a streaming handler stops with it. CORS headers are added in on_response_prepare so that
+before any handler reads it; innermost, a streaming handler's keepalive (held.py) stops with it. CORS headers are added in on_response_prepare so that
 streaming responses, whose headers leave before the handler returns, get them too.
 
 The app owns the manager it is given: on cleanup (server shutdown) the manager is closed, which
@@ -30,7 +30,7 @@ from ..api.dashboard_feed import DashboardFeed
 from .metrics import handle_metrics, metrics_middleware
 from ..api.metrics import Metrics, UpstreamCollector
 from .security import WILDCARD_HOSTS, add_cors_headers, security_middleware
-from .sse import sse_pinger_middleware
+from .held import keepalive_middleware
 from .slots import SlotClaims
 from .state import FEED_KEY, MANAGER_KEY, METRICS_KEY, SETTINGS_KEY, SLOTS_KEY, STARTED_KEY, STORE_KEY
 
@@ -68,7 +68,7 @@ def create_app(settings: Settings, manager: "ModelManager") -> web.Application:
     app = web.Application(
         client_max_size=settings.max_body_bytes,
         middlewares=[security_middleware(settings), metrics_middleware(metrics), error_middleware, body_limits_middleware,
-                     sse_pinger_middleware],
+                     keepalive_middleware],
     )
     app[SETTINGS_KEY] = settings
     app[MANAGER_KEY] = manager

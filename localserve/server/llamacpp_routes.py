@@ -16,7 +16,7 @@ from ..api.llamacpp import (NativeCall, bounded, chunk_object, final_object, par
 from ..errors import GenerationError, LocalserveError
 from .body import read_json
 from .disconnect import guard_disconnect
-from .streamed import stream_after_200
+from .streamed import run_stream
 from .served import served
 from .slots import Client, SlotClaim
 from .sse import open_sse, send_sse
@@ -86,20 +86,19 @@ async def _collected(call: NativeCall, run: Run) -> dict:
 async def _stream(request: web.Request, call: NativeCall, run: Run, what: str,
                   claim: SlotClaim | None) -> web.StreamResponse:
     """`data: {"content": ..., "stop": false}` per piece of text, then the final object."""
-    response = await open_sse(request)
+    out = open_sse(request)  # comment pings, as llama-server sends (--sse-ping-interval)
     (stream,) = run.streams
 
     async def body() -> None:
         async for event in bounded(stream, call):
             raise_if_failed(event)
             if (event.text or event.token_ids) and call.n_predict != 0:
-                await send_sse(response, chunk_object(call, event.text, event.token_ids))
+                await send_sse(out, chunk_object(call, event.text, event.token_ids))
             if event.finish_reason is not None:
-                await send_sse(response, final_object(call, run.model, "", [], event.usage, event.finish_reason))
+                await send_sse(out, final_object(call, run.model, "", [], event.usage, event.finish_reason))
 
     async def send_error(e: LocalserveError) -> None:  # after the 200: the error object in a frame, as non-streamed
-        await send_sse(response, openai_exception_body(e, f"{what} {run.model}"))
+        await send_sse(out, openai_exception_body(e, f"{what} {run.model}"))
 
     # The client leaving is the next keystroke's request: generation() cancels the stream.
-    await stream_after_200(request, body(), send_error, f"{what} {run.model}", claim)
-    return response
+    return await run_stream(out, body(), send_error, f"{what} {run.model}", claim)

@@ -32,36 +32,39 @@ from ..store.created import CreatedModel, CreatedModels
 from ..runtime.model_facts import fim_capable
 from ..runtime.resolve import resolve
 from .disconnect import guard_disconnect
-from .ndjson import open_ndjson, send_line
+from .ndjson import held_ndjson, line_bytes, send_line
 from .state import MANAGER_KEY, METRICS_KEY, SETTINGS_KEY, STORE_KEY
-from .streamed import stream_after_200
+from .streamed import run_stream
 from .body import read_json
 from .served import served
 
 routes = web.RouteTableDef()
 
 
-async def stream_lines(request: web.Request, streams: list[EventStream],
-                       make_line: Callable[[GenerationEvent], dict | None],
+async def stream_lines(request: web.Request, streams: list[EventStream], answer: GenerateAnswer | ChatAnswer,
                        make_final: Callable[[GenerationEvent], list[dict]]) -> web.StreamResponse:
     """NDJSON: one line per event with text, then the final line(s); a failure is an error line."""
-    response = await open_ndjson(request)
+    # A silence gets a line Ollama's clients parse (empty text, done: false), not nothing: Cline's
+    # Ollama provider gave up at its 300 s total timeout while a long prompt was read.
+    out = held_ndjson(request, lambda: line_bytes(answer.keepalive()))
 
     async def body() -> None:
         async for _, event in merge(streams):
             raise_if_failed(event)
-            line = make_line(event)
+            line = answer.line(event)
             if line is not None:
-                await send_line(response, line)
+                await send_line(out, line)
             if event.finish_reason is not None:
                 for final in make_final(event):
-                    await send_line(response, final)
+                    await send_line(out, final)
 
-    async def send_error(e: LocalserveError) -> None:  # after the 200: Ollama's clients read an "error" line
-        await send_line(response, {"error": safe_message(e, f"stream {request.path}")})
+    async def send_error(e: LocalserveError) -> None:
+        # After the 200: Ollama's clients raise on an "error" line; readers that wait for `done`
+        # get it too, with the reason.
+        await send_line(out, {"error": safe_message(e, f"stream {request.path}")})
+        await send_line(out, {**answer.keepalive(), "done": True, "done_reason": "error"})
 
-    await stream_after_200(request, body(), send_error, request.path)
-    return response
+    return await run_stream(out, body(), send_error, request.path)
 
 
 async def load_only(request: web.Request, call: OllamaCall, extra: dict[str, Any]) -> web.Response:
@@ -92,7 +95,7 @@ async def _answer(request: web.Request, call: GenerateCall | ChatCall,
                 _observe(request, run.model, event.usage)
                 return answer.final(event)
 
-            return await stream_lines(request, run.streams, answer.line, final)
+            return await stream_lines(request, run.streams, answer, final)
         (choice,) = await guard_disconnect(request, collect(run.streams))
     _observe(request, run.model, choice.usage)
     return web.json_response(answer.whole(choice), dumps=json_dumps)
@@ -102,9 +105,6 @@ def _call_args(request: web.Request) -> tuple[str | None, int]:
     return request.headers.get("X-Priority"), request.app[SETTINGS_KEY].default_max_tokens
 
 
-@routes.post("/api/generate")
-async def generate(request: web.Request) -> web.StreamResponse:
-    body, created = await _body_for(request, chat=False)
 async def _body_for(request: web.Request, *, chat: bool) -> tuple[Body, CreatedModel | None]:
     """The request's body, with the overlay of the created model it names (api/ollama_models.py)."""
     body = await read_json(request)
@@ -117,6 +117,9 @@ def _created(request: web.Request) -> CreatedModels:
     return CreatedModels(request.app[SETTINGS_KEY])
 
 
+@routes.post("/api/generate")
+async def generate(request: web.Request) -> web.StreamResponse:
+    body, created = await _body_for(request, chat=False)
     call = parse_generate(body, *_call_args(request))
     call.template = created.template if created else None
     if call.loads_only:
@@ -182,13 +185,13 @@ async def embeddings_legacy(request: web.Request) -> web.Response:
 async def tags(request: web.Request) -> web.Response:
     models = await asyncio.to_thread(request.app[STORE_KEY].list)
     entries = [tag_entry(m) for m in models]
-    pool = request.app[MANAGER_KEY].upstreams
-    if pool is not None:
-        local = {m.ref for m in models}
     by_ref = {m.ref.lower(): m for m in models}
     for made in (await asyncio.to_thread(_created(request).all)).values():
         source = by_ref.get(made.source.lower())
         entries.append(created_tag(made, source))
+    pool = request.app[MANAGER_KEY].upstreams
+    if pool is not None:
+        local = {m.ref for m in models}
         entries += [remote_tag(name, ups) for name, ups in pool.models().items() if name not in local]
     return web.json_response({"models": entries})
 

@@ -25,9 +25,10 @@ from ..api.errors import json_dumps, openai_exception_body
 from ..api.generation import UsageTotals, merge, raise_if_failed
 from ..api.anthropic import model_info as anthropic_model_info, model_list as anthropic_model_list
 from .disconnect import guard_disconnect
-from .streamed import stream_after_200
+from .held import HeldStream
+from .streamed import run_stream
 from .errors import is_anthropic_request
-from .sse import open_sse, send_sse
+from .sse import DONE, data_frame, open_sse, send_sse
 from ..api.openai import (
     CHAT_PREFIX,
     COMPLETION_PREFIX,
@@ -94,50 +95,72 @@ class _Reply:
         self.opts = opts
         self.tools = tools
         self.metrics = request.app[METRICS_KEY]
+        self.obj = "chat.completion.chunk" if head.prefix == CHAT_PREFIX else "text_completion"
+        self.open_choices: list[int] = []  # the choices whose finish_reason has not been sent
 
-    def chunk(self, obj: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
-        data = {**self.head.of(obj), "choices": choices}
+    def chunk(self, choices: list[dict[str, Any]]) -> dict[str, Any]:
+        data = {**self.head.of(self.obj), "choices": choices}
         if self.opts.include_usage:
             data["usage"] = None  # as OpenAI: null on every chunk but the last
         return data
 
+    def empty_choice(self, i: int, reason: str | None) -> dict[str, Any]:
+        """Choice `i` saying nothing: a keepalive (no reason) or its end."""
+        if self.obj == "text_completion":
+            return {"index": i, "text": "", "logprobs": None, "finish_reason": reason}
+        return {"index": i, "delta": {}, "logprobs": None, "finish_reason": reason}
+
+    async def end_choice(self, out: HeldStream, i: int, reason: str) -> None:
+        self.open_choices.remove(i)
+        await send_sse(out, self.chunk([self.empty_choice(i, reason)]))
+
+    def keepalive(self) -> bytes:
+        # A chunk with nothing in it, where a comment would do for the SSE parser: clients guard
+        # against an idle stream above their SDK, which drops comments (Qwen Code's 240 s guard).
+        return data_frame(self.chunk([self.empty_choice(self.open_choices[0] if self.open_choices else 0, None)]))
+
     async def run_stream(self, streams: list[EventStream],
-                         body_writer: Callable[[web.StreamResponse, list[EventStream]], Awaitable[None]]) -> web.StreamResponse:
-        response = await open_sse(self.request)
+                         body_writer: Callable[[HeldStream, list[EventStream]], Awaitable[None]]) -> web.StreamResponse:
+        out = open_sse(self.request, self.keepalive)
+        self.open_choices = list(range(len(streams)))
 
         async def send_error(e: LocalserveError) -> None:
             # OpenAI's clients raise on a frame with an "error" member: a failure mid-stream (an
             # engine's typed failure, a remote upstream's 400) in the body a non-streamed request gets.
-            await send_sse(response, openai_exception_body(e, f"stream of {self.id}"))
+            # Clients that read only the choices wait for a finish_reason (Mistral Vibe: "stream ended
+            # without a finish reason"): "error", as OpenRouter ends a failed stream.
+            await send_sse(out, openai_exception_body(e, f"stream of {self.id}"))
+            for i in list(self.open_choices):
+                await self.end_choice(out, i, "error")
+            await out.write(DONE)
 
-        await stream_after_200(self.request, body_writer(response, streams), send_error, self.id)
-        return response
+        return await run_stream(out, body_writer(out, streams), send_error, self.id)
 
-    async def finish_stream(self, response: web.StreamResponse, obj: str, usages: list[Usage | None]) -> None:
+    async def finish_stream(self, out: HeldStream, usages: list[Usage | None]) -> None:
         observe(self.env, self.model, usages)
         if self.opts.include_usage:
-            await send_sse(response, {**self.head.of(obj), "choices": [],
-                                      "usage": UsageTotals.of(usages, self.opts.n).openai()})
-        await response.write(b"data: [DONE]\n\n")
+            await send_sse(out, {**self.head.of(self.obj), "choices": [],
+                                 "usage": UsageTotals.of(usages, self.opts.n).openai()})
+        await out.write(DONE)
 
     async def stream_chat(self, streams: list[EventStream]) -> web.StreamResponse:
         return await self.run_stream(streams, self._chat_body)
 
-    async def _chat_body(self, response: web.StreamResponse, streams: list[EventStream]) -> None:
-        obj, k = "chat.completion.chunk", self.opts.logprobs
+    async def _chat_body(self, out: HeldStream, streams: list[EventStream]) -> None:
+        k = self.opts.logprobs
         filters = [ToolCallStream(self.tools) if self.tools else None for _ in streams]
         usages: list[Usage | None] = [None] * len(streams)
         timer = self.metrics.token_timer(self.model)
         for i in range(len(streams)):
-            await send_sse(response, self.chunk(obj, [
-                {"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}]))
+            await out.hold(data_frame(self.chunk([
+                {"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}])))
         async for i, event in merge(streams):
             raise_if_failed(event)
             timer.tokens(len(event.token_ids))
             text = filters[i].feed(event.text) if filters[i] else event.text
             lps = chat_logprobs(event.logprobs, k) if k is not None and event.logprobs else None
             if text or lps:
-                await send_sse(response, self.chunk(obj, [
+                await send_sse(out, self.chunk([
                     {"index": i, "delta": {"content": text}, "logprobs": lps, "finish_reason": None}]))
             if event.finish_reason is None:
                 continue
@@ -151,23 +174,22 @@ class _Reply:
                     delta["tool_calls"] = [c.openai(index=j) for j, c in enumerate(calls)]
                     reason = "tool_calls"
                 if delta:
-                    await send_sse(response, self.chunk(obj, [
+                    await send_sse(out, self.chunk([
                         {"index": i, "delta": delta, "logprobs": None, "finish_reason": None}]))
-            await send_sse(response, self.chunk(obj, [
-                {"index": i, "delta": {}, "logprobs": None, "finish_reason": reason}]))
+            await self.end_choice(out, i, reason)
             usages[i] = event.usage
-        await self.finish_stream(response, obj, usages)
+        await self.finish_stream(out, usages)
 
     async def stream_completion(self, streams: list[EventStream], echo: list[str]) -> web.StreamResponse:
-        async def body(response: web.StreamResponse, streams: list[EventStream]) -> None:
-            obj, k, n = "text_completion", self.opts.logprobs, self.opts.n
+        async def body(out: HeldStream, streams: list[EventStream]) -> None:
+            k, n = self.opts.logprobs, self.opts.n
             usages: list[Usage | None] = [None] * len(streams)
             offsets = [len(echo[i // n]) for i in range(len(streams))]
             timer = self.metrics.token_timer(self.model)
             for i in range(len(streams)):
                 if echo[i // n]:
-                    await send_sse(response, self.chunk(obj, [
-                        {"index": i, "text": echo[i // n], "logprobs": None, "finish_reason": None}]))
+                    await out.hold(data_frame(self.chunk([
+                        {"index": i, "text": echo[i // n], "logprobs": None, "finish_reason": None}])))
             async for i, event in merge(streams):
                 raise_if_failed(event)
                 timer.tokens(len(event.token_ids))
@@ -176,15 +198,14 @@ class _Reply:
                     lps = completion_logprobs(event.logprobs, k, offsets[i])
                     offsets[i] += sum(len(lp.text) for lp in event.logprobs)
                 if event.text or lps:
-                    await send_sse(response, self.chunk(obj, [
+                    await send_sse(out, self.chunk([
                         {"index": i, "text": event.text, "logprobs": lps, "finish_reason": None}]))
                 if event.finish_reason:
                     # Its own chunk with empty text, as llama-server sends it: clients that read
                     # text only while finish_reason is null lose no token.
-                    await send_sse(response, self.chunk(obj, [{"index": i, "text": "", "logprobs": None,
-                                                                "finish_reason": finish_reason(event.finish_reason)}]))
+                    await self.end_choice(out, i, finish_reason(event.finish_reason))
                     usages[i] = event.usage
-            await self.finish_stream(response, obj, usages)
+            await self.finish_stream(out, usages)
 
         return await self.run_stream(streams, body)
 

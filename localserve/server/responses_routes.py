@@ -31,9 +31,10 @@ from ..api.validation import Body
 from ..errors import LocalserveError
 from .body import read_json
 from .disconnect import guard_disconnect
-from .streamed import stream_after_200
+from .held import HeldStream
+from .streamed import run_stream
 from .openai_routes import api_env
-from .sse import open_sse
+from .sse import event_frame, open_sse
 from .state import METRICS_KEY
 
 routes = web.RouteTableDef()
@@ -52,32 +53,38 @@ async def create(request: web.Request) -> web.StreamResponse:
 
 async def _stream(request: web.Request, env: ApiEnv, conv: Conversation, run: Run) -> web.StreamResponse:
     events = ResponseEvents(conv, run.model, run.engine)
-    response = await open_sse(request)
+    # Codex and the SDKs see progress only in events (comments are dropped): the lifecycle event
+    # that says "still working" is the keepalive.
+    out = open_sse(request, keepalive=lambda: _frames([events.still_working()]))
+
     async def send_error(e: LocalserveError) -> None:
-        await _send(response, events.failure(e))
+        await out.write(_frames(events.failure(e)))
 
-    await stream_after_200(request, _write_events(request, response, env, events, run), send_error, conv.call.id)
-    return response
+    return await run_stream(out, _write_events(request, out, env, events, run), send_error, conv.call.id)
 
 
-async def _write_events(request: web.Request, response: web.StreamResponse, env: ApiEnv, events: ResponseEvents,
+async def _write_events(request: web.Request, out: HeldStream, env: ApiEnv, events: ResponseEvents,
                         run: Run) -> None:
     timer = request.app[METRICS_KEY].token_timer(run.model)
-    await _send(response, events.opening())
+    await out.hold(_frames(events.opening()))
     async for _, event in merge(run.streams):
         raise_if_failed(event)
         timer.tokens(len(event.token_ids))
-        await _send(response, events.feed(event))
+        await _send(out, events.feed(event))
         if event.finish_reason is not None:
             closing, final = events.finish(event)
             observe(env, run.model, [event.usage])
             await keep(events.conv, final, env)  # stored before the client hears it is done
-            await _send(response, closing)
+            await _send(out, closing)
 
 
-async def _send(response: web.StreamResponse, events: list[Event]) -> None:
+def _frames(events: list[Event]) -> bytes:
+    return b"".join(event_frame(e["type"], e) for e in events)
+
+
+async def _send(out: HeldStream, events: list[Event]) -> None:
     if events:
-        await response.write("".join(f"event: {e['type']}\ndata: {json_dumps(e)}\n\n" for e in events).encode("utf-8"))
+        await out.write(_frames(events))
 
 
 @routes.get("/v1/responses/{response_id}")

@@ -40,20 +40,22 @@ def ndjson(raw: bytes) -> list[dict[str, Any]]:
 OPENAI_INTERNAL = {"error": {"message": "internal server error", "type": "server_error", "param": None,
                              "code": "internal_error"}}
 
-# path, body, how the answer splits into frames, the last frame it must end with
-CASES: dict[str, tuple[str, dict[str, Any], Callable[[bytes], list[dict]], Callable[[dict], bool]]] = {
+# path, body, how the answer splits into frames, what its frames must end with
+CASES: dict[str, tuple[str, dict[str, Any], Callable[[bytes], list[dict]], Callable[[list[dict]], bool]]] = {
     "openai": ("/v1/chat/completions", {"model": MODEL, "messages": CHAT, "max_tokens": 3, "stream": True},
-               sse_data, lambda last: last == OPENAI_INTERNAL),
+               sse_data, lambda frames: frames[-1] == OPENAI_INTERNAL),
     "anthropic": ("/v1/messages", {"model": MODEL, "messages": CHAT, "max_tokens": 3, "stream": True},
-                  sse_data, lambda last: last == {"type": "error", "error": {"type": "api_error",
-                                                                              "message": "internal server error"}}),
+                  sse_data, lambda frames: frames[-1] == {"type": "error", "error": {
+                      "type": "api_error", "message": "internal server error"}}),
     "responses": ("/v1/responses", {"model": MODEL, "input": "Say hi.", "max_output_tokens": 3, "stream": True},
-                  sse_data, lambda last: last["type"] == "response.failed"
-                  and last["response"]["error"] == {"code": "internal_error", "message": "internal server error"}),
+                  sse_data, lambda frames: frames[-1]["type"] == "response.failed"
+                  and frames[-1]["response"]["error"] == {"code": "internal_error", "message": "internal server error"}),
+    # The error line, then a done line with its reason for readers that wait for `done`.
     "ollama": ("/api/chat", {"model": MODEL, "messages": CHAT, "options": {"num_predict": 3}},
-               ndjson, lambda last: last == {"error": "internal server error"}),
+               ndjson, lambda frames: frames[-2] == {"error": "internal server error"}
+               and frames[-1]["done"] is True and frames[-1]["done_reason"] == "error"),
     "llama.cpp": ("/completion", {"model": MODEL, "prompt": "Hello", "n_predict": 3, "stream": True},
-                  sse_data, lambda last: last == OPENAI_INTERNAL),
+                  sse_data, lambda frames: frames[-1] == OPENAI_INTERNAL),
 }
 
 
@@ -73,10 +75,10 @@ def test_a_bug_mid_stream_ends_it_in_the_dialects_own_shape(server, monkeypatch,
     assert status == 200  # the headers were out before the failure
     frames = frames_of(raw)
     assert len(frames) >= 2, raw  # the answer's own frames, then the error
-    assert is_internal_error(frames[-1]), frames[-1]
+    assert is_internal_error(frames), frames[-2:]
     assert b"secret" not in raw and b"RuntimeError" not in raw
     assert SECRET in caplog.text  # the traceback went to the log instead
 
     monkeypatch.undo()
     status, _, raw = server.request("POST", path, body)
-    assert status == 200 and not is_internal_error(frames_of(raw)[-1])  # the server serves on
+    assert status == 200 and not is_internal_error(frames_of(raw))  # the server serves on
