@@ -312,10 +312,55 @@ def _bounded_output(pieces: Any) -> str:
     return "".join(out)
 
 
+# Past this many characters of JSON, tools are listed compactly (compact_tool_listing). Open WebUI
+# 0.12.4 sends its 36 built-in tools (24.8 KB) with every chat: as JSON they were a 7,013-token
+# system prompt, 86% of SmolLM2's context, two minutes of prefill on a CPU before the first token.
+FULL_LISTING_MAX_CHARS = 4096
+_DESCRIPTION_CHARS = 100
+
+
+def tool_listing(tools: list[dict[str, Any]]) -> str:
+    """The tools as the fallback system prompt lists them: their JSON as given while that is small,
+    else one line each (compact_tool_listing)."""
+    full = "\n".join(_tojson(t) for t in tools)
+    return full if len(full) <= FULL_LISTING_MAX_CHARS else compact_tool_listing(tools)
+
+
+def compact_tool_listing(tools: list[dict[str, Any]]) -> str:
+    """`name(arg: type, optional?: type) - first line of the description` per tool: what a model
+    needs to pick a tool and fill its arguments, without the schemas' nested descriptions."""
+    lines = []
+    for tool in tools:
+        fn = tool["function"]
+        params = fn.get("parameters") or {}
+        props = params.get("properties") if isinstance(params.get("properties"), dict) else {}
+        required = set(params.get("required") or []) if isinstance(params.get("required"), list) else set()
+        args = ", ".join(f"{name}{'' if name in required else '?'}: {_type_name(spec)}" for name, spec in props.items())
+        description = _first_sentence(str(fn.get("description") or ""))
+        lines.append(f"{fn['name']}({args})" + (f" - {description}" if description else ""))
+    return "\n".join(lines)
+
+
+def _first_sentence(text: str) -> str:
+    line = text.strip().split("\n")[0]
+    end = line.find(". ")
+    return (line[: end + 1] if end >= 0 else line)[:_DESCRIPTION_CHARS]
+
+
+def _type_name(spec: Any) -> str:
+    kind = spec.get("type") if isinstance(spec, dict) else None
+    if isinstance(kind, list):
+        return "|".join(str(k) for k in kind)
+    if kind == "array" and isinstance(spec.get("items"), dict):
+        return f"{_type_name(spec['items'])}[]"
+    if isinstance(spec, dict) and isinstance(spec.get("enum"), list):
+        return "|".join(json.dumps(v) for v in spec["enum"][:8])
+    return str(kind or "any")
+
+
 def with_tool_system_prompt(messages: list[dict[str, Any]], tools: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Describe the tools in the system message for templates that have no `tools` support."""
-    listing = "\n".join(_tojson(t) for t in tools)
-    text = TOOL_SYSTEM_PROMPT.format(tools=listing)
+    text = TOOL_SYSTEM_PROMPT.format(tools=tool_listing(tools))
     out = [dict(m) for m in messages]
     if out and out[0]["role"] == "system":
         out[0]["content"] = f"{out[0]['content']}\n\n{text}" if out[0]["content"] else text

@@ -183,3 +183,51 @@ def test_a_created_jinja_template_is_the_one_rendered(server, ollama_client) -> 
     own = ollama_client.chat(model=MODEL, messages=[{"role": "user", "content": "Hi"}], options={"num_predict": 1})
     assert mine.prompt_eval_count < own.prompt_eval_count  # no ChatML markers, no default system prompt
     assert ollama_client.show("plain-chat").template == template
+
+
+# --- item 6: Open WebUI's built-in tools on a template without tool support ----------------------
+OPEN_WEBUI_TOOL_NAMES = [
+    "notify", "get_current_timestamp", "calculate_timestamp", "search_web", "fetch_url", "generate_image",
+    "edit_image", "search_memories", "add_memory", "replace_memory_content", "delete_memory", "list_memories",
+    "search_notes", "view_note", "write_note", "replace_note_content", "search_chats", "view_chat",
+    "search_channels", "search_channel_messages", "view_channel_message", "view_channel_thread",
+    "list_knowledge_bases", "search_knowledge_bases", "query_knowledge_bases", "search_knowledge_files",
+    "query_knowledge_files", "view_knowledge_file", "view_file", "grep_knowledge", "list_memory_paths",
+    "read_memory_path", "update_memories", "execute_code", "get_skill", "stop_task"]
+
+
+def open_webui_tools() -> list[dict]:
+    """36 tools shaped as Open WebUI 0.12.4 sends its built-ins (a docstring's lines as the
+    description, each parameter with its own description), about 24.8 KB as JSON like theirs."""
+    tools = []
+    for name in OPEN_WEBUI_TOOL_NAMES:
+        words = name.replace("_", " ")
+        tools.append({"type": "function", "function": {
+            "name": name,
+            "description": f"Use this to {words} for the user. " + (
+                f"Call it when the conversation needs to {words}; results come back as JSON with the fields "
+                "the user interface shows, and an error field when the request could not be completed. "),
+            "parameters": {"type": "object", "properties": {
+                "query": {"type": "string", "description": f"The text to {words} with, as the user would write it"},
+                "count": {"type": "integer", "description": "How many results to return (default: the admin's setting)"},
+                "view": {"type": "string", "enum": ["list", "full"], "description": "How much of each result to show"},
+            }, "required": ["query"]}}})
+    return tools
+
+
+def test_open_webui_tools_cost_a_quarter_of_their_json(server) -> None:
+    import json as _json
+
+    from localserve.api.templates import TOOL_SYSTEM_PROMPT
+
+    tools = open_webui_tools()
+    assert 24_000 < len(_json.dumps(tools)) < 26_000
+    messages = [{"role": "user", "content": "Hi"}]
+    status, answer = server.json("POST", "/api/chat", {"model": MODEL, "messages": messages, "tools": tools,
+                                                       "stream": False, "options": {"num_predict": 1}})
+    assert status == 200, answer
+    # Today's cost: the same system prompt with every tool's JSON, as the fallback wrote it before.
+    full = TOOL_SYSTEM_PROMPT.format(tools="\n".join(_json.dumps(t, ensure_ascii=False) for t in tools))
+    before = len(server.call(_tokenize(server, full)))
+    assert answer["prompt_eval_count"] < before / 4, (answer["prompt_eval_count"], before)
+    assert answer["context_left"] == 2048 - answer["prompt_eval_count"] - answer["eval_count"]
