@@ -17,7 +17,10 @@ release that failed) goes with the next plan.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Union
+from typing import TYPE_CHECKING, Union
+
+if TYPE_CHECKING:
+    from .prefix_cache import DiskTier
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,4 +53,25 @@ class KVMove:
     dst: int
 
 
-KVOp = Union[KVCopy, KVRemove, KVMove]
+@dataclass(frozen=True, slots=True, eq=False)
+class KVSave:
+    """Write what `seq_id` holds (the KV of `tokens`) to the prompt cache on disk, before a
+    release drops it or while the engine idles (prefix_cache.py)."""
+
+    seq_id: int
+    tokens: tuple[int, ...]
+    disk: "DiskTier"
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class KVRestore:
+    """Put a state read from the prompt cache on disk into the empty `seq_id`, keeping its first
+    `keep` positions (a prefix hit on a file)."""
+
+    seq_id: int
+    keep: int
+    state: bytes
+    disk: "DiskTier"
+
+
+KVOp = Union[KVCopy, KVRemove, KVMove, KVSave, KVRestore]

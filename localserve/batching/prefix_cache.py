@@ -14,6 +14,13 @@ above the running range, and the request takes the original id over -- one copy,
 into a new id and the two moves that kept the running ids consecutive were three. In a unified
 pool a copy shares cells and costs nothing. Entries sitting on ids the running sequences need are
 moved above them (kvpool.py says why).
+With a disk tier (the prompt cache on disk: engine/prompt_disk.py over store/prompt_cache.py) what
+is parked also outlives the engine: an entry that stays parked while the engine idles for
+`SAVE_AFTER_S` is written to disk (KVSave, applied off the step: the engine's idle turn), and so is
+one dropped before it was written (KVSave before its KVRemove, in the step that drops it). A prompt
+whose longest prefix is in a file, `DISK_MIN_GAIN` tokens longer than any resident one, gets a
+fresh id and the file's state (KVRestore) instead: after an unload, a restart or a crash.
+
 Matching is exact on token ids, and at least the backend's `min_recompute` prompt tokens are always
 computed (two for llama.cpp, see `lookup`), so a hit never changes the output -- only how many
 prompt tokens have to be computed.
@@ -21,27 +28,57 @@ prompt tokens have to be computed.
 
 from __future__ import annotations
 
+import time
 from collections import OrderedDict
-from typing import Iterable, Sequence as Seq
+from typing import Iterable, Protocol, Sequence as Seq
 
+from .kv_ops import KVRestore, KVSave
 from .kvpool import KVHolder, KVPool
 
 
 # Shorter hits are ignored: a few tokens save nothing worth a copy, and a hit on a parked entry can
 # cost that entry its tail when ids run short (a BOS token alone would match every prompt).
 MIN_HIT = 4
+# Seconds an entry stays parked, the engine idle, before it is written to disk. An agent's next
+# turn usually comes sooner (after a tool ran) and takes the entry over, so a conversation is not
+# written at every turn; a coffee break, an unload or a crash finds it written.
+SAVE_AFTER_S = 3.0
+# A file is read instead of a resident prefix only when it holds this many more tokens: reading
+# and placing a state costs a few ms, computing 64 tokens about as much on a small model.
+DISK_MIN_GAIN = 64
+
+
+class DiskEntryLike(Protocol):
+    tokens: list[int]
+
+
+class DiskTier(Protocol):
+    """The prompt cache on disk, as the prefix cache uses it (engine/prompt_disk.py)."""
+
+    min_tokens: int  # shorter entries are not written: recomputing them costs less than a file
+    trim_margin: int | None  # how far before its end a restored state may be cut (None: anywhere)
+
+    def entries(self) -> list[DiskEntryLike]: ...
+
+    def read(self, entry: DiskEntryLike) -> bytes | None: ...
+
+    def save(self, seq_id: int, tokens: Seq[int]) -> None: ...
+
+    def restore(self, seq_id: int, state: bytes, keep: int) -> None: ...
 
 
 class CachedPrefix:
     """A parked sequence id: its KV holds `tokens` at positions 0..len-1."""
 
-    __slots__ = ("seq_id", "cells", "tokens", "disposable")
+    __slots__ = ("seq_id", "cells", "tokens", "disposable", "parked_at", "saved")
 
     def __init__(self, seq_id: int, cells: list[int], tokens: list[int], disposable: bool = False):
         self.seq_id = seq_id
         self.cells = cells
         self.tokens = tokens
         self.disposable = disposable  # left by a cancelled request: a hit takes it over
+        self.parked_at = time.monotonic()
+        self.saved = disposable  # written to disk (a cancelled request's is never worth writing)
 
     @property
     def num_computed(self) -> int:
@@ -72,7 +109,9 @@ class PrefixCache:
         self.enabled = enabled
         self.min_recompute = max(1, min_recompute)  # the last prompt token's logits are always needed
         self.parked: OrderedDict[int, CachedPrefix] = OrderedDict()  # seq_id -> entry, LRU first
+        self.disk: DiskTier | None = None  # the prompt cache on disk, where the engine has one
         self.hits = 0  # prompt tokens served from the cache
+        self.disk_hits = 0  # of them, read from disk
         self.queries = 0  # prompt tokens looked up
 
     def park(self, holder: KVHolder, tokens: list[int], disposable: bool = False) -> bool:
@@ -123,6 +162,7 @@ class PrefixCache:
         id is free up there even after dropping the oldest entry that holds one."""
         self._room_above(entry)
         copy = CachedPrefix(-1, [], entry.tokens, entry.disposable)
+        copy.saved = entry.saved
         if not self.pool.copy_to_parked(entry, copy):
             return False
         kept = (copy if e is entry else e for e in self.parked.values())
@@ -131,7 +171,59 @@ class PrefixCache:
 
     def _drop(self, entry: CachedPrefix) -> None:
         del self.parked[entry.seq_id]
+        self._save(entry)  # before the release's KVRemove, in the same list of operations
         self.pool.release(entry)
+
+    # --- the disk tier -----------------------------------------------------------------------
+    def _save(self, entry: CachedPrefix) -> bool:
+        """Write `entry` to disk with the next operations, unless written or not worth it."""
+        disk = self.disk
+        if disk is None or entry.saved or len(entry.tokens) < disk.min_tokens:
+            return False
+        entry.saved = True
+        self.pool.ops.append(KVSave(entry.seq_id, tuple(entry.tokens), disk))
+        return True
+
+    def next_save_in(self, now: float) -> float | None:
+        """Seconds until a parked entry is due to be written (<= 0: now), None when none will be."""
+        disk = self.disk
+        if disk is None:
+            return None
+        due = [e.parked_at + SAVE_AFTER_S - now for e in self.parked.values()
+               if not e.saved and len(e.tokens) >= disk.min_tokens]
+        return min(due, default=None)
+
+    def save_parked(self, now: float | None = None) -> bool:
+        """Write the entries parked for SAVE_AFTER_S (all of them with `now` None: an unload);
+        True when operations were recorded."""
+        saved = False
+        for entry in self.parked.values():
+            if now is None or entry.parked_at + SAVE_AFTER_S <= now:
+                saved |= self._save(entry)
+        return saved
+
+    def disk_lookup(self, tokens: list[int], resident: int, room: int) -> tuple[DiskEntryLike | None, int]:
+        """The file with the longest prefix of `tokens`, when it beats the `resident` hit by
+        DISK_MIN_GAIN tokens, its state fits a sequence's `room` cells, and it may be cut where
+        the prefix ends; else (None, 0)."""
+        disk = self.disk
+        if disk is None or not self.enabled:
+            return None, 0
+        limit = len(tokens) - self.min_recompute
+        best, best_n = None, resident + DISK_MIN_GAIN - 1
+        for entry in disk.entries():
+            n = common_prefix(tokens, entry.tokens, min(limit, len(entry.tokens)))
+            cut = len(entry.tokens) - n
+            if n > best_n and len(entry.tokens) <= room and (disk.trim_margin is None or cut <= disk.trim_margin):
+                best, best_n = entry, n
+        return (best, best_n) if best is not None else (None, 0)
+
+    def restore(self, holder: KVHolder, state: bytes, n: int) -> None:
+        """Give `holder` (a fresh id, no cells) the first n positions of a file's `state`."""
+        assert self.disk is not None
+        self.pool.grow(holder, n)
+        self.pool.ops.append(KVRestore(holder.seq_id, n, state, self.disk))
+        self.disk_hits += n
 
     def evict_one(self, keep: CachedPrefix | None = None) -> bool:
         """Drop the least recently used entry (not `keep`); False when there is none."""

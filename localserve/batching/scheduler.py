@@ -400,6 +400,11 @@ class Scheduler:
     def _start(self, seq: Sequence, reserved: int) -> bool:
         """Give seq a sequence id and its cached prefix; False if its prompt cannot fit yet."""
         source, n_hit = self.cache.lookup(seq.tokens, self.running)
+        on_disk, n_disk = self.cache.disk_lookup(seq.tokens, n_hit, self.n_ctx_seq)
+        if on_disk is not None:
+            started = self._start_from_disk(seq, on_disk, n_disk, reserved)
+            if started is not None:
+                return started
         entry = source if isinstance(source, CachedPrefix) else None
         # A prompt that extends the whole entry (a chat's next turn, a preempted request coming
         # back: it loses only the last tokens it must compute again anyway, at most min_recompute)
@@ -444,6 +449,29 @@ class Scheduler:
                 self.cache.touch(entry)
             if n_hit:
                 self.pool.share_prefix(source, seq, n_hit)
+        self._run_from(seq, n_hit)
+        return True
+
+    def _start_from_disk(self, seq: Sequence, on_disk, n_hit: int, reserved: int) -> bool | None:
+        """Start seq on a fresh id with the first n_hit positions of a prompt cache file (after
+        an unload, a restart, a crash); None when the file was gone or bad: start without it."""
+        if not self._free_running_id(None):
+            return False
+        while self.pool.free - reserved < len(seq.tokens):
+            if not self.cache.evict_one():
+                return False
+        state = self.cache.disk.read(on_disk)  # checked against its digest; a bad file is removed
+        if state is None:
+            return None
+        near = [q.seq_id for q in self.running] if self.caps.consecutive_ids else []
+        if not self.pool.acquire(seq, near=near):
+            return False
+        self.cache.restore(seq, state, n_hit)
+        self._run_from(seq, n_hit)
+        return True
+
+    def _run_from(self, seq: Sequence, n_hit: int) -> None:
+        """seq runs from here, its first n_hit prompt tokens already in its KV."""
         seq.num_computed = n_hit
         if seq.queued:  # the first admission is the one the client sees in usage
             seq.cached_tokens = n_hit
@@ -452,7 +480,6 @@ class Scheduler:
         self.lanes.remove(seq)
         seq.status = Status.RUNNING
         self.running.append(seq)
-        return True
 
     def _free_running_id(self, keep: CachedPrefix | None) -> bool:
         """A running-range id for a new sequence: when none is free, a parked entry on one moves

@@ -33,6 +33,7 @@ from . import step
 from ..protocol.engine import EngineStats, ModelInfo
 from ..errors import ContextLengthExceededError, InvalidRequestError, OverloadedError, QueueFullError
 from .live import SequenceProgress, cells_of, progress_rows
+from .prompt_disk import PromptDisk
 from .streams import STREAM_BUFFER_EVENTS, RequestStream, post_events
 from . import core_share
 from .threads import ThreadGovernor
@@ -40,6 +41,8 @@ from .threads import ThreadGovernor
 log = logging.getLogger(__name__)
 
 _RATE_WINDOW_S = 10.0  # tokens/s and completions/s are measured over this much recent time
+# Seconds an unload waits for the prompt cache's last writes (a worker is given 5 s to stop).
+_UNLOAD_WRITE_S = 4.0
 class _Rates:
     """Recent per-step figures -> rates, over a sliding time window (engine thread writes,
     any thread reads a consistent-enough snapshot)."""
@@ -87,11 +90,15 @@ class Engine:
 
     stream_buffer_events = STREAM_BUFFER_EVENTS
 
-    def __init__(self, backend: Backend, limits: EngineLimits, name: str = ""):
+    def __init__(self, backend: Backend, limits: EngineLimits, name: str = "", prompt_disk: PromptDisk | None = None):
         self._backend = backend
         self.limits = limits
         self.name = name or backend.info.name
         self.scheduler = Scheduler(declared_capabilities(backend), limits, on_dequeue=self._dequeued)
+        # The prompt cache on disk (prompt_disk.py): parked entries written while idle and at
+        # unload, read back on a prefix hit.
+        self.prompt_disk = prompt_disk
+        self.scheduler.cache.disk = prompt_disk
         self._threads = (ThreadGovernor(backend, share=core_share.current())
                          if limits.adaptive_threads and backend.adjustable_threads and backend.n_threads > 1 else None)
         self._cond = threading.Condition()
@@ -292,7 +299,11 @@ class Engine:
                         if self._busy and self._threads is not None:
                             self._threads.idle()
                         self._busy = False
-                        self._cond.wait()
+                        # A timed wait only while a parked entry waits to be written: idle is 0% CPU.
+                        save_in = self.scheduler.cache.next_save_in(time.monotonic())
+                        if save_in is not None and save_in <= 0:
+                            break
+                        self._cond.wait(save_in)
                     if self._stopping:
                         break
                     self._busy = True
@@ -302,6 +313,8 @@ class Engine:
                         self._advance_embed()
                     if self.scheduler.has_work():
                         self._step()
+                    elif self.scheduler.cache.save_parked(time.monotonic()):  # idle: write what is due
+                        self._deliver(self.scheduler.take_output())
                     self.progress += 1
                 except Exception:  # a bug in delivery must not leave every stream hanging
                     log.exception("engine loop error")
@@ -401,7 +414,10 @@ class Engine:
     def _drain_on_stop(self) -> None:
         self._take_inbox()
         self.scheduler.finish_all("cancelled")
+        self.scheduler.cache.save_parked()  # an unload: what is parked goes to disk, due or not
         self._deliver(self.scheduler.take_output())
+        if self.prompt_disk is not None and not self.prompt_disk.flush(_UNLOAD_WRITE_S):
+            log.warning("prompt cache: writes still pending after %.0f s at unload", _UNLOAD_WRITE_S)
         while self._embeds:
             job = self._embeds.popleft()
             job.steps.close()

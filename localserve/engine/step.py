@@ -16,7 +16,7 @@ import logging
 import time
 
 from ..backends.base import Backend, DecodeInterrupted, KVFullError, SampledToken
-from ..batching.kv_ops import KVCopy, KVMove, KVOp, KVRemove
+from ..batching.kv_ops import KVCopy, KVMove, KVOp, KVRemove, KVRestore, KVSave
 from ..batching.step_plan import StepPlan, StepResult
 from ..errors import BackendError, GenerationError, LocalserveError
 
@@ -34,6 +34,10 @@ def apply_kv_ops(backend: Backend, ops: list[KVOp]) -> None:
             backend.kv_copy(op.src, op.dst, op.p0, op.p1)
         elif isinstance(op, KVMove):
             backend.kv_move(op.src, op.dst)
+        elif isinstance(op, KVSave):  # best effort: a failed save costs a cache file, never a request
+            op.disk.save(op.seq_id, op.tokens)
+        elif isinstance(op, KVRestore):
+            op.disk.restore(op.seq_id, op.state, op.keep)
         else:
             raise TypeError(f"not a KV operation: {op!r}")
 

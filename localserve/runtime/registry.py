@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable
 
@@ -26,6 +27,8 @@ if TYPE_CHECKING:  # the engine pulls in llama.cpp; choosing a backend must impo
     from .memory import MemoryEstimate
     from .plan import ModelPlan
     from ..store.cache import InstalledModel, StoredVariant
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -62,9 +65,29 @@ def _load_llamacpp(installed: "InstalledModel", variant: "StoredVariant", plan: 
         kv_type=limits.kv_type,
         extra_buffers=extra_buffers_allowed(variant.path, cpu.model, cpu.features),
     )
-    engine = Engine(backend, limits, installed.ref)
+    engine = Engine(backend, limits, installed.ref, prompt_disk=_prompt_disk(backend, variant, plan, settings))
     engine.start()
     return engine
+
+
+def _prompt_disk(backend, variant: "StoredVariant", plan: "ModelPlan", settings: Settings):
+    """The prompt cache on disk for a loaded llama.cpp model (engine/prompt_disk.py), keyed by the
+    model file's sha256 and what makes its saved states readable; None where it is off."""
+    limits = plan.limits
+    if not (settings.prompt_cache_disk_bytes and limits.prefix_cache and variant.sha256):
+        return None
+    from ..backends.llamacpp.seq_state import SeqState, state_key
+    from ..engine.prompt_disk import PromptDisk
+    from ..store.prompt_cache import PromptDiskCache
+
+    key = state_key(kv_unified=limits.kv_unified, kv_type=limits.kv_type,
+                    flash_attention=limits.flash_attention, exact_attention=backend.exact_attention)
+    try:
+        files = PromptDiskCache(settings.home, variant.sha256, key, settings.prompt_cache_disk_bytes).open()
+    except OSError as e:  # a read-only or full data home: serve without it
+        log.warning("prompt cache on disk off for this load: %s", e)
+        return None
+    return PromptDisk(files, SeqState(backend))
 
 
 def _onnx_missing() -> str | None:
