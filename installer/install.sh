@@ -69,6 +69,9 @@ remove_ours() {
     rm -f "$home/batches/batches.sqlite3" "$home/batches/batches.sqlite3-wal" "$home/batches/batches.sqlite3-shm" \
           "$home/batches/files"/file-* "$home/batches/files/.tmp"/*.part
     rm -f "$home/models/.locks"/*.lock
+    # store/prompt_cache.py: prompt-cache/<model sha256>/*.kv and writes cut short (.*.tmp); they hold prompts.
+    rm -f "$home/prompt-cache"/*/*.kv "$home/prompt-cache"/*/.*.tmp
+    for entry in "$home/prompt-cache"/*/; do rmdir "$entry" 2>/dev/null || true; done
     rm -rf "$home/models/.tmp"
     [ "$home" = "$DATA" ] && [ "$CONFIG" = "$DATA" ] && rm -f "$home/config.toml"  # macOS: one folder
     if [ "$MODE" = purge ]; then
@@ -79,7 +82,7 @@ remove_ours() {
         done
         for entry in "$home/models"/*/; do rmdir "$entry" 2>/dev/null || true; done
     fi
-    for entry in batches/files/.tmp batches/files batches logs run models/.locks models; do
+    for entry in batches/files/.tmp batches/files batches logs run models/.locks models prompt-cache; do
         rmdir "$home/$entry" 2>/dev/null || true
     done
     # The data home itself once empty, unless it is the user's home directory (LOCALSERVE_HOME=$HOME).

@@ -17,10 +17,7 @@ release that failed) goes with the next plan.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Union
-
-if TYPE_CHECKING:
-    from .prefix_cache import DiskTier
+from typing import Protocol, Sequence, Union
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,6 +48,25 @@ class KVMove:
 
     src: int
     dst: int
+
+
+class DiskEntryLike(Protocol):
+    tokens: list[int]
+
+
+class DiskTier(Protocol):
+    """The prompt cache on disk, as the prefix cache uses it (engine/prompt_disk.py)."""
+
+    min_tokens: int  # shorter entries are not written: recomputing them costs less than a file
+    trim_margin: int | None  # how far before its end a restored state may be cut (None: anywhere)
+
+    def entries(self) -> list[DiskEntryLike]: ...
+
+    def read(self, entry: DiskEntryLike) -> bytes | None: ...
+
+    def save(self, seq_id: int, tokens: Sequence[int]) -> None: ...
+
+    def restore(self, seq_id: int, state: bytes, keep: int) -> None: ...
 
 
 @dataclass(frozen=True, slots=True, eq=False)

@@ -30,9 +30,9 @@ from __future__ import annotations
 
 import time
 from collections import OrderedDict
-from typing import Iterable, Protocol, Sequence as Seq
+from typing import Iterable, Sequence as Seq
 
-from .kv_ops import KVRestore, KVSave
+from .kv_ops import DiskEntryLike, DiskTier, KVRestore, KVSave
 from .kvpool import KVHolder, KVPool
 
 
@@ -46,25 +46,6 @@ SAVE_AFTER_S = 3.0
 # A file is read instead of a resident prefix only when it holds this many more tokens: reading
 # and placing a state costs a few ms, computing 64 tokens about as much on a small model.
 DISK_MIN_GAIN = 64
-
-
-class DiskEntryLike(Protocol):
-    tokens: list[int]
-
-
-class DiskTier(Protocol):
-    """The prompt cache on disk, as the prefix cache uses it (engine/prompt_disk.py)."""
-
-    min_tokens: int  # shorter entries are not written: recomputing them costs less than a file
-    trim_margin: int | None  # how far before its end a restored state may be cut (None: anywhere)
-
-    def entries(self) -> list[DiskEntryLike]: ...
-
-    def read(self, entry: DiskEntryLike) -> bytes | None: ...
-
-    def save(self, seq_id: int, tokens: Seq[int]) -> None: ...
-
-    def restore(self, seq_id: int, state: bytes, keep: int) -> None: ...
 
 
 class CachedPrefix:

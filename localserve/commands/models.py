@@ -48,6 +48,10 @@ def register(subparsers: argparse._SubParsersAction, common: argparse.ArgumentPa
     p.add_argument("models", nargs="+", metavar="MODEL")
     p.set_defaults(func=run_rm)
 
+    p = subparsers.add_parser("cache", parents=[common], help="the prompt cache on disk: `cache clear` deletes it")
+    p.add_argument("action", choices=["clear", "info"])
+    p.set_defaults(func=run_cache)
+
     p = subparsers.add_parser("add", parents=[common],
                               help="register a GGUF file you already have (in place, no copy), or copy in an "
                                    "ONNX (model.onnx + localserve-onnx.json) or onnxruntime-genai (genai_config.json) folder")
@@ -215,6 +219,19 @@ def run_rm(args: argparse.Namespace, settings: Settings) -> int:
         model = store.remove(ref)
         note = " (unregistered; your file was left in place)" if model.in_place else ""
         print(f"deleted {model.ref}{note}")
+    return 0
+
+
+def run_cache(args: argparse.Namespace, settings: Settings) -> int:
+    """`cache clear`: every model's cached prompts (store/prompt_cache.py) deleted; `cache info`: their size."""
+    from ..store import prompt_cache
+
+    files, used = prompt_cache.usage(settings.home)
+    if args.action == "clear":
+        prompt_cache.clear(settings.home)
+        print(f"deleted {files} cached prompts ({used / 2**20:.1f} MiB)")
+    else:
+        print(f"{files} cached prompts, {used / 2**20:.1f} MiB of {settings.prompt_cache_disk_bytes / 2**20:.0f} MiB")
     return 0
 
 

@@ -34,6 +34,7 @@ from typing import Any, Iterator
 
 from ..config.settings import Settings
 from ..errors import LocalserveError, ModelNotFoundError, PullLockedError
+from . import prompt_cache
 from .names import name_to_dir, safe_component  # noqa: F401  (callers take them from the cache too)
 
 log = logging.getLogger(__name__)
@@ -416,6 +417,8 @@ class ModelStore:
             # deletion of a multi-GB file is interrupted.
             (directory / MANIFEST_NAME).unlink(missing_ok=True)
             shutil.rmtree(directory, ignore_errors=True)
+        # Its cached prompts too: they hold conversations, and no other engine can read them.
+        prompt_cache.remove_model(self.settings.home, model.sha256)
         try:
             directory.parent.rmdir()
         except OSError:
