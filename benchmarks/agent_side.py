@@ -83,7 +83,10 @@ async def one_pass(name: str, args: argparse.Namespace, work: Path, bias: dict[s
     try:
         await wait_ready(url, READY[name], proc)
         await ask(url, model, "Hello", 4, bias)  # loads the model outside the measurement
-        return {**await case_a(url, model, args, bias), **{f"b_{k}": v for k, v in (await case_b(url, model, args, bias)).items()}}
+        figures = await case_a(url, model, args, bias) if "a" in args.cases else {}
+        if "b" in args.cases:
+            figures |= {f"b_{k}": v for k, v in (await case_b(url, model, args, bias)).items()}
+        return figures
     finally:
         stop(proc)
 
@@ -112,6 +115,7 @@ if __name__ == "__main__":
     p.add_argument("--model-path", required=True)
     p.add_argument("--threads", type=int, default=os.cpu_count() or 2)
     p.add_argument("--passes", type=int, default=1)
+    p.add_argument("--cases", default="ab", help="which cases to run: a, b or ab (default)")
     p.add_argument("--long-tokens", type=int, default=7500)
     p.add_argument("--agent-scale", type=float, default=0.5, help="agent turns' share of 5-14k tokens (8k context)")
     asyncio.run(main(p.parse_args()))
