@@ -48,9 +48,10 @@ async def ask(url: str, model: str, text: str, max_tokens: int, bias: dict[str, 
 
 
 async def case_a(url: str, model: str, args: argparse.Namespace, bias: dict[str, float]) -> dict[str, float]:
+    # The runs alone start differently: a shared start would be served from the prefix cache.
     long_text, short_text = prompt_of(args.long_tokens, "long"), prompt_of(SIDE_TOKENS, "short")
-    long_alone, _ = await ask(url, model, long_text + " (alone)", 8, bias)
-    short_alone, _ = await ask(url, model, short_text + " (alone)", 8, bias)
+    long_alone, _ = await ask(url, model, prompt_of(args.long_tokens, "alone long"), 8, bias)
+    short_alone, _ = await ask(url, model, prompt_of(SIDE_TOKENS, "alone short"), 8, bias)
     long_task = asyncio.create_task(ask(url, model, long_text, 8, bias))
     await asyncio.sleep(1.0)
     short, _ = await ask(url, model, short_text, 8, bias)
@@ -101,7 +102,7 @@ async def main(args: argparse.Namespace) -> None:
                 run_dir = work / f"{name}-{n}"
                 run_dir.mkdir()
                 columns.append((f"{name} #{n}", await one_pass(name, args, run_dir, bias)))
-                print(f"pass {n} {name} done", file=sys.stderr)
+                print(f"pass {n} {name}: {columns[-1][1]}", file=sys.stderr)  # kept if a later pass dies
     finally:
         shutil.rmtree(work, ignore_errors=True)
     keys = list(columns[0][1])
