@@ -289,7 +289,8 @@ def long_message(**extra: Any) -> dict[str, Any]:
 
 
 def test_lanes_and_a_full_lane(smollm2_gguf, tmp_path):
-    settings = server_settings(tmp_path / "home", max_sequences=1, queue_size=1)
+    # Keepalives every 0.2 s: a queued stream's 200 waits for its first one (server/held.py).
+    settings = server_settings(tmp_path / "home", max_sequences=1, queue_size=1, sse_ping_interval=0.2)
     install_model(settings, smollm2_gguf)
     with LiveServer(settings) as live:
         # The only sequence, on the best lane: nothing that arrives preempts it.
