@@ -20,15 +20,16 @@ from server_harness import MODEL, LiveServer, install_model, server_settings
 
 # The configured cap (the default is 300k): small enough that a maximal request embeds in well
 # under the per-test timeout on a 2-core machine.
-MAX_EMBED_TOKENS = 6_000
+MAX_EMBED_TOKENS = 3_000
 BAN_EOS = {"0": -100, "1": -100, "2": -100}  # SmolLM2's end tokens: the chat runs to max_tokens
 
 
 @pytest.fixture(scope="module")
 def server(smollm2_gguf, tmp_path_factory):
     # In process (engine_workers off): the tests count the backend's embedding decodes in place.
+    # Token-id inputs (embed_token_ids): the maximal request is ids, so its size is exact.
     settings = server_settings(tmp_path_factory.mktemp("home"), max_embed_tokens=MAX_EMBED_TOKENS,
-                               engine_workers=False)
+                               engine_workers=False, embed_token_ids=True)
     install_model(settings, smollm2_gguf)
     with LiveServer(settings) as live:
         yield live
@@ -82,7 +83,7 @@ def test_token_cap_is_checked_before_any_work(server):
     # whatever the total, since no split of the request would help it; with truncate it counts as
     # cut (see test_a_truncated_input_counts_as_cut).
     part = "hello world " * 450  # 901 tokens
-    status, body = server.json("POST", "/v1/embeddings", {"model": MODEL, "input": [part] * 7})  # 6,307
+    status, body = server.json("POST", "/v1/embeddings", {"model": MODEL, "input": [part] * 4})  # 3,604
     assert status == 400 and body["error"]["param"] == "input" and body["error"]["type"] == "invalid_request_error"
     assert str(MAX_EMBED_TOKENS) in body["error"]["message"] and "max_embed_tokens" in body["error"]["message"]
     status, body = server.json("POST", "/v1/embeddings", {"model": MODEL, "input": "hello world " * 7000})
@@ -91,14 +92,14 @@ def test_token_cap_is_checked_before_any_work(server):
     engine = _engine(server)
     counter = _count_embed_steps(engine)
     try:
-        status, body = server.json("POST", "/api/embed", {"model": MODEL, "input": ["hi there"] + [part] * 7})
+        status, body = server.json("POST", "/api/embed", {"model": MODEL, "input": ["hi there"] + [part] * 4})
         assert status == 400 and isinstance(body["error"], str) and str(MAX_EMBED_TOKENS) in body["error"]
-        status, body = server.json("POST", "/v1/embeddings", {"model": MODEL, "input": [[60] * 1000] * 7})
+        status, body = server.json("POST", "/v1/embeddings", {"model": MODEL, "input": [[60] * 1000] * 4})
         assert status == 400
         assert counter[0] == 0  # nothing was embedded for the refused requests
-        status, body = server.json("POST", "/v1/embeddings", {"model": MODEL, "input": [[60] * 1000] * 6},
+        status, body = server.json("POST", "/v1/embeddings", {"model": MODEL, "input": [[60] * 1000] * 3},
                                    timeout=280)
-        assert status == 200 and len(body["data"]) == 6 and counter[0] > 0  # exactly the cap passes
+        assert status == 200 and len(body["data"]) == 3 and counter[0] > 0  # exactly the cap passes
     finally:
         del engine.backend.embed_steps
 
@@ -106,19 +107,19 @@ def test_token_cap_is_checked_before_any_work(server):
 def test_a_truncated_input_counts_as_cut(server):
     """Ollama's truncate (on by default) cuts each input to the context: what is embedded, and so
     what the cap counts, is 1024 tokens an input, however long the texts were."""
-    long_text = "hello world " * 3000  # 6,001 tokens: two are past the cap before truncation
+    long_text = "hello world " * 3000  # 6,001 tokens: one is past the cap before truncation
     status, body = server.json("POST", "/api/embed", {"model": MODEL, "input": [long_text] * 2})
     assert status == 200 and len(body["embeddings"]) == 2 and body["prompt_eval_count"] == 2 * 1024
-    status, body = server.json("POST", "/api/embed", {"model": MODEL, "input": [long_text] * 6})  # 6,144
+    status, body = server.json("POST", "/api/embed", {"model": MODEL, "input": [long_text] * 3})  # 3,072
     assert status == 400 and str(MAX_EMBED_TOKENS) in body["error"]
     status, body = server.json("POST", "/api/embed", {"model": MODEL, "input": long_text, "truncate": False})
     assert status == 400 and "6001 tokens" in body["error"]
 
 
-@pytest.mark.timeout(900)  # a liveness bound: ~12k tokens of model work on a shared 2-core machine
+@pytest.mark.timeout(900)  # a liveness bound: ~6k tokens of model work on a shared 2-core machine
 def test_maximal_embeddings_request_while_a_chat_streams(server):
     inputs = _maximal_inputs(server)
-    alone = server.json("POST", "/v1/embeddings", {"model": MODEL, "input": [inputs[3]]})[1]["data"][0]["embedding"]
+    alone = server.json("POST", "/v1/embeddings", {"model": MODEL, "input": [inputs[1]]})[1]["data"][0]["embedding"]
 
     chat_times: list[float] = []  # when each content chunk came (one step's tokens: several when drafted)
     replies: list[bytes] = []
@@ -149,7 +150,7 @@ def test_maximal_embeddings_request_while_a_chat_streams(server):
     chatter.join(600)
     assert status == 200 and len(body["data"]) == len(inputs)
     assert body["usage"]["prompt_tokens"] == MAX_EMBED_TOKENS
-    assert body["data"][3]["embedding"] == pytest.approx(alone, abs=1e-4)  # same vector as alone
+    assert body["data"][1]["embedding"] == pytest.approx(alone, abs=1e-4)  # same vector as alone
     during = [t for t in chat_times if start < t < end]
     # Before, the whole request was one job on the engine thread and the chat got nothing until it
     # ended; now decode steps run between its embedding decodes.

@@ -144,7 +144,8 @@ def assert_silent_disconnect_frees_the_slot(server: LiveServer, path: str, body:
 
 
 def test_full_lane_answers_429_and_health_stays_up(smollm2_gguf, tmp_path):
-    settings = server_settings(tmp_path / "home", max_sequences=1, queue_size=1)
+    # Keepalives every 0.2 s: a queued stream's 200 waits for its first one (server/held.py).
+    settings = server_settings(tmp_path / "home", max_sequences=1, queue_size=1, sse_ping_interval=0.2)
     install_model(settings, smollm2_gguf)
     with LiveServer(settings) as live:
         running, head = open_stream(live.port, "/v1/completions", long_completion(True))

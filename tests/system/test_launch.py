@@ -153,15 +153,14 @@ def installed_agent(name: str) -> Path:
 API_KEY = "ls-key-8c1e5f0a-never-in-argv"
 
 
-@pytest.fixture
-def daemon(tmp_path: Path, smollm2_gguf: Path):
-    """A daemon serving SmolLM2 with its full trained context, and the env `launch` runs in: the
-    agents' own state under a fresh HOME, the agents first on PATH. The daemon has an api_key, so
-    an agent that reaches it with any other token is refused."""
+def serve_for_agents(tmp_path: Path, smollm2_gguf: Path, context: int):
+    """A daemon serving SmolLM2 with `context` tokens, and the env `launch` runs in: the agents' own
+    state under a fresh HOME, the agents first on PATH. The daemon has an api_key, so an agent that
+    reaches it with any other token is refused."""
     # Codex names no output limit and samples at temperature 1: SmolLM2 sometimes rambles on (a CI
     # run saw 2,700 tokens, 156 s here against 47 s), so the daemon caps an answer that names none.
-    env = cli_env(tmp_path / "home", free_port(), LOCALSERVE_CONTEXT_LENGTH="8192", LOCALSERVE_DEFAULT_MAX_TOKENS="256",
-                  LOCALSERVE_API_KEY=API_KEY, HOME=str(tmp_path))
+    env = cli_env(tmp_path / "home", free_port(), LOCALSERVE_CONTEXT_LENGTH=str(context),
+                  LOCALSERVE_DEFAULT_MAX_TOKENS="256", LOCALSERVE_API_KEY=API_KEY, HOME=str(tmp_path))
     register_model(env, smollm2_gguf)
     proc = start_serve(env)
     try:
@@ -169,6 +168,19 @@ def daemon(tmp_path: Path, smollm2_gguf: Path):
         yield env
     finally:
         stop_quietly(env, proc)
+
+
+@pytest.fixture
+def daemon(tmp_path: Path, smollm2_gguf: Path):
+    """SmolLM2 with its full trained context (8192)."""
+    yield from serve_for_agents(tmp_path, smollm2_gguf, 8192)
+
+
+@pytest.fixture
+def tight_daemon(tmp_path: Path, smollm2_gguf: Path):
+    """SmolLM2 with 4096 tokens: Codex's whole default prompt, even with its tools listed compactly
+    for a template without tools (about 5,000 tokens), does not fit, so its context error shows."""
+    yield from serve_for_agents(tmp_path, smollm2_gguf, 4096)
 
 
 def launch(env: dict[str, str], agent: str, *args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
@@ -306,21 +318,22 @@ def test_codex_answers_from_the_local_model_over_the_responses_api(daemon: dict[
     assert '"POST /v1/responses HTTP/1.1" 200' in log
 
 
-def test_codex_reads_our_context_error_as_its_own(daemon: dict[str, str]) -> None:
-    result = launch(daemon, "codex", "exec", "--skip-git-repo-check", "Say hello")
+def test_codex_reads_our_context_error_as_its_own(tight_daemon: dict[str, str]) -> None:
+    result = launch(tight_daemon, "codex", "exec", "--skip-git-repo-check", "Say hello")
     assert "Codex CLI sends about" in result.stderr
     # Our 400's code (context_length_exceeded) is the one Codex knows: it says so in its own words.
     assert "ran out of room in the model's context window" in result.stdout + result.stderr
 
 
-def test_codex_comes_to_us_past_a_config_toml_naming_another_provider(daemon: dict[str, str], capture: Capture) -> None:
+def test_codex_comes_to_us_past_a_config_toml_naming_another_provider(tight_daemon: dict[str, str],
+                                                                      capture: Capture) -> None:
     """Codex's `-c` overrides outrank the user's config.toml (its own provider and model)."""
-    config = Path(daemon["HOME"]) / ".codex" / "config.toml"
+    config = Path(tight_daemon["HOME"]) / ".codex" / "config.toml"
     config.parent.mkdir(parents=True)
     config.write_text(f'model_provider = "corp"\nmodel = "corp-model"\n\n[model_providers.corp]\nname = "corp"\n'
                       f'base_url = "{capture.url}/v1"\nwire_api = "responses"\n')
     with ArgvWatch(API_KEY, b"codex") as watch:
-        result = launch(daemon, "codex", "exec", "--skip-git-repo-check", "Say hello")
+        result = launch(tight_daemon, "codex", "exec", "--skip-git-repo-check", "Say hello")
     assert "ran out of room in the model's context window" in result.stdout + result.stderr
     assert capture.seen == [] and watch.agent_seen and watch.leaked == []
 
