@@ -259,9 +259,11 @@ def test_cancelling_a_row_ends_its_stream(page, daemon, no_eog, clean_console):
     page.find_element(By.CSS_SELECTOR, f'.seqs tr[data-request="{row["id"]}"] button.cancel').click()
     stream.thread.join(LIVE_S)
     assert not stream.thread.is_alive()
-    # OpenAI's way to end a stream the server stopped: an error frame, here saying who stopped it.
-    last = stream.frames[-1]
-    assert last["error"]["code"] == "request_cancelled" and "dashboard" in last["error"]["message"], last
+    # OpenAI's way to end a stream the server stopped: an error frame, here saying who stopped it,
+    # then a last chunk whose finish_reason is "error" (clients that wait for one do not hang).
+    (error,) = [f["error"] for f in stream.frames if "error" in f]
+    assert error["code"] == "request_cancelled" and "dashboard" in error["message"], error
+    assert stream.frames[-1]["choices"][0]["finish_reason"] == "error", stream.frames[-1]
     assert len(stream.arrivals) < 700
     until(wait, lambda d: [d.execute_script(ROWS)], lambda r: r[0] == [])
     # A request that is not running: a 404 in the page's own dialect, nothing cancelled.
