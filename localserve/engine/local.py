@@ -340,10 +340,10 @@ class Engine:
             log.exception("engine step failed")
             self.scheduler.fail_running("internal error while scheduling this request")
             output = self.scheduler.take_output()
-        self._deliver(output)
-        if plan is not None and plan.batch:
+        if plan is not None and plan.batch:  # counted before delivery: a finished stream's step is in the figures
             t1 = time.monotonic()
             self._rates.step(t1, t1 - t0, plan.decode_tokens, plan.prompt_tokens)
+        self._deliver(output)
 
     def _deliver(self, output: StepOutput) -> None:
         """Give back the cells of what finished (now, not with the next plan, so an idle engine's

@@ -53,7 +53,7 @@ def no_eog(smollm2_gguf: Path) -> dict[str, float]:
 
 
 class Stream:
-    """One streamed chat in a thread: its content deltas and its last frame."""
+    """One streamed chat in a thread: its content deltas and its frames."""
 
     def __init__(self, url: str, model: str, no_eog: dict[str, float], max_tokens: int = 400):
         self.url, self.model = url, model
@@ -79,6 +79,14 @@ class Stream:
                     if (choice.get("delta") or {}).get("content"):
                         self.deltas.append(choice["delta"]["content"])
         conn.close()
+
+    @property
+    def error(self) -> dict[str, Any]:
+        """OpenAI's way to end a stream the server broke: an error frame, then a last chunk whose
+        finish_reason is "error" (for clients that wait for one)."""
+        (error,) = [f["error"] for f in self.frames if "error" in f]
+        assert self.frames[-1]["choices"][0]["finish_reason"] == "error", self.frames[-1]
+        return error
 
     def wait_tokens(self, n: int) -> None:
         deadline = time.monotonic() + LIVE_S
@@ -152,10 +160,10 @@ def test_a_segfault_mid_stream_ends_that_stream_only_and_the_model_restarts(daem
     assert pid != worker_pid(url, B) and psutil.pid_exists(pid)
     os.kill(pid, signal.SIGSEGV)
     first.join()
-    # After the 200 and some tokens: OpenAI's way to end a stream the server broke, an error frame.
-    last = first.frames[-1]
-    assert last["error"]["code"] == "engine_crashed", last
-    assert f"the engine for {A}:latest stopped (SIGSEGV)" in last["error"]["message"], last
+    # After the 200 and some tokens: the stream's error frame says what happened.
+    error = first.error
+    assert error["code"] == "engine_crashed", error
+    assert f"the engine for {A}:latest stopped (SIGSEGV)" in error["message"], error
     # The daemon never stopped answering, and the other model's stream runs to its end.
     assert health_ms(url) < 100
     other.join()
@@ -221,8 +229,8 @@ def test_a_hung_worker_is_killed_and_replaced(daemon, no_eog) -> None:
     assert time.perf_counter() - t1 < 0.4
     stream.join()
     waited = time.monotonic() - t0
-    last = stream.frames[-1]
-    assert last["error"]["code"] == "engine_crashed" and "hung: no progress for" in last["error"]["message"], last
+    error = stream.error
+    assert error["code"] == "engine_crashed" and "hung: no progress for" in error["message"], error
     assert 4 <= waited < 30, waited  # LOCALSERVE_ENGINE_HANG_TIMEOUT=4
     assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
     status, body = chat(url, A)
