@@ -178,8 +178,9 @@ def daemon(tmp_path: Path, smollm2_gguf: Path):
 
 @pytest.fixture
 def tight_daemon(tmp_path: Path, smollm2_gguf: Path):
-    """SmolLM2 with 4096 tokens: Codex's whole default prompt, even with its tools listed compactly
-    for a template without tools (about 5,000 tokens), does not fit, so its context error shows."""
+    """SmolLM2 with 4096 tokens: Codex's and Claude Code's whole default prompts, even with their
+    tools listed compactly for a template without tools (Codex's about 5,000 tokens), do not fit, so
+    each agent shows our context error."""
     yield from serve_for_agents(tmp_path, smollm2_gguf, 4096)
 
 
@@ -270,27 +271,28 @@ def test_copilot_takes_our_provider_and_budget(daemon: dict[str, str]) -> None:
     assert "log in" not in (result.stdout + result.stderr).lower()
 
 
-def test_claude_code_shows_our_error_when_its_prompt_does_not_fit(daemon: dict[str, str]) -> None:
-    result = launch(daemon, "claude", "-p", "Say hello")
+def test_claude_code_shows_our_error_when_its_prompt_does_not_fit(tight_daemon: dict[str, str]) -> None:
+    result = launch(tight_daemon, "claude", "-p", "Say hello")
     assert "Claude Code sends about" in result.stderr  # launch's warning, before the agent starts
-    assert "this model's context is 8192 tokens" in result.stdout + result.stderr  # our 400, shown by Claude Code
+    assert "this model's context is 4096 tokens" in result.stdout + result.stderr  # our 400, shown by Claude Code
 
 
-def test_claude_code_comes_to_us_past_the_users_own_gateway_settings(daemon: dict[str, str], capture: Capture) -> None:
+def test_claude_code_comes_to_us_past_the_users_own_gateway_settings(tight_daemon: dict[str, str],
+                                                                    capture: Capture) -> None:
     """Issue 49 #6: a user's ~/.claude/settings.json names a gateway (its URL, its token, Bedrock).
     Its `env` beat launch's environment before; the command-line settings layer beats it. The
     daemon has an api_key: only our token gets its 400, any other would be a 401."""
-    settings = Path(daemon["HOME"]) / ".claude" / "settings.json"
+    settings = Path(tight_daemon["HOME"]) / ".claude" / "settings.json"
     settings.parent.mkdir(parents=True)
     settings.write_text(json.dumps({"env": {"ANTHROPIC_BASE_URL": capture.url, "ANTHROPIC_AUTH_TOKEN": "gateway-token",
                                             "ANTHROPIC_API_KEY": "sk-ant-theirs", "CLAUDE_CODE_USE_BEDROCK": "1"},
                                     "apiKeyHelper": "echo helper-key"}))
     with ArgvWatch(API_KEY, b"--settings") as watch:
-        result = launch(daemon, "claude", "-p", "Say hello")
-    assert "this model's context is 8192 tokens" in result.stdout + result.stderr, result.stdout + result.stderr
+        result = launch(tight_daemon, "claude", "-p", "Say hello")
+    assert "this model's context is 4096 tokens" in result.stdout + result.stderr, result.stdout + result.stderr
     assert capture.seen == []
     assert watch.agent_seen and watch.leaked == []
-    log = (Path(daemon["LOCALSERVE_HOME"]) / "logs" / "localserve.log").read_text()
+    log = (Path(tight_daemon["LOCALSERVE_HOME"]) / "logs" / "localserve.log").read_text()
     assert '"POST /v1/messages?beta=true HTTP/1.1" 400' in log and '" 401 ' not in log
     assert json.loads(settings.read_text())["env"]["ANTHROPIC_BASE_URL"] == capture.url  # theirs, untouched
     assert not list(Path(os.environ.get("TMPDIR", "/tmp")).glob("localserve-claude-*.json"))  # ours, gone
