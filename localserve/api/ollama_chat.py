@@ -92,7 +92,10 @@ class GenerateCall(OllamaCall):
         # A continuation of `context`: the earlier turn already began with BOS.
         earlier = check_tokens(self.context, engine.info.n_vocab, "context") if self.context else []
         tokens = earlier + await tokenize_async(engine, text, template, add_special=not self.context)
-        return [self.request(engine, tokens, interactive=False)]
+        request = self.request(engine, tokens, interactive=False)
+        if template is not None:
+            request.stop = request.stop + template.stops
+        return [request]
 
 
 def parse_generate(body: Body, priority: str | None, default_max_tokens: int) -> GenerateCall:
@@ -168,6 +171,7 @@ class ChatCall(OllamaCall):
         budget = n_ctx - answer_room(n_ctx, answer_length(options, self.default_max_tokens))
         tokens, self.dropped = await fit_history(self.messages, tokens_of, budget)
         request = self.request(engine, tokens, interactive=self.stream)
+        request.stop = request.stop + template.stops
         if self.forced:
             request.sampling.json_schema = forced_call_schema(self.forced)
             request.sampling.constraint_param = "tools"

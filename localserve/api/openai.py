@@ -263,6 +263,7 @@ class ChatCall:
             return [with_seed_offset(base, i) for i in range(self.opts.n)]
         tokens = await self.prompt_tokens(engine)
         base = build_request(self.body, self.opts, engine, tokens, param="messages")
+        base.stop = base.stop + chat_template(engine).stops
         if self.forced:
             base.sampling.json_schema = forced_call_schema(self.forced)
             base.sampling.constraint_param = "tools"

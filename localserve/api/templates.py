@@ -60,6 +60,11 @@ CHATML_TEMPLATE = (
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
 )
+# The fallback's turn markers as stop text. A model trained on ChatML has <|im_end|> as an
+# end-of-generation token; one given ChatML only because its GGUF has no template (Gemma 3 270M
+# base) writes the markers as plain text and, without these, runs to max_tokens (32,000 from Claude
+# Code).
+CHATML_STOPS = ("<|im_end|>", "<|im_start|>")
 
 TOOL_SYSTEM_PROMPT = (
     "You may call one or more functions to assist with the user query.\n\n"
@@ -247,6 +252,11 @@ class ChatTemplate:
         if chat_template and chat_template.strip():
             return cls(chat_template, bos_token or "", eos_token or "", model=model)
         return cls(CHATML_TEMPLATE, bos_token or "", eos_token or "", is_fallback=True, model=model)
+
+    @property
+    def stops(self) -> list[str]:
+        """Text that ends an answer besides the model's own end tokens: the fallback's markers."""
+        return list(CHATML_STOPS) if self.is_fallback else []
 
     @property
     def supports_tools(self) -> bool:

@@ -151,6 +151,8 @@ def test_fallback_chatml_and_broken_template():
     fallback = ChatTemplate.for_model(None, None, None)
     assert fallback.is_fallback and fallback.source == CHATML_TEMPLATE
     assert fallback.render([{"role": "user", "content": "Hi"}]) == "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
+    assert fallback.stops == ["<|im_end|>", "<|im_start|>"]  # a model without a template writes them as text
+    assert ChatTemplate.for_model(CHATML_TEMPLATE, None, None).stops == []  # its own: the model's end tokens end it
     with pytest.raises(InvalidRequestError) as e:
         ChatTemplate.for_model("{% for x in %}", None, None).render([{"role": "user", "content": "x"}])
     assert "cannot be compiled" in e.value.message
