@@ -10,7 +10,8 @@ LOCALSERVE_HOME on a shared disk -- a second local account read a planted secret
 So the daemon starts with umask 077, which every file it and its engine workers create then
 inherits (models, stores, logs, the prompt cache), and repairs what an older version left behind in
 the places below: folders 0700, files 0600. The model cache's existing files are left as they are:
-weights are no secret, and a model folder shared on purpose stays shared.
+weights are no secret, and a model folder shared on purpose stays shared. The prompt cache on disk
+(store/prompt_cache.py) is one of those places: its files are conversations' KV cells.
 """
 
 from __future__ import annotations
@@ -29,7 +30,8 @@ FILE_MODE = 0o600
 
 def private_places(settings: Settings) -> list[Path]:
     """The folders whose contents hold prompts, answers or the daemon's own state."""
-    return [settings.responses_dir, settings.batches_dir, settings.log_dir, settings.run_dir]
+    return [settings.responses_dir, settings.batches_dir, settings.prompt_cache_dir, settings.log_dir,
+            settings.run_dir]
 
 
 def make_private(settings: Settings) -> list[Path]:

@@ -72,8 +72,10 @@ class Settings:
     batch_tokens: int = 0  # per-step token budget; 0 = sized from the machine
     queue_size: int = 64  # per lane
     queue_timeout: float = 600.0
-    # Seconds a stream may stay silent before it gets an SSE comment (`: ping`), while a slow CPU
-    # prefill or a queue holds its first token back: clients with a read timeout (Cline's 30 s)
+    # Seconds a stream may stay silent before it gets a keepalive, while a slow CPU prefill or a
+    # queue holds its first token back: a frame each dialect's SDK reads as progress (server/held.py;
+    # an empty OpenAI delta, an Ollama done:false line, Anthropic's ping), or a `: ping` comment on
+    # llama.cpp's routes. Clients with an idle guard (Qwen Code's 240 s, Cline's 30 s read timeout)
     # would otherwise give up on work that is progressing. llama-server pings every 30 s. 0 = never.
     sse_ping_interval: float = 15.0
     threads: int = 0  # 0 = physical cores
@@ -185,6 +187,12 @@ class Settings:
     def batches_dir(self) -> Path:
         """The Batch API's database and files (batches/)."""
         return self.home / "batches"
+
+    @property
+    def prompt_cache_dir(self) -> Path:
+        """The prompt cache on disk: parked prompts, so a user's conversations (store/prompt_cache.py,
+        whose cache_root names the same folder)."""
+        return self.home / "prompt-cache"
 
     @property
     def run_dir(self) -> Path:
