@@ -68,6 +68,9 @@ class DashboardFeed:
             model: dict[str, Any] = {
                 "name": name, "state": row.get("state", "loaded"),
                 "memory_bytes": row.get("memory_bytes", 0), "device": row.get("device"),
+                # Held now (None: not measurable apart from the daemon) and the most it may grow to.
+                "memory_held_bytes": row.get("memory_held_bytes"),
+                "memory_max_bytes": row.get("memory_max_bytes", row.get("memory_bytes", 0)),
                 "expires_in": row.get("expires_in"), "pinned": row.get("pinned", 0),
                 # Requests waiting for it to load (or to admit them again) and why: which model must drain.
                 "waiting_for_load": row.get("waiting_for_load", 0), "reason": row.get("reason", ""),

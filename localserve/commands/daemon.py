@@ -100,15 +100,17 @@ def _print_ps(models: list[dict[str, Any]]) -> None:
         return
     table = Table(box=None, header_style="bold")
     # no_wrap: `ps` is often piped or read by scripts, where rich assumes 80 columns.
-    for column in ("NAME", "MEMORY", "PROCESSOR", "CONTEXT", "RUNNING", "QUEUED i/d/b", "UNTIL", "WORKER"):
+    # MEMORY: held now; AT MOST: what it may grow to as requests commit KV cells (runtime/status_rows.py).
+    for column in ("NAME", "MEMORY", "AT MOST", "PROCESSOR", "CONTEXT", "RUNNING", "QUEUED i/d/b", "UNTIL", "WORKER"):
         table.add_column(column, no_wrap=True)
     for m in models:
         queued = m.get("waiting") or {}
         lanes = "/".join(str(queued.get(lane, 0)) for lane in LANES)
-        memory = m.get("size") or 0
+        held, most = _memory(m)
         table.add_row(
             str(m.get("name") or m.get("model")),
-            format_bytes(memory) if memory else "-",
+            format_bytes(held) if held else "-",
+            format_bytes(most) if most else "-",
             _processor(m),
             # Tokens per request x requests decoding at once, as the engine was sized.
             f"{m['context_length']} x {m.get('max_sequences', 0)}" if m.get("context_length") else "-",
@@ -127,6 +129,14 @@ def _print_ps(models: list[dict[str, Any]]) -> None:
         if m.get("reason"):
             queued = f"{m['waiting_for_load']} waiting for a load; " if m.get("waiting_for_load") else ""
             print(f"{m.get('name') or m.get('model')} ({m.get('state')}): {queued}{m['reason']}")
+
+
+def _memory(m: dict[str, Any]) -> tuple[int | None, int]:
+    """(held now, at most): None held where the daemon could not measure it (an engine in its own
+    process); a row without our fields (an older daemon) has only `size`, its plan."""
+    if "size_held" not in m:
+        return m.get("size") or 0, m.get("size") or 0
+    return m["size_held"], m.get("size_max") or 0
 
 
 def _worker(m: dict[str, Any]) -> str:

@@ -150,6 +150,15 @@ def _engine_line(engine: dict[str, Any]) -> str:
                    f"{engine['kv_cells']} cells)")
 
 
+def _at_rest_line(mem: dict[str, Any]) -> str:
+    """What a loaded, idle model holds (runtime/describe.py at_rest): `ps` shows it measured."""
+    from ..runtime.memory import format_bytes
+
+    if mem["kv_follows_use"]:
+        return f"about {format_bytes(mem['at_rest_bytes'])} (weights + compute: KV is committed as requests use it)"
+    return f"{format_bytes(mem['at_rest_bytes'])} (the KV cache is reserved at load here)"
+
+
 def runs_on(place: dict[str, Any]) -> str:
     if place.get("backend") is None:
         return "nothing here"
@@ -193,8 +202,9 @@ def run_show(args: argparse.Namespace, settings: Settings) -> int:
         ("source", str(info["source"] or "")),
         ("engine", _engine_line(info["engine"])),
         (f"memory @ {mem['n_ctx']} ctx" if info["ctx_given"] else "memory as loaded",
-         f"{format_bytes(mem['total_bytes'])} (weights {format_bytes(mem['weights_bytes'])} + "
+         f"at most {format_bytes(mem['total_bytes'])} (weights {format_bytes(mem['weights_bytes'])} + "
          f"KV {format_bytes(mem['kv_bytes'])} + compute {format_bytes(mem['compute_bytes'])})"),
+        ("memory at rest", _at_rest_line(mem)),
         *variant_rows,
         ("runs on", runs_on(place)),
         ("why", str(place["reason"])),

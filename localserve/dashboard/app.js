@@ -241,7 +241,7 @@ async function streamStats() {
 function renderLoaded(models) {
   const body = $("#loaded tbody");
   body.replaceChildren(...models.map((m) => el("tr", { "data-model": m.name },
-    el("td", {}, m.name), el("td", {}, bytes(m.memory_bytes)), el("td", {}, m.device || "–"),
+    el("td", {}, m.name), el("td", { class: "memory" }, memoryText(m)), el("td", {}, m.device || "–"),
     // A request waiting for a load says which model must drain first (runtime/swaps.py).
     el("td", {}, m.state === "failed" ? `failed: ${m.reason}` : m.reason ? `${m.state}: ${m.waiting_for_load} waiting, ${m.reason}`
       : m.pinned ? "in use" : m.expires_in == null ? "forever" : `${Math.round(m.expires_in)} s`),
@@ -250,6 +250,13 @@ function renderLoaded(models) {
       // A model marked failed after its engine kept crashing loads again only when asked (runtime/crashes.py).
       : m.state === "failed" ? el("button", { class: "load", onclick: () => loadModel(m.name) }, "Load again")
       : el("button", { class: "unload", onclick: () => unload(m.name) }, "Unload")))));
+}
+
+// Held now and the most it may grow to: KV memory is committed as requests use it, so an idle
+// model holds far less than its plan (runtime/status_rows.py).
+function memoryText(m) {
+  const held = m.memory_held_bytes == null ? "–" : bytes(m.memory_held_bytes);
+  return `${held} (at most ${bytes(m.memory_max_bytes ?? m.memory_bytes)})`;
 }
 
 function workerText(m) {

@@ -73,6 +73,7 @@ def describe_model(model: InstalledModel, settings: Settings, n_ctx: int | None 
         "ctx_given": ctx_given,
     }
     info["placement"] = place = _placement(estimate, model, settings, report)
+    info["memory"].update(at_rest(estimate, place))
     info["native"] = native_condition(report) if place.get("backend") == "llamacpp" else None
     # Layers a load would put on the GPU (llama.cpp's count: the output layer is one more) and
     # their memory; `ps` / /api/ps show what a loaded model actually got.
@@ -80,6 +81,24 @@ def describe_model(model: InstalledModel, settings: Settings, n_ctx: int | None 
     info["gpu"] = {"layers": facts.n_layers + 1 if layers < 0 else layers, "of_layers": facts.n_layers + 1,
                    "memory_bytes": planned_vram(layers, estimate, estimate.total_bytes)}
     return info
+
+
+def at_rest(estimate: Any, place: dict[str, Any]) -> dict[str, Any]:
+    """What a loaded, idle model is expected to hold, beside the plan's total (the most it may
+    hold): where llama.cpp's KV pages are committed only as requests write cells (on the CPU, where
+    kv_pages.py can hook the clear, Linux), weights and compute buffers; elsewhere the KV cache is
+    reserved at load, so the whole plan. The engine process's own interpreter is not counted."""
+    follows = place.get("backend") == "llamacpp" and not place.get("n_gpu_layers") and _kv_pages_here()
+    rest = estimate.weights_bytes + estimate.compute_bytes if follows else estimate.total_bytes
+    return {"kv_follows_use": follows, "at_rest_bytes": rest}
+
+
+def _kv_pages_here() -> bool:
+    try:
+        from ..backends.llamacpp import kv_pages
+    except (ImportError, OSError):  # no llama_cpp here: nothing loads it this way
+        return False
+    return kv_pages.available()
 
 
 def native_condition(report: Any) -> str | None:

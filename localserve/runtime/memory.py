@@ -12,10 +12,12 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..errors import InvalidRequestError
-from ..store.gguf_facts import GGUFFacts
+
+if TYPE_CHECKING:  # a type only: the tray formats bytes with this module without loading gguf (0.3 s)
+    from ..store.gguf_facts import GGUFFacts
 
 # llama.cpp's default micro-batch (n_ubatch): the compute graph is sized for this many tokens.
 DEFAULT_UBATCH = 512

@@ -1,5 +1,12 @@
 """The manager's status rows (/api/ps, `localserve ps`, the dashboard, the tray): one per model
-loaded, loading, or waited for, in the one shape all of them read."""
+loaded, loading, or waited for, in the one shape all of them read.
+
+Memory, three figures: `memory_bytes` is what the plan charges the load against the budget (swaps
+read it); `memory_max_bytes` the most the model may hold (that plan plus what its worker process
+held before the load); `memory_held_bytes` what it holds now, measured when the row is made, or None
+where it cannot be told apart from the daemon's own memory. Since KV pages are committed only as
+requests use them (backends/llamacpp/kv_pages.py), an idle model holds far less than its plan.
+"""
 
 from __future__ import annotations
 
@@ -21,6 +28,7 @@ def loaded_row(m: LoadedModel, stats: dict[str, Any], load_wait: dict[str, Any],
         "draining_for": m.draining_for,
         "size": m.info.size,
         "memory_bytes": m.memory_bytes,
+        **_memory_row(m),
         "vram_bytes": m.vram_bytes,
         "device": m.device,
         "quant": m.info.quant,
@@ -48,8 +56,27 @@ def loaded_row(m: LoadedModel, stats: dict[str, Any], load_wait: dict[str, Any],
 
 def failed_row(name: str, why: str, restarts: int) -> dict[str, Any]:
     """A model not loaded again after its engine kept crashing (crashes.py), until loaded explicitly."""
-    return {"name": name, "state": "failed", "reason": why, "restarts": restarts, "memory_bytes": 0, "pinned": 0,
-            "waiting": {}, "waiting_for_load": 0}
+    return {"name": name, "state": "failed", "reason": why, "restarts": restarts, "memory_bytes": 0,
+            "memory_held_bytes": 0, "memory_max_bytes": 0, "pinned": 0, "waiting": {}, "waiting_for_load": 0}
+
+
+def _memory_row(m: LoadedModel) -> dict[str, int | None]:
+    """What the model holds now and the most it may hold. Held: its worker's RSS (read now, on
+    demand: nothing samples an idle daemon) plus what it put on a GPU, which RSS does not count.
+    An engine in the daemon's process says None: the daemon's RSS is not the model's."""
+    engine = m.engine
+    if not isinstance(engine, WorkerEngine):
+        return {"memory_held_bytes": None, "memory_max_bytes": m.memory_bytes}
+    resident = engine.resident_bytes()
+    held = None if resident is None else resident + device_bytes(m)
+    return {"memory_held_bytes": held, "memory_max_bytes": m.memory_bytes + engine.rss_before_load}
+
+
+def device_bytes(m: LoadedModel) -> int:
+    """Its memory on a GPU: llama.cpp's own buffer sizes where the engine reported an offload, else
+    the plan's (/api/ps's size_vram is the same figure)."""
+    info = m.engine.info
+    return info.gpu_memory_bytes if info.gpu_layers else m.vram_bytes
 
 
 def _worker_row(engine: ModelEngine, now: float) -> dict[str, Any] | None:
@@ -60,7 +87,8 @@ def _worker_row(engine: ModelEngine, now: float) -> dict[str, Any] | None:
 
 
 def loading_row(name: str, reserved_bytes: int, load_wait: dict[str, Any]) -> dict[str, Any]:
-    return {"name": name, "state": "loading", "memory_bytes": reserved_bytes, "pinned": 0,
+    return {"name": name, "state": "loading", "memory_bytes": reserved_bytes, "memory_held_bytes": None,
+            "memory_max_bytes": reserved_bytes, "pinned": 0,
             "waiting_for_load": load_wait.get("waiting_for_load", 0), "waiting": load_wait.get("waiting", {}),
             "reason": load_wait.get("reason", "")}
 

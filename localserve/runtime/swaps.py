@@ -210,6 +210,8 @@ class LoadQueues:
             lanes = Counter(w.lane for w in waiters)
             rows.append({
                 "name": model, "state": "waiting", "memory_bytes": waiters[0].needed, "pinned": 0,
+                # Nothing loaded yet: it holds nothing, and its load may take what its plan says.
+                "memory_held_bytes": 0, "memory_max_bytes": waiters[0].needed,
                 "running": 0, "waiting": {lane: lanes.get(lane, 0) for lane in LANES},
                 "waiting_for_load": len(waiters), "waited_s": round(now - min(w.since for w in waiters), 2),
                 "reason": waiters[0].reason,

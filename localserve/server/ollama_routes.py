@@ -270,8 +270,16 @@ async def ps(request: web.Request) -> web.Response:
         expires = row.get("expires_at")
         if expires is None and row.get("pinned") and row.get("keep_alive", -1) >= 0:
             expires = time.time() + row["keep_alive"]  # in use: it expires keep_alive after the last request
+        held, most = row.get("memory_held_bytes"), row.get("memory_max_bytes", row.get("memory_bytes", 0))
         out.append({
-            "name": row["name"], "model": row["name"], "size": row.get("memory_bytes", 0),
+            # Ollama's clients (`ollama ps`, web UIs) show `size` as the memory a model uses, and
+            # split it CPU/GPU as size_vram / size. Ollama reserves its whole KV cache at load, so
+            # for it the two are one figure; ours commits KV as requests use it, so `size` is what
+            # is held now (it includes size_vram: the split stays within 100%), or the plan where
+            # nothing can be measured (an engine in the daemon's process). Ours beside it:
+            # size_held (null when unmeasured) and size_max, the most it may grow to.
+            "name": row["name"], "model": row["name"], "size": most if held is None else held,
+            "size_held": held, "size_max": most,
             "digest": row.get("sha256") or "", "details": model_details,
             "expires_at": now_iso(expires) if expires is not None else FOREVER,
             # llama.cpp's own device buffer sizes where the engine reported an offload, else the plan's.

@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..protocol.requests import LANES
+from ..runtime.memory import format_bytes
 from .state import DaemonState
 
 
@@ -41,6 +42,7 @@ def build_menu(state: DaemonState) -> tuple[Item, ...]:
         Item("Pull a model…", "open", "/#pull", enabled=up),
         Item(queue_line(state) if up else "Server stopped", enabled=False),
         *([Item(state.summary, enabled=False)] if up and state.summary else []),
+        *([Item(memory_line(state), enabled=False)] if up and state.memory else []),
         SEPARATOR,
         Item("Copy API endpoint", "copy_endpoint"),
     ]
@@ -58,13 +60,28 @@ def build_menu(state: DaemonState) -> tuple[Item, ...]:
     return tuple(items)
 
 
+def memory_line(state: DaemonState) -> str:
+    """The loaded models' memory together: held now (KV is committed as requests use it) and the
+    most it may grow to; "?" now where a model's engine could not be measured."""
+    held = [h for h, _ in state.memory.values()]
+    now = "?" if None in held else format_bytes(sum(h or 0 for h in held))
+    return f"Memory: {now} now, at most {format_bytes(sum(m for _, m in state.memory.values()))}"
+
+
+def _model_line(state: DaemonState, name: str) -> str:
+    if name not in state.memory:
+        return name
+    held, most = state.memory[name]
+    return f"{name} · {'?' if held is None else format_bytes(held)} (at most {format_bytes(most)})"
+
+
 def tooltip(state: DaemonState) -> str:
     if state.status == "stopped":
         return f"localserve: stopped ({state.error})"[:120] if state.error else "localserve: stopped"
     if state.status == "error":
         return f"localserve: error ({state.error})"[:120]
     lines = [f"localserve: {state.status}"]
-    lines += list(state.loaded) or ["no model loaded"]
+    lines += [_model_line(state, name) for name in state.loaded] or ["no model loaded"]
     lines.append(f"{state.tokens_per_s:g} tok/s")
     if state.pulls:
         lines.append(f"{state.pulls} pull(s) running")

@@ -29,6 +29,9 @@ class DaemonState:
     error: str | None = None
     # The daemon's own one-line state (models loaded, requests running per lane), as the dashboard's header shows it.
     summary: str = ""
+    # Per loaded model: (bytes held now, None where unmeasured; the most it may grow to). Absent
+    # for a model whose row lacks the figures (an older daemon).
+    memory: dict[str, tuple[int | None, int]] = field(default_factory=dict)
 
 
 def from_snapshot(url: str, snapshot: dict[str, Any], tags: dict[str, Any], autostart: bool) -> DaemonState:
@@ -45,6 +48,8 @@ def from_snapshot(url: str, snapshot: dict[str, Any], tags: dict[str, Any], auto
         tokens_per_s=round(sum(float(m.get("tokens_per_s", 0.0)) for m in models), 1),
         api_key_set=bool(snapshot.get("api_key")), autostart=autostart, pulls=pulls,
         summary=str(snapshot.get("summary", ""))[:120],
+        memory={m["name"]: (m["memory_held_bytes"], int(m.get("memory_max_bytes") or 0))
+                for m in models if "memory_held_bytes" in m},
     )
 
 

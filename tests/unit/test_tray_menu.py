@@ -88,3 +88,17 @@ def test_key_set_adds_copy_key():
 def test_no_models_installed():
     models = find(build_menu(from_snapshot(URL, PULLING, {"models": []}, autostart=False)), "Models").children
     assert models[0].text == "No models installed" and not models[0].enabled
+
+
+def test_memory_held_now_and_at_most():
+    """A daemon's rows carry what each model holds now and the most it may grow to (issue 42):
+    the tooltip names both per model, the menu sums them; "?" where one could not be measured."""
+    measured = dict(LOADED, memory_held_bytes=196_341_760, memory_max_bytes=3_328_949_504)
+    state = from_snapshot(URL, dict(IDLE, models=[measured]), TAGS, autostart=False)
+    assert state.memory == {"smollm2-135m:Q4_1": (196_341_760, 3_328_949_504)}
+    assert tooltip(state) == "localserve: idle\nsmollm2-135m:Q4_1 · 187.2 MiB (at most 3.1 GiB)\n0 tok/s"
+    assert "Memory: 187.2 MiB now, at most 3.1 GiB" in texts(build_menu(state))
+    other = dict(LOADED, name="qwen2.5-0.5b:Q4_K_M", memory_held_bytes=None, memory_max_bytes=1 << 30)
+    both = from_snapshot(URL, dict(IDLE, models=[measured, other]), TAGS, autostart=False)
+    assert "Memory: ? now, at most 4.1 GiB" in texts(build_menu(both))
+    assert "qwen2.5-0.5b:Q4_K_M · ? (at most 1.0 GiB)" in tooltip(both)

@@ -259,7 +259,8 @@ class UpstreamPool:
         for name, engine in sorted(self.engines.items()):
             stats = engine.stats().to_dict()
             rows.append({"name": name, "state": "remote", "remote": True, "upstreams": engine.upstream_names(),
-                         "memory_bytes": 0, "vram_bytes": 0, "device": "remote", "pinned": 0,
+                         "memory_bytes": 0, "memory_held_bytes": 0, "memory_max_bytes": 0,
+                         "vram_bytes": 0, "device": "remote", "pinned": 0,
                          "running": stats["running"], "waiting": stats["waiting"], "context_length": 0,
                          "max_sequences": 0, "expires_at": None, "keep_alive": -1, "stats": stats})
         return rows

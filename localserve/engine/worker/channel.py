@@ -7,7 +7,7 @@ protocol's dataclasses (GenerationRequest, GenerationEvent, EngineStats) and our
 (errors.LocalserveError rebuilds itself across it).
 
 daemon -> worker                            worker -> daemon
-  ("generate", call, GenerationRequest)       ("ready", ModelInfo, n_ctx_per_seq, backend name, pid)
+  ("generate", call, GenerationRequest)       ("ready", ModelInfo, n_ctx_per_seq, backend name, pid, RSS before the load)
   ("cancel", request_id)                      ("load_failed", error)
   ("embed", call, inputs, lane)               ("reply", call, value) / ("fail", call, error)
   ("abandon", call)  (its caller left)        ("events", [(request_id, GenerationEvent), ...])

@@ -49,14 +49,23 @@ def main(conn: Connection, load: Callable[..., ModelEngine], args: tuple, log_pa
         _stderr_to(log_path)
     channel = Channel(conn)
     _forward_logging(channel, log_level)
+    before = _resident_bytes()
     try:
         engine = load(*args)
     except BaseException as e:  # noqa: BLE001 - whatever it was, the daemon answers the load with it
         logging.getLogger(__name__).warning("load failed", exc_info=True)
         channel.send("load_failed", _wire(e))
         return
-    channel.send("ready", engine.info, engine.n_ctx_per_seq, _backend_name(engine), os.getpid())
+    channel.send("ready", engine.info, engine.n_ctx_per_seq, _backend_name(engine), os.getpid(), before)
     asyncio.run(Worker(engine, channel).serve())
+
+
+def _resident_bytes() -> int:
+    """This process's RSS before the model loads: the interpreter and llama.cpp's code, which the
+    plan of the load does not count but the worker's RSS does (the daemon's "at most" adds it)."""
+    import psutil
+
+    return int(psutil.Process().memory_info().rss)
 
 
 class Worker:

@@ -113,6 +113,7 @@ class WorkerEngine:
         self._n_ctx_per_seq: int = ready[2]
         self.backend_name: str = ready[3]
         self.pid: int = ready[4]
+        self.rss_before_load: int = ready[5]  # what the process held before the model (child.py)
         self.started_at = time.time()
         self._log_path = log_path
         self._hang_timeout = hang_timeout
@@ -174,6 +175,17 @@ class WorkerEngine:
                 engine = cls(name, process, channel, message, log_path, hang_timeout, _open_vocab(vocab_gguf))
                 log.info("%s runs in engine worker pid %d", name, engine.pid)
                 return engine
+
+    def resident_bytes(self) -> int | None:
+        """The worker's RSS now, or None once it is gone. Read only when asked (ps, /api/ps, a
+        watched dashboard): one read of /proc/PID/statm, tens of microseconds, so an idle daemon
+        samples nothing."""
+        import psutil
+
+        try:
+            return int(psutil.Process(self.pid).memory_info().rss)
+        except psutil.Error:
+            return None
 
     # --- ModelEngine -----------------------------------------------------------------------
     @property
