@@ -357,11 +357,13 @@ class WorkerEngine:
             finish_reason="cancelled")
         for stream in streams:
             stream._finished = True
+        # Ended before the streams and calls hear of it: a client that reads its stream's error and
+        # then asks `alive` must see the worker gone (the watchdog test read it still alive).
+        self._ended.set()
         post_events([(stream, finish) for stream in streams])
         for future in calls:
             if not future.done():
                 future.set_exception(error)
-        self._ended.set()
         if crashed:
             for callback in callbacks:
                 try:
