@@ -30,6 +30,7 @@ from ..streams import RequestStream
 from .. import core_share, live
 from ..core_share import CoreShare
 from .channel import CALLS, Channel
+from .rss import rss_bytes
 
 LIVE_VIEWS = {"live_sequences": live.sequences, "live_steps": live.steps_since, "live_parked": live.parked_cells}
 BEAT_S = 1.0  # how often a working engine says it moved on (the daemon's hang watchdog reads it)
@@ -49,7 +50,9 @@ def main(conn: Connection, load: Callable[..., ModelEngine], args: tuple, log_pa
         _stderr_to(log_path)
     channel = Channel(conn)
     _forward_logging(channel, log_level)
-    before = _resident_bytes()
+    # The interpreter and llama.cpp's code: the load's plan leaves them out, the worker's RSS does
+    # not, so the daemon's "at most" adds this.
+    before = rss_bytes() or 0
     try:
         engine = load(*args)
     except BaseException as e:  # noqa: BLE001 - whatever it was, the daemon answers the load with it
@@ -58,14 +61,6 @@ def main(conn: Connection, load: Callable[..., ModelEngine], args: tuple, log_pa
         return
     channel.send("ready", engine.info, engine.n_ctx_per_seq, _backend_name(engine), os.getpid(), before)
     asyncio.run(Worker(engine, channel).serve())
-
-
-def _resident_bytes() -> int:
-    """This process's RSS before the model loads: the interpreter and llama.cpp's code, which the
-    plan of the load does not count but the worker's RSS does (the daemon's "at most" adds it)."""
-    import psutil
-
-    return int(psutil.Process().memory_info().rss)
 
 
 class Worker:

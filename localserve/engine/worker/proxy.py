@@ -44,6 +44,7 @@ from .. import core_share
 from ..core_share import worker_context
 from ..streams import EventQueue, post_events
 from .channel import Channel
+from .rss import rss_bytes
 
 log = logging.getLogger(__name__)
 
@@ -177,15 +178,8 @@ class WorkerEngine:
                 return engine
 
     def resident_bytes(self) -> int | None:
-        """The worker's RSS now, or None once it is gone. Read only when asked (ps, /api/ps, a
-        watched dashboard): one read of /proc/PID/statm, tens of microseconds, so an idle daemon
-        samples nothing."""
-        import psutil
-
-        try:
-            return int(psutil.Process(self.pid).memory_info().rss)
-        except psutil.Error:
-            return None
+        """The worker's RSS now (rss.py), or None once it is gone; read only when asked."""
+        return rss_bytes(self.pid)
 
     # --- ModelEngine -----------------------------------------------------------------------
     @property
