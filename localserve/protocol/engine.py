@@ -41,6 +41,10 @@ class ModelInfo:
     gpu_layers: int = 0
     offloadable_layers: int = 0
     gpu_memory_bytes: int = 0
+    # What the model's projector (mmproj) takes, as llama.cpp's mtmd library says once it loaded it:
+    # both False for a model without one. /api/show's `vision` capability reads this.
+    vision: bool = False
+    audio: bool = False
 
 
 @dataclass

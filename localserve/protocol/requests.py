@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Literal
 
 from ..errors import ContextLengthExceededError, InvalidRequestError, LocalserveError
+from .media import ImageInput
 
 Lane = Literal["interactive", "default", "batch"]
 LANES: tuple[Lane, ...] = ("interactive", "default", "batch")  # highest priority first
@@ -115,6 +116,9 @@ class GenerationRequest:
     request_id: str = field(default_factory=lambda: f"req-{next(_request_ids)}")
     text: TextPrompt | None = None  # set for TextEngines only
     speculative: bool = True  # False: never drafted for, whatever the model's setting says
+    # The prompt's images in order, one per MEDIA_MARKER the prompt text held (protocol/media.py);
+    # only a model whose ModelInfo.vision is true takes any.
+    images: list[ImageInput] = field(default_factory=list)
 
 
 @dataclass
