@@ -10,8 +10,9 @@ alone is the shape: anthropic_messages.py (request blocks -> chat messages, Clau
 billing header dropped) and anthropic_stream.py (events -> content blocks and stream events).
 
 A last assistant turn is a prefill: the answer continues its text, as Anthropic's does.
-Not served, each a 400 naming the field: images and documents (our models take text only) and
-server tools (web search, code execution). `output_config.format` (a JSON schema) constrains the
+Image blocks (`base64` and `url` sources, also inside `tool_result`) go to a model with a vision
+projector, and are a 400 naming the model for one without (api/images.py). Not served, each a 400
+naming the field: documents and server tools (web search, code execution). `output_config.format` (a JSON schema) constrains the
 answer as the chat path's response_format does. Accepted and without effect here: `metadata`,
 `cache_control` on any block (our prefix cache needs no breakpoints: it reuses every shared
 prefix, and reports it as cache_read_input_tokens), `thinking.budget_tokens` (a reasoning model
@@ -31,6 +32,7 @@ from ..protocol.requests import GenerationEvent
 from .anthropic_messages import chat_messages, chat_tool_choice, chat_tools
 from .anthropic_stream import MessageStream
 from .generation import Run, collect
+from .images import ImageParts
 from .openai import MAX_TOKENS_LIMIT, ApiEnv, ChatCall, observe, parse_chat, start
 from .templates import THINK_OPEN, is_reasoning_template
 from .validation import Body, invalid, parse_stop
@@ -91,13 +93,14 @@ def parse_messages(body: Body, env: ApiEnv, *, count_only: bool = False) -> Mess
         metadata.get_str("user_id", None, max_len=256)
     tools = chat_tools(body.raw("tools"))
     chat: dict[str, Any] = {name: body.raw(name) for name in _SAME_FIELDS if body.has(name)}
-    chat.update(messages=chat_messages(body.raw("system"), body.raw("messages")), stop=stops,
+    images = ImageParts.of(env.settings)
+    chat.update(messages=chat_messages(body.raw("system"), body.raw("messages"), images), stop=stops,
                 max_tokens=max_tokens, temperature=temperature, tools=tools or None,
                 tool_choice=chat_tool_choice(body), response_format=_output_format(body))
     if count_only:
         chat.pop("stream", None)
     thinking = _thinking(body)
-    call = parse_chat(Body({k: v for k, v in chat.items() if v is not None}), env)
+    call = parse_chat(Body({k: v for k, v in chat.items() if v is not None}), env, images)
     # A reasoning template (Qwen3's) thinks only when asked, as Anthropic's models do.
     call.template_args = {"enable_thinking": thinking}
     last = call.messages[-1]
@@ -132,6 +135,7 @@ async def create_message(call: MessagesCall, env: ApiEnv) -> dict[str, Any]:
 
 async def count_tokens(call: MessagesCall, env: ApiEnv) -> dict[str, int]:
     """{"input_tokens": N}: the prompt the model would be given, system and tools included."""
+    await call.chat.images.resolve()
     async with env.manager.use(call.chat.opts.model, keep_alive=call.chat.opts.keep_alive) as loaded:
         if isinstance(loaded.engine, TextEngine):
             raise invalid(f"counting tokens is served for local models only, not {loaded.name}", "model")

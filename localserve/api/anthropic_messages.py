@@ -1,7 +1,8 @@
 """Anthropic's request shapes turned into the chat shapes our templates render (no HTTP here).
 
-`system` (a string or text blocks) and `messages` (content blocks: text, tool_use, tool_result;
-thinking blocks of earlier turns are dropped, as reasoning templates drop old reasoning) become
+`system` (a string or text blocks) and `messages` (content blocks: text, image, tool_use,
+tool_result; thinking blocks of earlier turns are dropped, as reasoning templates drop old
+reasoning) become
 chat messages as api/validation.parse_messages takes them; `tools` (`input_schema`) and
 `tool_choice` (auto, any, tool, none) become the function tools and choice of the chat path.
 
@@ -12,6 +13,10 @@ is dropped, so two turns of one conversation share their whole prefix in our cac
 in-conversation system messages stay where they are (joined to the tool result or user turn before
 them), never hoisted into the top system prompt, where each turn's new one would change the
 prefix of everything after the tools.
+
+Image blocks (`base64` and `url` sources), in a user turn and inside a `tool_result`, where Claude
+Code puts its screenshots, become one MEDIA_MARKER each in the text where they stood and an image
+in the request's ImageParts (api/images.py), named by their own field (`...source.data`).
 """
 
 from __future__ import annotations
@@ -20,13 +25,14 @@ import json
 import re
 from typing import Any
 
+from .images import ImageParts
 from .validation import MAX_MESSAGES, MAX_TOOLS, Body, invalid, type_name
 
 # The line Claude Code prepends to its system prompt; its cch (and version suffix) change per request.
 BILLING_HEADER = re.compile(r"\Ax-anthropic-billing-header:[^\n]*(?:\n|\Z)", re.IGNORECASE)
 ROLES = ("user", "assistant", "system")
 MAX_BLOCKS = 4096  # content blocks of one message
-NO_MEDIA = "this server's models take text only (no images or documents)"
+NO_DOCUMENTS = "this server reads no documents (PDF or text files as blocks): send their text"
 
 
 def drop_billing_header(text: str) -> str:
@@ -47,8 +53,8 @@ def _block(block: Any, param: str) -> tuple[str, dict[str, Any]]:
     if not isinstance(block, dict):
         raise invalid(f"'{param}' must be a content block object, not {type_name(block)}", param)
     kind = block.get("type")
-    if kind in ("image", "document"):
-        raise invalid(f"'{param}.type' is {kind!r}: {NO_MEDIA}", f"{param}.type")
+    if kind == "document":
+        raise invalid(f"'{param}.type' is {kind!r}: {NO_DOCUMENTS}", f"{param}.type")
     if not isinstance(kind, str):
         raise invalid(f"'{param}.type' must be a string", f"{param}.type")
     return kind, block
@@ -76,14 +82,36 @@ def system_text(value: Any, param: str = "system") -> str:
     return "\n\n".join(t for t in texts if t)
 
 
-def _tool_result_text(block: dict[str, Any], param: str) -> str:
+def _image(block: dict[str, Any], param: str, images: ImageParts) -> str:
+    """An image block's marker: {"source": {"type": "base64", "media_type", "data"}} or
+    {"source": {"type": "url", "url"}}."""
+    source = block.get("source")
+    if not isinstance(source, dict):
+        raise invalid(f"'{param}.source' must be an object", f"{param}.source")
+    kind = source.get("type")
+    if kind == "base64":
+        media_type = source.get("media_type")
+        if not isinstance(media_type, str) or not media_type.lower().startswith("image/"):
+            raise invalid(f"'{param}.source.media_type' must be an image type (image/png, image/jpeg, ...)",
+                          f"{param}.source.media_type")
+        return images.add_base64(source.get("data"), f"{param}.source.data")
+    if kind == "url":
+        return images.add_url(source.get("url"), f"{param}.source.url")
+    raise invalid(f"'{param}.source.type' must be \"base64\" or \"url\" (got {str(kind)[:30]!r})",
+                  f"{param}.source.type")
+
+
+def _tool_result_text(block: dict[str, Any], param: str, images: ImageParts) -> str:
     content = block.get("content")
     if content is None:
         return ""
     texts = []
     for j, (kind, part) in enumerate(_blocks(content, f"{param}.content")):
+        if kind == "image":
+            texts.append(_image(part, f"{param}.content[{j}]", images))
+            continue
         if kind != "text":
-            raise invalid(f"'{param}.content[{j}].type' must be \"text\" (got {kind[:30]!r})",
+            raise invalid(f"'{param}.content[{j}].type' must be \"text\" or \"image\" (got {kind[:30]!r})",
                           f"{param}.content[{j}].type")
         texts.append(_text_of(part, f"{param}.content[{j}]"))
     return "\n".join(texts)
@@ -100,7 +128,8 @@ def _tool_use(block: dict[str, Any], param: str) -> dict[str, Any]:
     return {"id": tool_id, "type": "function", "function": {"name": name, "arguments": args}}
 
 
-def _user_turn(blocks: list[tuple[str, dict[str, Any]]], param: str, tool_names: dict[str, str]) -> list[dict]:
+def _user_turn(blocks: list[tuple[str, dict[str, Any]]], param: str, tool_names: dict[str, str],
+               images: ImageParts) -> list[dict]:
     """Tool results become tool messages (named after their call), the text one user message after them."""
     out: list[dict[str, Any]] = []
     texts = []
@@ -108,11 +137,13 @@ def _user_turn(blocks: list[tuple[str, dict[str, Any]]], param: str, tool_names:
         p = f"{param}[{j}]"
         if kind == "text":
             texts.append(_text_of(block, p))
+        elif kind == "image":
+            texts.append(_image(block, p, images))
         elif kind == "tool_result":
             call_id = block.get("tool_use_id")
             if not isinstance(call_id, str) or not call_id:
                 raise invalid(f"'{p}.tool_use_id' must be a non-empty string", f"{p}.tool_use_id")
-            text = _tool_result_text(block, p)
+            text = _tool_result_text(block, p, images)
             if block.get("is_error") is True:
                 text = f"Error: {text}"
             message = {"role": "tool", "tool_call_id": call_id, "content": text}
@@ -120,7 +151,8 @@ def _user_turn(blocks: list[tuple[str, dict[str, Any]]], param: str, tool_names:
                 message["name"] = tool_names[call_id]
             out.append(message)
         else:
-            raise invalid(f"'{p}.type' {kind[:30]!r} is not served in a user turn (text, tool_result)", f"{p}.type")
+            raise invalid(f"'{p}.type' {kind[:30]!r} is not served in a user turn (text, image, tool_result)",
+                          f"{p}.type")
     if texts or not out:
         out.append({"role": "user", "content": "\n".join(texts)})
     return out
@@ -145,8 +177,10 @@ def _assistant_turn(blocks: list[tuple[str, dict[str, Any]]], param: str, tool_n
     return message
 
 
-def chat_messages(system: Any, messages: Any) -> list[dict[str, Any]]:
-    """Chat messages for the template: the system prompt first, then every turn in its place."""
+def chat_messages(system: Any, messages: Any, images: ImageParts | None = None) -> list[dict[str, Any]]:
+    """Chat messages for the template: the system prompt first, then every turn in its place;
+    the turns' images in `images` (a fresh ImageParts with default bounds when None)."""
+    images = images if images is not None else ImageParts()
     if not isinstance(messages, list) or not messages:
         raise invalid("'messages' must be a non-empty array of messages", "messages")
     if len(messages) > MAX_MESSAGES:
@@ -165,7 +199,7 @@ def chat_messages(system: Any, messages: Any) -> list[dict[str, Any]]:
             raise invalid(f"'{p}.role' must be one of {', '.join(ROLES)}", f"{p}.role")
         blocks = _blocks(message.get("content"), f"{p}.content")
         if role == "user":
-            out.extend(_user_turn(blocks, f"{p}.content", tool_names))
+            out.extend(_user_turn(blocks, f"{p}.content", tool_names, images))
         elif role == "assistant":
             out.append(_assistant_turn(blocks, f"{p}.content", tool_names))
         else:

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, AsyncIterator, Awaitable, Callable, Sequence, TypeVar
 
 from ..protocol.engine import EventStream, ModelEngine
+from ..protocol.media import ImageInput
 from ..errors import (ContextLengthExceededError, GenerationError, InvalidRequestError, RequestCancelledError,
                       SwapPreemptedError)
 from ..protocol.requests import GenerationEvent, GenerationRequest, Lane, TokenLogprob, Usage
@@ -31,6 +32,7 @@ from .templates import ChatTemplate
 
 if TYPE_CHECKING:
     from ..runtime.manager import ModelManager
+    from .images import ImageParts
 
 log = logging.getLogger(__name__)
 LONG_PROMPT_CHARS = 20_000  # tokenize longer texts in a thread so the event loop keeps serving
@@ -63,6 +65,16 @@ async def off_loop_if_long(chars: int, work: Callable[..., T], *args: Any, **kwa
 async def tokenize_async(engine: ModelEngine, text: str, template: ChatTemplate | None = None, *,
                          add_special: bool = True) -> list[int]:
     return await off_loop_if_long(len(text), tokenize_prompt, engine, text, template, add_special=add_special)
+
+
+async def tokenize_media(engine: ModelEngine, text: str, template: ChatTemplate | None,
+                         images: Sequence[ImageInput], *, add_special: bool = True) -> list[int]:
+    """Tokens of a prompt whose text holds one MEDIA_MARKER per image (api/images.py checked it);
+    the engine's tokenizer gives each image its positions (issue 43's engine half)."""
+    if not images:
+        return await tokenize_async(engine, text, template, add_special=add_special)
+    return await tokenize_async(engine, text, template, add_special=add_special,  # type: ignore[call-arg]
+                                images=list(images))
 
 
 def is_token_list(items: Any) -> bool:
@@ -157,12 +169,16 @@ Prepare = Callable[[ModelEngine], Awaitable[list[GenerationRequest]]]
 
 @asynccontextmanager
 async def generation(manager: "ModelManager", model: str, keep_alive: float | None, prepare: Prepare,
-                     clock: "Clock | None" = None, lane: Lane = "default") -> AsyncIterator[Run]:
+                     clock: "Clock | None" = None, lane: Lane = "default",
+                     images: "ImageParts | None" = None) -> AsyncIterator[Run]:
     """The one skeleton of every generating endpoint: lease `model` (loading it if needed, waiting
     in `lane` for a swap), let `prepare` turn the validated body into engine requests (template,
     tokenize, bounds), submit all or none, and cancel every stream when the caller is done,
     returned, failed or was cancelled (a client gone), so the engine frees their KV at its next
-    step. A batch-lane generation a swap ended (runtime/swaps.py) raises SwapPreemptedError."""
+    step. A batch-lane generation a swap ended (runtime/swaps.py) raises SwapPreemptedError.
+    The request's `images` are decoded, fetched and checked first: bad ones never cost a load."""
+    if images is not None:
+        await images.resolve()
     async with manager.use(model, keep_alive=keep_alive, lane=lane) as lease:
         if clock is not None:
             clock.mark_loaded()

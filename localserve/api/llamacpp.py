@@ -12,6 +12,9 @@ for that slot (server/slots.py): the editor moved on. `n_predict` 0 is the plugi
 an edit: it fills the cache and answers no text (the engine still computes one token, which is
 dropped).
 `/props` gives `n_ctx` and `total_slots`, which llama.vscode reads to size its context chunks.
+`/completion` takes images as llama-server does: `multimodal_data` (base64 strings), in a prompt
+object `{"prompt_string", "multimodal_data"}` or beside a string prompt, with one `<__media__>` marker
+in the prompt text per image, where it goes (api/images.py checks them).
 """
 
 from __future__ import annotations
@@ -23,7 +26,9 @@ from typing import Any, AsyncIterator
 from ..protocol.engine import EventStream, ModelEngine
 from ..protocol.requests import GenerationEvent, GenerationRequest, Lane, SamplingParams, Usage
 from .fim import fim_prompt_async, prompt_budget
-from .generation import check_tokens, is_token_list, tokenize_async
+from ..protocol.media import MEDIA_MARKER
+from .generation import check_tokens, is_token_list, tokenize_media
+from .images import ImageParts
 from .validation import Body, check_schema, clamp_max_tokens, invalid, parse_lane, parse_seed, parse_stop, sampling_from
 
 # llama-server checks only input_extra's shape and takes what fits the context. llama.vscode sends
@@ -49,6 +54,7 @@ class NativeCall:
     t_max_predict_ms: int | None
     id_slot: int | None = None  # a newer request for it ends this one (server/slots.py)
     truncated: bool = field(default=False, init=False)
+    images: ImageParts = field(default_factory=ImageParts)  # /completion's multimodal_data, in order
 
     @property
     def lane(self) -> Lane:
@@ -125,7 +131,9 @@ class InfillCall(NativeCall):
         return [self.request(engine, fim.tokens, "input_prefix")]
 
 
-def parse_infill(body: Body, default_model: str, priority: str | None, *, default_n_predict: int = 0) -> InfillCall:
+def parse_infill(body: Body, default_model: str, priority: str | None, *, default_n_predict: int = 0,
+                 images: ImageParts | None = None) -> InfillCall:
+    """`images` is taken for the routes' sake and stays empty: /infill reads no images."""
     return InfillCall(**_native_fields(body, default_model, priority, default_n_predict),
                       prefix=body.get_str("input_prefix", "") or "",
                       suffix=body.get_str("input_suffix", "") or "",
@@ -157,18 +165,46 @@ class CompletionCall(NativeCall):
     return_tokens: bool = False
 
     async def prepare(self, engine: ModelEngine) -> list[GenerationRequest]:
+        images = self.images.for_model(engine)
         if isinstance(self.prompt, list):
             tokens = check_tokens(self.prompt, engine.info.n_vocab, "prompt")
         else:
             # llama-server tokenizes /completion prompts with BOS and special tokens parsed, so a
             # client-side FIM template (`<|fim_prefix|>...`) reaches the model as its tokens.
-            tokens = await tokenize_async(engine, self.prompt)
-        return [self.request(engine, tokens, "prompt")]
+            tokens = await tokenize_media(engine, self.prompt, None, images)
+        request = self.request(engine, tokens, "prompt")
+        request.images = images
+        return [request]
+
+
+def _multimodal_prompt(body: Body, images: ImageParts) -> Any:
+    """The prompt with its `multimodal_data` taken into `images`: llama-server's prompt object
+    {"prompt_string", "multimodal_data"}, or a string prompt with the list beside it."""
+    raw = body.raw("prompt")
+    if isinstance(raw, dict):
+        inner = Body(raw, "prompt.")
+        raw = inner.get_str("prompt_string", None)
+        if raw is None:
+            raise invalid("'prompt.prompt_string' is required in a prompt object", "prompt.prompt_string")
+        data, param = inner.get_list("multimodal_data", max_items=1 << 10), "prompt.multimodal_data"
+    else:
+        data, param = body.get_list("multimodal_data", max_items=1 << 10), "multimodal_data"
+    if not data:
+        return raw
+    if not isinstance(raw, str):
+        raise invalid(f"'{param}' needs a text prompt holding one {MEDIA_MARKER!r} per item", param)
+    for j, item in enumerate(data):
+        images.add_base64(item, f"{param}[{j}]")
+    if raw.count(MEDIA_MARKER) != len(data):
+        raise invalid(f"'prompt' holds {raw.count(MEDIA_MARKER)} {MEDIA_MARKER!r} markers for {len(data)} "
+                      f"'{param}' items: put one marker where each image goes", "prompt")
+    return raw
 
 
 def parse_native_completion(body: Body, default_model: str, priority: str | None, *,
-                            default_n_predict: int = 0) -> CompletionCall:
-    raw = body.raw("prompt")
+                            default_n_predict: int = 0, images: ImageParts | None = None) -> CompletionCall:
+    images = images if images is not None else ImageParts()
+    raw = _multimodal_prompt(body, images)
     if isinstance(raw, str):
         prompt: str | list[int] = raw
     elif isinstance(raw, list) and raw and is_token_list(raw):
@@ -178,7 +214,7 @@ def parse_native_completion(body: Body, default_model: str, priority: str | None
     else:
         raise invalid("'prompt' must be a string or a list of token ids (one prompt per request)", "prompt")
     return CompletionCall(**_native_fields(body, default_model, priority, default_n_predict), prompt=prompt,
-                          return_tokens=body.get_bool("return_tokens", False))
+                          return_tokens=body.get_bool("return_tokens", False), images=images)
 
 
 async def bounded(stream: EventStream, call: NativeCall) -> AsyncIterator[GenerationEvent]:

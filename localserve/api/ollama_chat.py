@@ -3,6 +3,9 @@ checked before a model is loaded for it), the call's engine request once the mod
 the NDJSON lines and final answer built from its events. The routes (server/ollama_routes.py) add
 reading the body, the load-only answer, NDJSON writing and the connection watch.
 
+Both take Ollama's `images` (base64: the request's for /api/generate, each message's for /api/chat),
+placed before the text they come with, as Ollama places them (api/images.py checks them).
+
 Both calls answer in Ollama's shapes: a streamed line per piece of text, then a final line with
 `done_reason` and nanosecond durations; /api/generate's final line carries `context` (the prompt
 and answer tokens a client sends back to continue), /api/chat's the tool calls the model made.
@@ -15,7 +18,9 @@ from typing import Any
 
 from ..protocol.engine import ModelEngine
 from ..protocol.requests import GenerationEvent, GenerationRequest, Lane
-from .generation import Choice, Clock, chat_template, check_tokens, is_token_list, tokenize_async
+from ..protocol.media import ImageInput
+from .generation import Choice, Clock, chat_template, check_tokens, is_token_list, tokenize_media
+from .images import ImageParts, kept_images
 from .live import mark_fim
 from .chat_history import answer_room, fit_history
 from .ollama import (answer_length, build_request, context_note, final_fields, fim_request_tokens, model_name, now_iso,
@@ -38,6 +43,7 @@ class OllamaCall:
     default_max_tokens: int
     lane: Lane = "default"
     template: str | None = None  # a created model's chat template, in place of the model's own
+    images: ImageParts = field(default_factory=ImageParts)  # the prompt's images, in order
 
     def chat_template(self, engine: ModelEngine) -> ChatTemplate:
         own = chat_template(engine)
@@ -58,10 +64,10 @@ class OllamaCall:
         return line
 
 
-def _common(body: Body, priority: str | None, default_max_tokens: int) -> dict[str, Any]:
+def _common(body: Body, priority: str | None, default_max_tokens: int, images: ImageParts | None) -> dict[str, Any]:
     return {"body": body, "model": model_name(body), "stream": body.get_bool("stream", True),
             "keep_alive": parse_keep_alive(body.raw("keep_alive")), "priority": priority,
-            "default_max_tokens": default_max_tokens}
+            "default_max_tokens": default_max_tokens, "images": images if images is not None else ImageParts()}
 
 
 # --- /api/generate -------------------------------------------------------------------------------
@@ -79,6 +85,7 @@ class GenerateCall(OllamaCall):
         return not self.prompt and not self.context and self.suffix is None
 
     async def prepare(self, engine: ModelEngine) -> list[GenerationRequest]:
+        images = self.images.for_model(engine)
         if self.suffix is not None:  # someone typing waits on it: interactive unless the client says otherwise
             tokens = await fim_request_tokens(self.body, engine, self.model, self.prompt, self.suffix,
                                               self.default_max_tokens)
@@ -91,20 +98,25 @@ class GenerateCall(OllamaCall):
             text = await template.render_async(system + [{"role": "user", "content": self.prompt}])
         # A continuation of `context`: the earlier turn already began with BOS.
         earlier = check_tokens(self.context, engine.info.n_vocab, "context") if self.context else []
-        tokens = earlier + await tokenize_async(engine, text, template, add_special=not self.context)
+        tokens = earlier + await tokenize_media(engine, text, template, images, add_special=not self.context)
         request = self.request(engine, tokens, interactive=False)
+        request.images = images
         if template is not None:
             request.stop = request.stop + template.stops
         return [request]
 
 
-def parse_generate(body: Body, priority: str | None, default_max_tokens: int) -> GenerateCall:
-    call = GenerateCall(**_common(body, priority, default_max_tokens),
+def parse_generate(body: Body, priority: str | None, default_max_tokens: int,
+                   images: ImageParts | None = None) -> GenerateCall:
+    call = GenerateCall(**_common(body, priority, default_max_tokens, images),
                         prompt=body.get_str("prompt", "") or "", system=body.get_str("system", None),
                         raw=body.get_bool("raw", False), context=body.get_list("context", max_items=1 << 22) or [],
                         suffix=body.get_str("suffix", None))
-    if body.get_list("images", max_items=64):
-        raise invalid("this server does not support image input", "images")
+    sent = body.get_list("images", max_items=1 << 10) or []
+    if sent and call.suffix is not None:
+        raise invalid("'images' cannot be combined with 'suffix' (fill-in-the-middle)", "images")
+    call.prompt = "".join(call.images.add_base64(item, f"images[{j}]") for j, item in enumerate(sent)) + call.prompt
+    call.images.check_markers([call.prompt], "prompt")
     if body.get_str("template", None):
         raise invalid("a custom 'template' is not supported; the model's own chat template is used", "template")
     if call.loads_only:
@@ -161,16 +173,20 @@ class ChatCall(OllamaCall):
 
     async def prepare(self, engine: ModelEngine) -> list[GenerationRequest]:
         template = self.chat_template(engine)
+        images = self.images.for_model(engine)
+        images_of: dict[int, list[ImageInput]] = {}  # messages kept -> their images
 
         async def tokens_of(messages: list[dict[str, Any]]) -> list[int]:
             prompt = await template.render_async(messages, tools=self.tools or None)
-            return await tokenize_async(engine, prompt, template)
+            images_of[len(messages)] = kept_images(messages, self.messages, images)
+            return await tokenize_media(engine, prompt, template, images_of[len(messages)])
 
         options = request_options(self.body)
         n_ctx, _, _ = request_context(options, engine)
         budget = n_ctx - answer_room(n_ctx, answer_length(options, self.default_max_tokens))
         tokens, self.dropped = await fit_history(self.messages, tokens_of, budget)
         request = self.request(engine, tokens, interactive=self.stream)
+        request.images = images_of[len(self.messages) - self.dropped]
         request.stop = request.stop + template.stops
         if self.forced:
             request.sampling.json_schema = forced_call_schema(self.forced)
@@ -188,12 +204,14 @@ class ChatCall(OllamaCall):
         return line
 
 
-def parse_chat(body: Body, priority: str | None, default_max_tokens: int) -> ChatCall:
-    call = ChatCall(**_common(body, priority, default_max_tokens))
+def parse_chat(body: Body, priority: str | None, default_max_tokens: int,
+               images: ImageParts | None = None) -> ChatCall:
+    call = ChatCall(**_common(body, priority, default_max_tokens, images))
     raw_messages = body.get_list("messages", max_items=1 << 16)
     if not raw_messages:
         return call
-    call.messages = parse_messages(raw_messages)
+    call.messages = parse_messages(raw_messages, images=call.images)
+    call.images.check_markers((m["content"] for m in call.messages), "messages")
     call.tools, call.forced = tool_choice_plan(body.raw("tool_choice"), parse_tools(body.raw("tools")),
                                                parse_json_format(body.raw("format"), "format"), "format")
     # Bad options fail before any model load; the lane is also the one a wait for the load takes.

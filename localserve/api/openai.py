@@ -38,8 +38,10 @@ from .generation import (
     generation,
     is_token_list,
     tokenize_async,
+    tokenize_media,
     with_seed_offset,
 )
+from .images import ImageParts
 from .fim import fim_prompt_async, prompt_budget
 from .metrics import Metrics
 from .tools import forced_call_schema, parse_tool_calls, tool_choice_plan
@@ -246,15 +248,19 @@ class ChatCall:
     template_args: dict[str, Any] = field(default_factory=dict)
     continuation: str = ""
     prompt: str = ""
+    images: ImageParts = field(default_factory=ImageParts)  # the messages' images, in prompt order
 
     async def prompt_tokens(self, engine: ModelEngine) -> list[int]:
-        """The rendered chat template's tokens (kept in `prompt`)."""
+        """The rendered chat template's tokens (kept in `prompt`); a model without a projector
+        refuses the request's images first."""
+        images = self.images.for_model(engine)
         template = chat_template(engine)
         self.prompt = await template.render_async(self.messages, tools=self.tools or None, **self.template_args)
         self.prompt += self.continuation
-        return await tokenize_async(engine, self.prompt, template)
+        return await tokenize_media(engine, self.prompt, template, images)
 
     async def prepare(self, engine: ModelEngine) -> list[GenerationRequest]:
+        self.images.for_model(engine)
         if isinstance(engine, TextEngine):
             if self.tools:
                 # The upstream answers tool calls as structured deltas, which we do not relay yet.
@@ -263,6 +269,7 @@ class ChatCall:
             return [with_seed_offset(base, i) for i in range(self.opts.n)]
         tokens = await self.prompt_tokens(engine)
         base = build_request(self.body, self.opts, engine, tokens, param="messages")
+        base.images = self.images.for_model(engine)
         base.stop = base.stop + chat_template(engine).stops
         if self.forced:
             base.sampling.json_schema = forced_call_schema(self.forced)
@@ -270,12 +277,16 @@ class ChatCall:
         return [with_seed_offset(base, i) for i in range(self.opts.n)]
 
 
-def parse_chat(body: Body, env: ApiEnv) -> ChatCall:
+def parse_chat(body: Body, env: ApiEnv, images: ImageParts | None = None) -> ChatCall:
+    """A chat body checked; `images`: the image parts a dialect that maps onto this one (Anthropic,
+    Responses) already collected, their markers in the messages' text."""
     opts = parse_options(body, env, chat=True)
-    messages = parse_messages(body.raw("messages"))
+    images = images if images is not None else ImageParts.of(env.settings)
+    messages = parse_messages(body.raw("messages"), images=images)
+    images.check_markers((m["content"] for m in messages), "messages")
     tools = parse_tools(body.raw("tools"))
     served, forced = tool_choice_plan(body.raw("tool_choice"), tools, opts.json_schema, "response_format")
-    return ChatCall(body, opts, messages, served, forced)
+    return ChatCall(body, opts, messages, served, forced, images=images)
 
 
 def chat_response(call: ChatCall, head: Head, choices: Sequence[Choice]) -> dict[str, Any]:
@@ -398,7 +409,9 @@ GenerationCall = TypeVar("GenerationCall", ChatCall, CompletionCall)
 
 def start(call: ChatCall | CompletionCall, env: ApiEnv) -> AsyncContextManager[Run]:
     """The call's generation (pinned model, submitted streams, cancelled on exit)."""
-    return generation(env.manager, call.opts.model, call.opts.keep_alive, call.prepare, lane=call.opts.lane)
+    images = call.images if isinstance(call, ChatCall) else None
+    return generation(env.manager, call.opts.model, call.opts.keep_alive, call.prepare, lane=call.opts.lane,
+                      images=images)
 
 
 async def _collected(call: GenerationCall, env: ApiEnv,

@@ -34,6 +34,7 @@ from ..protocol.requests import GenerationRequest, SamplingParams, Usage
 from .tools import ToolCall, parse_tool_calls
 from .generation import Choice, Run, collect, generation
 from .reasoning import OPEN as THINK_OPEN, split_thinking
+from .images import ImageParts
 from .openai import ApiEnv, ChatCall, observe, parse_chat
 from .response_store import ResponseStore, StoredItem
 from .responses_items import chat_messages, new_id, parse_input
@@ -86,9 +87,10 @@ class ResponsesCall:
     created_at: int = field(default_factory=lambda: int(time.time()))
 
 
-def _chat_body(body: Body, instructions: str | None, items: list[dict[str, Any]], tools: ResponsesTools) -> Body:
+def _chat_body(body: Body, instructions: str | None, items: list[dict[str, Any]], tools: ResponsesTools,
+               images: ImageParts, own_from: int) -> Body:
     data: dict[str, Any] = {name: body.raw(name) for name in PASSED if body.has(name)}
-    data["messages"] = chat_messages(instructions, items)
+    data["messages"] = chat_messages(instructions, items, images, own_from)
     data["tools"] = tools.chat or None
     data["tool_choice"] = chat_tool_choice(body.raw("tool_choice"))
     data["max_completion_tokens"] = body.raw("max_output_tokens")
@@ -107,9 +109,11 @@ def _response_format(value: Any) -> Any:
 
 
 def _chat_call(body: Body, env: ApiEnv, instructions: str | None, items: list[dict[str, Any]],
-               tools: ResponsesTools) -> ChatCall:
+               tools: ResponsesTools, own_from: int = 0) -> ChatCall:
+    """`items` through parse_chat; those before `own_from` are a stored conversation's."""
+    images = ImageParts.of(env.settings)
     with responses_params():
-        return parse_chat(_chat_body(body, instructions, items, tools), env)
+        return parse_chat(_chat_body(body, instructions, items, tools, images, own_from), env, images)
 
 
 def parse_responses(body: Body, env: ApiEnv) -> ResponsesCall:
@@ -220,13 +224,14 @@ async def conversation(call: ResponsesCall, env: ApiEnv) -> Conversation:
         else:
             inputs.append(item)
     context = [s.item for s in resolved.history] + [e.item if isinstance(e, StoredItem) else e for e in inputs]
-    return Conversation(call, _chat_call(call.body, env, call.instructions, context, call.tools), inputs)
+    return Conversation(call, _chat_call(call.body, env, call.instructions, context, call.tools,
+                                         own_from=len(resolved.history)), inputs)
 
 
 def start(conv: Conversation, env: ApiEnv) -> AsyncContextManager[Run]:
     """The conversation's generation (pinned model, submitted stream, cancelled on exit)."""
     opts = conv.chat.opts
-    return generation(env.manager, opts.model, opts.keep_alive, conv.prepare)
+    return generation(env.manager, opts.model, opts.keep_alive, conv.prepare, images=conv.chat.images)
 
 
 # --- the response object -------------------------------------------------------------------------

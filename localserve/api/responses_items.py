@@ -14,6 +14,9 @@ the same conversation: consecutive function calls join the assistant message bef
 `tool_calls`, an output becomes a `tool` message.
 Reasoning items (Codex sends its earlier ones back) carry nothing the model here can use: they are
 accepted and left out.
+A user message's `input_image` parts (`image_url`: a data: URL or an https link) are kept in its
+canonical content between its text parts, stored with it, and become one MEDIA_MARKER each in
+the chat message's text and an image of the request's ImageParts (api/images.py).
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from __future__ import annotations
 import uuid
 from typing import Any
 
+from .images import ImageParts
 from .validation import MAX_MESSAGES, invalid, type_name
 
 MESSAGE_ROLES = ("user", "system", "developer", "assistant")
@@ -56,6 +60,37 @@ def _text_of(value: Any, param: str) -> str:
     return "".join(texts)
 
 
+def _image_part(part: dict[str, Any], param: str, role: str) -> dict[str, Any]:
+    """An `input_image` part as stored: its URL (checked as an image in chat_messages)."""
+    if role != "user":
+        raise invalid(f"'{param}': images go in user messages (this is a {role} message)", param)
+    url = part.get("image_url")
+    if not isinstance(url, str) or not url:
+        why = "images by file_id are not served (no Files API for images here)" if part.get("file_id") else \
+            "it must be a data: URL or an https:// link"
+        raise invalid(f"'{param}.image_url': {why}", f"{param}.image_url")
+    kept = {"type": "input_image", "image_url": url}
+    if isinstance(part.get("detail"), str):
+        kept["detail"] = part["detail"]
+    return kept
+
+
+def _message_content(value: Any, param: str, role: str) -> list[dict[str, Any]]:
+    """A message's canonical content: its text as one part, or with images its text runs and
+    `input_image` parts in their order."""
+    kind = "output_text" if role == "assistant" else "input_text"
+    if not isinstance(value, list) or not any(isinstance(p, dict) and p.get("type") == "input_image" for p in value):
+        part: dict[str, Any] = {"type": kind, "text": _text_of(value, param)}
+        return [part | {"annotations": []} if role == "assistant" else part]
+    out: list[dict[str, Any]] = []
+    for j, part in enumerate(value):
+        if isinstance(part, dict) and part.get("type") == "input_image":
+            out.append(_image_part(part, f"{param}[{j}]", role))
+        else:
+            out.append({"type": kind, "text": _text_of([part], f"{param}[{j}]")})
+    return out
+
+
 def _string(item: dict[str, Any], key: str, param: str, max_len: int = 1 << 24) -> str:
     value = item.get(key)
     if not isinstance(value, str) or not value or len(value) > max_len:
@@ -82,13 +117,8 @@ def parse_input(value: Any, param: str = "input") -> list[dict[str, Any]]:
             role = item.get("role")
             if role not in MESSAGE_ROLES:
                 raise invalid(f"'{p}.role' must be one of {', '.join(MESSAGE_ROLES)}", f"{p}.role")
-            text = _text_of(item.get("content"), f"{p}.content")
-            part = "output_text" if role == "assistant" else "input_text"
-            content: dict[str, Any] = {"type": part, "text": text}
-            if role == "assistant":
-                content["annotations"] = []
-            items.append({"id": _own_id(item, "msg", ids), "type": "message", "role": role, "content": [content],
-                          "status": "completed"})
+            items.append({"id": _own_id(item, "msg", ids), "type": "message", "role": role,
+                          "content": _message_content(item.get("content"), f"{p}.content", role), "status": "completed"})
         elif kind == "function_call":
             if not isinstance(item.get("arguments"), str):
                 raise invalid(f"'{p}.arguments' must be a string (the call's arguments as JSON)", f"{p}.arguments")
@@ -127,16 +157,27 @@ def _own_id(item: dict[str, Any], prefix: str, taken: set[str]) -> str:
     return chosen
 
 
-def chat_messages(instructions: str | None, items: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def _message_text(item: dict[str, Any], param: str | None, images: ImageParts) -> str:
+    """`param`: the item's `input[i]`, None for a stored turn's (its images named previous_response_id)."""
+    return "".join(images.add_url(part["image_url"], f"{param}.content[{j}].image_url" if param else
+                                  "previous_response_id")
+                   if part.get("type") == "input_image" else part.get("text", "")
+                   for j, part in enumerate(item["content"]))
+
+
+def chat_messages(instructions: str | None, items: list[dict[str, Any]], images: ImageParts | None = None,
+                  own_from: int = 0) -> list[dict[str, Any]]:
     """The chat messages of a conversation of canonical items (input or output ones); an
     unresolved item_reference counts as an empty user turn (parse_responses checks the other
-    fields with it before the store is read)."""
+    fields with it before the store is read). Images go to `images`, named `input[i]...` from
+    item `own_from` on (this request's own), `previous_response_id` before it (a stored turn's)."""
+    images = images if images is not None else ImageParts()
     messages: list[dict[str, Any]] = [{"role": "system", "content": instructions}] if instructions else []
-    for item in items:
+    for i, item in enumerate(items):
         kind = item["type"]
         if kind == "message":
-            text = "".join(part.get("text", "") for part in item["content"])
-            messages.append({"role": item["role"], "content": text})
+            param = f"input[{i - own_from}]" if i >= own_from else None
+            messages.append({"role": item["role"], "content": _message_text(item, param, images)})
         elif kind == "function_call":
             last = messages[-1] if messages else None
             if last is None or last["role"] != "assistant":

@@ -13,11 +13,14 @@ from __future__ import annotations
 import json
 import math
 import re
-from typing import Any, Iterable
+from typing import TYPE_CHECKING, Any, Iterable
 
 from ..protocol.requests import LANES, Lane, SamplingParams
 from ..errors import ContextLengthExceededError, InvalidRequestError
 from ..backends.common.schema_bounds import check_schema
+
+if TYPE_CHECKING:
+    from .images import ImageParts
 
 MAX_N = 8
 MAX_STOP = 4
@@ -273,8 +276,9 @@ def parse_n(body: Body) -> int:
     return body.get_int("n", 1, lo=1, hi=MAX_N) or 1
 
 
-def parse_content(value: Any, param: str) -> str:
-    """Message content: a string, null, or OpenAI's array of parts (text parts only)."""
+def parse_content(value: Any, param: str, images: "ImageParts | None" = None) -> str:
+    """Message content: a string, null, or OpenAI's array of parts: text parts, and with `images`
+    image parts (`image_url`), each one MEDIA_MARKER in the text where it stood (api/images.py)."""
     if value is None:
         return ""
     if isinstance(value, str):
@@ -285,15 +289,28 @@ def parse_content(value: Any, param: str) -> str:
             if isinstance(part, str):
                 texts.append(part)
                 continue
-            if not isinstance(part, dict) or part.get("type") not in ("text", "input_text"):
-                kind = part.get("type") if isinstance(part, dict) else type_name(part)
-                raise invalid(f"'{param}[{i}]': only text content is supported (got {str(kind)[:30]!r})", f"{param}[{i}]")
+            kind = part.get("type") if isinstance(part, dict) else type_name(part)
+            if kind == "image_url" and images is not None:
+                texts.append(_image_url_part(part, f"{param}[{i}]", images))
+                continue
+            if kind not in ("text", "input_text"):
+                raise invalid(f"'{param}[{i}]': only text{' and image' if images is not None else ''} content is "
+                              f"supported (got {str(kind)[:30]!r})", f"{param}[{i}]")
             text = part.get("text")
             if not isinstance(text, str):
                 raise invalid(f"'{param}[{i}].text' must be a string", f"{param}[{i}].text")
             texts.append(text)
         return "".join(texts)
     raise invalid(f"'{param}' must be a string or an array of content parts", param)
+
+
+def _image_url_part(part: dict[str, Any], param: str, images: "ImageParts") -> str:
+    """{"type": "image_url", "image_url": {"url": ..., "detail": ...}} (or the URL as a string,
+    as some clients send it) -> the image's marker."""
+    value = part.get("image_url")
+    if isinstance(value, dict):
+        return images.add_url(value.get("url"), f"{param}.image_url.url")
+    return images.add_url(value, f"{param}.image_url")
 
 
 def parse_tool_call_arguments(value: Any) -> Any:
@@ -309,8 +326,10 @@ def parse_tool_call_arguments(value: Any) -> Any:
     return value if value is not None else {}
 
 
-def parse_messages(value: Any, param: str = "messages") -> list[dict[str, Any]]:
-    """Chat messages normalised for a template: role, content (string), and tool fields."""
+def parse_messages(value: Any, param: str = "messages", images: "ImageParts | None" = None) -> list[dict[str, Any]]:
+    """Chat messages normalised for a template: role, content (string), and tool fields. With
+    `images`, image parts and Ollama's `images` (base64, before the text, as Ollama places them)
+    become markers in the content and images in `images`; without, they are refused."""
     if not isinstance(value, list) or not value:
         raise invalid(f"'{param}' must be a non-empty array of messages", param)
     if len(value) > MAX_MESSAGES:
@@ -323,12 +342,11 @@ def parse_messages(value: Any, param: str = "messages") -> list[dict[str, Any]]:
         role = message.get("role")
         if role not in ROLES:
             raise invalid(f"'{p}.role' must be one of {', '.join(ROLES)}", f"{p}.role")
-        if message.get("images"):
-            raise invalid(f"'{p}.images': this server does not support image input", f"{p}.images")
+        markers = _ollama_images(message.get("images"), f"{p}.images", images)
         norm: dict[str, Any] = {
             # Templates know system, user, assistant and tool; "developer" is OpenAI's new name for system.
             "role": "system" if role == "developer" else role,
-            "content": parse_content(message.get("content"), f"{p}.content"),
+            "content": markers + parse_content(message.get("content"), f"{p}.content", images),
         }
         for key in ("name", "tool_call_id"):
             if isinstance(message.get(key), str):
@@ -349,6 +367,16 @@ def parse_messages(value: Any, param: str = "messages") -> list[dict[str, Any]]:
                 })
         out.append(norm)
     return out
+
+
+def _ollama_images(value: Any, param: str, images: "ImageParts | None") -> str:
+    if not value:
+        return ""
+    if images is None:
+        raise invalid(f"'{param}': this endpoint takes no images", param)
+    if not isinstance(value, list):
+        raise invalid(f"'{param}' must be an array of base64 images", param)
+    return "".join(images.add_base64(item, f"{param}[{j}]") for j, item in enumerate(value))
 
 
 def parse_tools(value: Any, param: str = "tools") -> list[dict[str, Any]]:

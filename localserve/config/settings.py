@@ -132,6 +132,16 @@ class Settings:
     # the embeddings context holds one group of inputs at a time); time is: it runs between
     # generation steps, so a big request slows chats a little but for long.
     max_embed_tokens: int = 300_000
+    # Images in one generating request (api/images.py), each a 400 naming the field over it, before
+    # any model work: how many; their encoded bytes together (base64 is decoded first; a fetched
+    # URL stops reading past it); the pixels of one image, read from its header before decoding
+    # (a 64 kB PNG can declare 100000x100000: a decompression bomb is refused unopened; 25M takes
+    # a 6K screenshot); seconds an image URL has to arrive whole (fetched under /api/pull's link
+    # policy: https to public hosts, or the hosts in pull_allow_http_hosts).
+    max_images_per_request: int = 16
+    max_image_bytes: int = 20 * 1024 * 1024
+    max_image_pixels: int = 25_000_000
+    image_fetch_timeout: float = 20.0
     # /v1/embeddings `input` as token ids: refused unless on. langchain-openai's OpenAIEmbeddings sends
     # ids of OpenAI's cl100k tokenizer by default; read as this model's ids they are other text, and the
     # vectors came back 200 and wrong. On: the ids are taken as the served model's own.

@@ -11,6 +11,7 @@ from aiohttp import web
 from .. import __version__
 from ..api.errors import json_dumps, openai_exception_body
 from ..api.generation import Run, generation, raise_if_failed
+from ..api.images import ImageParts
 from ..api.llamacpp import (NativeCall, bounded, chunk_object, final_object, parse_infill, parse_native_completion,
                             props_body)
 from ..errors import GenerationError, LocalserveError
@@ -49,9 +50,10 @@ async def _answer(request: web.Request, parse: Callable[..., NativeCall], what: 
     settings = request.app[SETTINGS_KEY]
     body = await read_json(request)
     call = parse(body, settings.default_model, request.headers.get("X-Priority"),
-                 default_n_predict=settings.default_max_tokens)
+                 default_n_predict=settings.default_max_tokens, images=ImageParts.of(settings))
     async with request.app[SLOTS_KEY].claim(call.model, call.id_slot, _client(request)) as claim:
-        async with generation(request.app[MANAGER_KEY], call.model, None, call.prepare, lane=call.lane) as run:
+        async with generation(request.app[MANAGER_KEY], call.model, None, call.prepare, lane=call.lane,
+                              images=call.images) as run:
             if call.stream:
                 return await _stream(request, call, run, what, claim)
             final = await guard_disconnect(request, _collected(call, run), claim)

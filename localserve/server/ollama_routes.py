@@ -25,6 +25,7 @@ from ..api.generation import Clock, Run, collect, embed_texts, generation, merge
 from ..api.ollama import (FOREVER, created_tag, details, model_name, now_iso, remote_tag, show_body, tag_entry,
                           version_body)
 from ..api.ollama_models import overlay, parse_copy, parse_create, show_overlay
+from ..api.images import ImageParts
 from ..api.ollama_chat import (ChatAnswer, ChatCall, GenerateAnswer, GenerateCall, OllamaCall, parse_chat,
                                parse_generate)
 from ..api.validation import MAX_EMBED_INPUTS, Body, invalid, parse_keep_alive
@@ -88,7 +89,8 @@ async def _answer(request: web.Request, call: GenerateCall | ChatCall,
                   answer_for: Callable[[Run, Clock], GenerateAnswer | ChatAnswer]) -> web.StreamResponse:
     """The call's generation, streamed as NDJSON lines or answered whole."""
     clock = Clock()
-    async with generation(request.app[MANAGER_KEY], call.model, call.keep_alive, call.prepare, clock, call.lane) as run:
+    async with generation(request.app[MANAGER_KEY], call.model, call.keep_alive, call.prepare, clock, call.lane,
+                          images=call.images) as run:
         answer = answer_for(run, clock)
         if call.stream:
             def final(event: GenerationEvent) -> list[dict]:
@@ -101,8 +103,9 @@ async def _answer(request: web.Request, call: GenerateCall | ChatCall,
     return web.json_response(answer.whole(choice), dumps=json_dumps)
 
 
-def _call_args(request: web.Request) -> tuple[str | None, int]:
-    return request.headers.get("X-Priority"), request.app[SETTINGS_KEY].default_max_tokens
+def _call_args(request: web.Request) -> tuple[str | None, int, ImageParts]:
+    settings = request.app[SETTINGS_KEY]
+    return request.headers.get("X-Priority"), settings.default_max_tokens, ImageParts.of(settings)
 
 
 async def _body_for(request: web.Request, *, chat: bool) -> tuple[Body, CreatedModel | None]:

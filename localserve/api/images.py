@@ -1,0 +1,190 @@
+"""The one image path behind every dialect (issue 43): a request's image parts collected while its
+body is parsed, fetched and checked before any model is loaded for it, and handed to a model that
+has a vision projector, or refused naming the model.
+
+Each dialect's parser only maps its shape onto `ImageParts`: an OpenAI `image_url` or Responses
+`input_image` URL (`add_url`: a `data:` URL or an https link), an Anthropic `image` block or an
+Ollama / llama.cpp base64 string (`add_base64`). Each call returns the MEDIA_MARKER the parser
+puts in the message's text where the image stood, so the chat template renders plain text and the
+engine finds each image at its marker (protocol/media.py).
+
+Three moments, each a 400 naming the field before the engine sees anything:
+- parsing (`add_*`, on the event loop, cheap): the part's shape, a data URL's media type, the
+  URL's scheme and host under /api/pull's policy, how many images (`max_images_per_request`);
+- `resolve()`, before the model is loaded (generation() calls it), in a worker thread: base64
+  decoded, URLs fetched (api/image_fetch.py), the bytes of all images together bounded
+  (`max_image_bytes`), and each image checked (api/image_checks.py: format, a bomb's dimensions
+  from its header, a truncated file);
+- `for_model(engine)`, once the model is there: a model without a projector (ModelInfo.vision
+  false) answers a 400 naming it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import binascii
+import re
+from dataclasses import dataclass, field, replace
+from typing import Any, Iterable
+
+from ..config.settings import Settings
+from ..errors import InvalidRequestError
+from ..protocol.engine import ModelEngine
+from ..protocol.media import MEDIA_MARKER, ImageInput
+from ..pull.policy import UrlPolicy
+from .image_checks import check_image
+from .image_fetch import fetch_image
+
+_DATA_URL = re.compile(r"\Adata:([^;,]*)((?:;[^;,]*)*),", re.IGNORECASE)
+_SPACE = re.compile(rb"\s+")
+
+
+def _refused(param: str, problem: str) -> InvalidRequestError:
+    return InvalidRequestError(f"'{param}' {problem}", param=param)
+
+
+@dataclass(frozen=True)
+class ImageLimits:
+    max_images: int = 16
+    max_bytes: int = 20 * 1024 * 1024
+    max_pixels: int = 25_000_000
+    fetch_timeout: float = 20.0
+    policy: UrlPolicy = field(default_factory=lambda: UrlPolicy(what="image URLs"))
+
+    @classmethod
+    def from_settings(cls, settings: Settings) -> "ImageLimits":
+        return cls(settings.max_images_per_request, settings.max_image_bytes, settings.max_image_pixels,
+                   settings.image_fetch_timeout, UrlPolicy.from_settings(settings, what="image URLs"))
+
+
+@dataclass(frozen=True)
+class ImageRef:
+    """One image part as parsed: base64 text (decoded in resolve) or an http(s) URL."""
+
+    param: str
+    base64: str | None = None
+    url: str | None = None
+
+
+class ImageParts:
+    """A request's image parts in prompt order, then (after `resolve`) its checked images."""
+
+    def __init__(self, limits: ImageLimits | None = None):
+        self.limits = limits or ImageLimits()
+        self.refs: list[ImageRef] = []
+        self.images: list[ImageInput] | None = None
+
+    @classmethod
+    def of(cls, settings: Settings) -> "ImageParts":
+        return cls(ImageLimits.from_settings(settings))
+
+    def __len__(self) -> int:
+        return len(self.refs)
+
+    def _add(self, ref: ImageRef) -> str:
+        if len(self.refs) >= self.limits.max_images:
+            raise _refused(ref.param, f"is one image more than the {self.limits.max_images} a request may hold "
+                                      "(setting max_images_per_request)")
+        self.refs.append(ref)
+        self.images = None
+        return MEDIA_MARKER
+
+    def add_base64(self, value: Any, param: str) -> str:
+        """A base64 image (Anthropic's `data`, Ollama's `images`, llama.cpp's `multimodal_data`)."""
+        if not isinstance(value, str) or not value:
+            raise _refused(param, "must be a non-empty string of base64 image data")
+        if len(value) // 4 * 3 > self.limits.max_bytes:  # refused before a byte is decoded
+            raise _refused(param, f"is more than the {self.limits.max_bytes} bytes a request's images may have "
+                                  "(setting max_image_bytes)")
+        return self._add(ImageRef(param, base64=value))
+
+    def add_url(self, value: Any, param: str) -> str:
+        """An image URL: `data:image/...;base64,...` or an https link (fetched in resolve)."""
+        if not isinstance(value, str) or not value:
+            raise _refused(param, "must be a non-empty string (a data: URL or an https:// link)")
+        head = _DATA_URL.match(value[:256])
+        if head is not None:
+            media_type, params = head.group(1).strip().lower(), head.group(2).lower()
+            if media_type and not media_type.startswith("image/"):
+                raise _refused(param, f"is a data: URL of {media_type[:40]!r}, not an image")
+            if ";base64" not in params:
+                raise _refused(param, "must be a base64 data: URL (data:image/png;base64,...)")
+            return self.add_base64(value[head.end():], param)
+        if value[:5].lower() == "data:":
+            raise _refused(param, "is not a well-formed data: URL (data:image/png;base64,...)")
+        if len(value) > 8192:
+            raise _refused(param, "is a URL longer than 8192 characters")
+        try:
+            replace(self.limits.policy, param=param).check_url(value)
+        except InvalidRequestError as e:
+            raise _refused(param, f"is refused: {e.message}") from None
+        return self._add(ImageRef(param, url=value))
+
+    def check_markers(self, texts: Iterable[str], param: str) -> None:
+        """The prompt's texts hold exactly one marker per image: a client's own text holding the
+        marker would give an image a place it was not sent in (or a marker no image), so it is
+        refused while the request has images (without images the marker is ordinary text)."""
+        if not self.refs:
+            return
+        found = sum(text.count(MEDIA_MARKER) for text in texts)
+        if found != len(self.refs):
+            raise _refused(param, f"holds the text {MEDIA_MARKER!r}, which marks an image's place in a prompt "
+                                  "with images; remove it from the text")
+
+    async def resolve(self) -> list[ImageInput]:
+        """Every image decoded or fetched, bounded and checked (a worker thread: fetching and
+        decoding block); idempotent."""
+        if self.images is None:
+            self.images = await asyncio.to_thread(self._resolve) if self.refs else []
+        return self.images
+
+    def _resolve(self) -> list[ImageInput]:
+        out = []
+        left = self.limits.max_bytes
+        for ref in self.refs:
+            data = self._bytes(ref, left)
+            left -= len(data)
+            if left < 0:
+                raise _refused(ref.param, f"brings the request's images past {self.limits.max_bytes} bytes "
+                                          "(setting max_image_bytes)")
+            out.append(check_image(data, ref.param, max_pixels=self.limits.max_pixels))
+        return out
+
+    def _bytes(self, ref: ImageRef, left: int) -> bytes:
+        if ref.url is not None:
+            return fetch_image(ref.url, ref.param, self.limits.policy, max_bytes=max(left, 0),
+                               timeout=self.limits.fetch_timeout)
+        assert ref.base64 is not None
+        text = ref.base64.encode("ascii", "replace")
+        try:
+            return base64.b64decode(_SPACE.sub(b"", text), validate=True)
+        except (binascii.Error, ValueError):
+            raise _refused(ref.param, "is not valid base64") from None
+
+    def for_model(self, engine: ModelEngine) -> list[ImageInput]:
+        """The resolved images for `engine`, or a 400 naming the model when it has no vision
+        projector (checked before any template, tokenizing or generation)."""
+        if not self.refs:
+            return []
+        if not getattr(engine.info, "vision", False):
+            raise _refused(self.refs[0].param, f"is an image, and the model {engine.name!r} takes no images: it has "
+                                               "no vision projector (mmproj). Use a vision model (README: Images)")
+        if self.images is None:
+            raise RuntimeError("ImageParts.for_model before resolve()")  # generation() resolves first
+        return self.images
+
+
+def kept_images(kept: list[dict[str, Any]], messages: list[dict[str, Any]], images: list[ImageInput]) -> list[ImageInput]:
+    """The images of the messages in `kept` (a history cut to its context: chat_history.py), from
+    all `messages` and their images in order: message i holds as many as its text holds markers
+    (check_markers made that exact)."""
+    keep = {id(m) for m in kept}
+    out, at = [], 0
+    for message in messages:
+        content = message.get("content")
+        n = content.count(MEDIA_MARKER) if isinstance(content, str) else 0
+        if id(message) in keep:
+            out.extend(images[at:at + n])
+        at += n
+    return out
