@@ -188,7 +188,7 @@ def test_errors_in_anthropic_shape(client, live):
         client.messages.create(model=MODEL, max_tokens=4, messages=[{"role": "user", "content": [
             {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "iVBORw0KGgo="}}]}])
     assert e.value.body["error"] == {"type": "invalid_request_error", "message": e.value.body["error"]["message"]}
-    assert "messages[0].content[0].type" in e.value.body["error"]["message"]
+    assert "messages[0].content[0].source.data" in e.value.body["error"]["message"]  # a PNG signature alone
     with pytest.raises(anthropic.BadRequestError, match="max_tokens"):
         client.messages.create(model=MODEL, max_tokens=0, messages=[{"role": "user", "content": "hi"}])
     with pytest.raises(anthropic.BadRequestError, match="temperature"):

@@ -96,7 +96,7 @@ def test_billing_header_dropped_and_reminders_kept_in_place():
 @pytest.mark.parametrize("messages, param", [
     ([{"role": "user", "content": [{"type": "document", "source": {}}]}], "messages[0].content[0].type"),
     ([{"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t", "content": [
-        {"type": "image", "source": {}}]}]}], "messages[0].content[0].content[0].type"),
+        {"type": "image", "source": {}}]}]}], "messages[0].content[0].content[0].source.type"),
     ([{"role": "assistant", "content": [{"type": "tool_use", "id": "t", "name": "f", "input": []}]}],
      "messages[0].content[0].input"),
     ([{"role": "tool", "content": "x"}], "messages[0].role"),
