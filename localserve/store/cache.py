@@ -35,6 +35,7 @@ from typing import Any, Iterator
 from ..config.settings import Settings
 from ..errors import LocalserveError, ModelNotFoundError, PullLockedError
 from . import prompt_cache
+from .projector import MANIFEST_KEY as PROJECTOR_KEY, check_projector, local_entry, projector_path
 from .names import name_to_dir, safe_component  # noqa: F401  (callers take them from the cache too)
 
 log = logging.getLogger(__name__)
@@ -168,6 +169,9 @@ class InstalledModel:
     # Every format the tag holds; `path`, `size`, `sha256`, `format` above are the GGUF one's when
     # there is one (what llama.cpp and the pull code use), else the first folder variant's.
     variants: dict[str, StoredVariant] = field(default_factory=dict, repr=False)
+    # The vision projector stored with the tag (store/projector.py), None without one: what the
+    # engine's load takes as its `mmproj` path.
+    mmproj: Path | None = None
 
     @property
     def ref(self) -> str:
@@ -188,6 +192,13 @@ class InstalledModel:
     @property
     def gguf(self) -> StoredVariant | None:
         return self.variants.get("gguf")
+
+
+def _local_file(path: Path | str) -> Path:
+    source = Path(path).expanduser()
+    if not source.is_file():
+        raise ModelNotFoundError(str(path), message=f"no such file: {source.name}")
+    return source.resolve()
 
 
 class ModelStore:
@@ -238,6 +249,7 @@ class ModelStore:
                 modified=float(data.get("pulled_at_epoch") or manifest_path.stat().st_mtime),
                 manifest=data,
                 variants=variants,
+                mmproj=projector_path(data, manifest_path.parent),
             )
         except (OSError, ValueError, KeyError, TypeError, LocalserveError) as e:
             # One damaged manifest must not hide every other model.
@@ -324,31 +336,32 @@ class ModelStore:
         assert model is not None
         return model
 
-    def register_local(self, path: Path | str, name: str, tag: str = "latest") -> InstalledModel:
-        """Register a GGUF file the user already has, in place (no copy), after validating it."""
+    def register_local(self, path: Path | str, name: str, tag: str = "latest",
+                       mmproj: Path | str | None = None) -> InstalledModel:
+        """Register a GGUF file the user already has, in place (no copy), after validating it;
+        `mmproj`: its vision projector, registered in place with it (checked as a projector)."""
         from .verify import facts_to_manifest, read_facts, sha256_file
 
         name = safe_component(name, "name")
         tag = safe_component(tag, "tag")
-        source = Path(path).expanduser()
-        if not source.is_file():
-            raise ModelNotFoundError(str(path), message=f"no such file: {source.name}")
-        source = source.resolve()
+        source = _local_file(path)
         facts = read_facts(source)  # raises GGUFError on anything that is not a sane GGUF
+        projector = _local_file(mmproj) if mmproj is not None else None
+        if projector is not None:
+            check_projector(projector, projector.name)
+        data = {
+            "file": str(source),
+            "in_place": True,
+            "size": source.stat().st_size,
+            "sha256": sha256_file(source),
+            "quant": getattr(facts, "quant", None),
+            "source": {"kind": "file", "path": str(source)},
+            "facts": facts_to_manifest(facts),
+        }
+        if projector is not None:
+            data[PROJECTOR_KEY] = local_entry(projector, sha256_file(projector))
         with self.lock(name, tag):
-            return self.write_manifest(
-                name,
-                tag,
-                {
-                    "file": str(source),
-                    "in_place": True,
-                    "size": source.stat().st_size,
-                    "sha256": sha256_file(source),
-                    "quant": getattr(facts, "quant", None),
-                    "source": {"kind": "file", "path": str(source)},
-                    "facts": facts_to_manifest(facts),
-                },
-            )
+            return self.write_manifest(name, tag, data)
 
     def add_directory(self, path: Path | str, name: str, tag: str = "latest") -> InstalledModel:
         """Copy an ONNX or onnxruntime-genai model folder into the tag as its `onnx` / `oga` variant.

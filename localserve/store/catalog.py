@@ -69,6 +69,9 @@ class Variant:
     sha256: str | None = None
     file: str | None = None  # file name in the cache; default derived from the source
     sources: list[Source] = field(default_factory=list)
+    # The vision projector an hf source's repo holds, pulled with the model (store/projector.py):
+    # its file name in the repo; None: the repo's own (mmproj-*.gguf, if any); "none": never.
+    mmproj: str | None = None
 
 
 @dataclass
@@ -217,6 +220,7 @@ def _parse_entry(name: str, raw: dict[str, Any], builtin: bool, where: str) -> C
             sha256=sha.lower() if isinstance(sha, str) else None,
             file=v.get("file"),
             sources=sources,
+            mmproj=v.get("mmproj") if isinstance(v.get("mmproj"), str) else None,
         )
     if not variants:
         raise ConfigError(f"{where}: entry {name!r} has no variants")

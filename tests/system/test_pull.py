@@ -38,8 +38,11 @@ from localserve.pull.partials import sweep_stale_partials
 from localserve.pull.policy import UrlPolicy
 from localserve.pull.puller import claim_partial, link_tag
 from localserve.store.cache import ModelStore
+from projector_gguf import projector_bytes
 
 REPO = Path(__file__).resolve().parents[2]
+PROJECTOR = projector_bytes()
+PROJECTOR_NAME = "mmproj-model-f16.gguf"
 FAST_RETRY = RetryPolicy(attempts=4, backoff=0.01, max_backoff=0.05)
 PAYLOAD = os.urandom(3 * 1024 * 1024 + 12345)
 PAYLOAD_SHA = hashlib.sha256(PAYLOAD).hexdigest()
@@ -194,6 +197,7 @@ class LocalServer:
 @pytest.fixture
 def server():
     srv = LocalServer().start()
+    srv.files[PROJECTOR_NAME] = Served(PROJECTOR)  # the projector hub_listing's repos publish
     yield srv
     srv.stop()
 
@@ -385,7 +389,7 @@ def hub_listing(file_name: str, data: bytes, extra: list[dict[str, Any]] | None 
 
     return [
         {"type": "file", "oid": "1" * 40, "size": 1500, "path": "README.md"},
-        item("mmproj-model-f16.gguf", 999, "a" * 64),
+        item(PROJECTOR_NAME, len(PROJECTOR), hashlib.sha256(PROJECTOR).hexdigest()),
         item("model-Q4_1-00001-of-00002.gguf", 999, "b" * 64),
         item("model-Q4_0_4_4.gguf", 999, "c" * 64),
         item(file_name, len(data), hashlib.sha256(data).hexdigest()),
