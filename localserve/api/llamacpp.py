@@ -276,9 +276,11 @@ def chunk_object(call: NativeCall, text: str, tokens: list[int]) -> dict[str, An
     return out
 
 
-def props_body(model: str, context: int, slots: int, version: str, n_predict: int = 0) -> dict[str, Any]:
+def props_body(model: str, context: int, slots: int, version: str, n_predict: int = 0, *,
+               vision: bool = False) -> dict[str, Any]:
     """GET /props: the served context and slots, the defaults a request gets (`n_predict`: the
-    setting default_max_tokens, -1 for none, as llama-server shows its -n), no filesystem path."""
+    setting default_max_tokens, -1 for none, as llama-server shows its -n), whether it takes
+    images (`modalities.vision`, as llama-server says it), no filesystem path."""
     d = SamplingParams()
     return {
         "default_generation_settings": {
@@ -289,6 +291,6 @@ def props_body(model: str, context: int, slots: int, version: str, n_predict: in
         "total_slots": slots,
         "model_alias": model,
         "model_path": model,  # llama-server gives the file's path; a model name tells a client as much
-        "modalities": {"vision": False, "audio": False},
+        "modalities": {"vision": vision, "audio": False},
         "build_info": f"localserve {version}",
     }

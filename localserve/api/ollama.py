@@ -36,9 +36,10 @@ def version_body(own_version: str) -> dict[str, str]:
     return {"version": OLLAMA_API_VERSION, "localserve": own_version}
 
 
-def capabilities(template: str, fim: bool) -> list[str]:
+def capabilities(template: str, fim: bool, vision: bool = False) -> list[str]:
     """What the plugins look for: tools, insert (fill-in-the-middle from the model's own FIM
-    tokens), thinking. No "vision": we serve no images. Tools are served for every model: in its own
+    tokens), thinking, vision (a projector: GitHub Copilot's Ollama provider sends images only to a
+    model that lists it). Tools are served for every model: in its own
     template's way, or described in a system prompt (templates.py) for a template without them;
     listing them only for the first kind made llm-ollama refuse tools that work."""
     found = ["completion", "tools"]
@@ -46,6 +47,8 @@ def capabilities(template: str, fim: bool) -> list[str]:
         found.append("insert")
     if is_reasoning_template(template):
         found.append("thinking")
+    if vision:
+        found.append("vision")
     return found
 
 
@@ -55,7 +58,8 @@ def capabilities(template: str, fim: bool) -> list[str]:
 FIM_TEMPLATE_NOTE = "{{- /* fill-in-the-middle: /api/generate takes a suffix ({{ .Suffix }}) */ -}}\n"
 
 
-def show_body(model: InstalledModel, served_context: int, modified_at: str, fim: bool) -> dict[str, Any]:
+def show_body(model: InstalledModel, served_context: int, modified_at: str, fim: bool, *,
+              vision: bool = False) -> dict[str, Any]:
     """/api/show for `model`, whose requests get `served_context` tokens of prompt and answer."""
     facts = model.facts
     arch = facts.get("architecture") or "unknown"
@@ -82,7 +86,7 @@ def show_body(model: InstalledModel, served_context: int, modified_at: str, fim:
         "license": facts.get("license") or "",
         "details": details(model),
         "model_info": {k: v for k, v in info.items() if v is not None},
-        "capabilities": capabilities(template, fim),
+        "capabilities": capabilities(template, fim, vision),
         "modified_at": modified_at,
     }
 

@@ -204,9 +204,10 @@ async def show(request: web.Request) -> web.Response:
     name = model_name(await read_json(request))
     created = await asyncio.to_thread(_created(request).get, name)
     model = await asyncio.to_thread(request.app[STORE_KEY].find, created.source if created else name)
-    context = (await served(request, model)).context
+    limits = await served(request, model)
     fim = await asyncio.to_thread(fim_capable, model)
-    show = show_body(model, context, now_iso(created.modified if created else model.modified), fim)
+    show = show_body(model, limits.context, now_iso(created.modified if created else model.modified), fim,
+                     vision=limits.vision)
     return web.json_response(show_overlay(show, created) if created else show, dumps=json_dumps)
 
 

@@ -220,7 +220,9 @@ async def create_embeddings(request: web.Request) -> web.Response:
 
 # --- models --------------------------------------------------------------------------------------
 def model_entry(model: Any) -> dict[str, Any]:
-    return {"id": model.ref, "object": "model", "created": int(model.modified), "owned_by": "localserve"}
+    """An installed model; `vision`: it has a projector in the store (takes images once loaded)."""
+    return {"id": model.ref, "object": "model", "created": int(model.modified), "owned_by": "localserve",
+            "vision": model.mmproj is not None}
 
 
 def remote_entry(name: str, upstreams: list[str]) -> dict[str, Any]:

@@ -3,6 +3,8 @@
 /api/show (Ollama clients size their prompts by it) and /props (llama.cpp clients read `n_ctx` and
 `total_slots`) both answer at an editor's startup, for models that may not be loaded yet: the
 loaded engine's figures when it runs, else what its load would plan with today's settings.
+`vision` likewise: whether the loaded engine's projector loaded (ModelInfo.vision), else whether
+the store holds one for the tag (GitHub Copilot's Ollama provider reads it before sending images).
 """
 
 from __future__ import annotations
@@ -21,11 +23,12 @@ from .state import MANAGER_KEY, SETTINGS_KEY
 class Served:
     context: int  # prompt + answer tokens of one request
     slots: int  # requests decoding at once
+    vision: bool = False  # takes images
 
 
 async def served(request: web.Request, model: InstalledModel) -> Served:
     for row in request.app[MANAGER_KEY].status():
         if row.get("name") == model.ref and row.get("context_length"):
-            return Served(int(row["context_length"]), int(row.get("max_sequences") or 1))
+            return Served(int(row["context_length"]), int(row.get("max_sequences") or 1), bool(row.get("vision")))
     plan = await asyncio.to_thread(plan_model, model, request.app[SETTINGS_KEY])
-    return Served(plan.limits.n_ctx_seq, plan.limits.max_sequences)
+    return Served(plan.limits.n_ctx_seq, plan.limits.max_sequences, model.mmproj is not None)

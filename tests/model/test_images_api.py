@@ -175,3 +175,22 @@ def test_a_batch_line_with_an_image_fails_as_the_request_would(oai):
     errors = {e["custom_id"]: e["response"] for e in contents(oai, done.error_file_id)}
     assert errors["img"]["status_code"] == 400 and MODEL in errors["img"]["body"]["error"]["message"]
     assert errors["bad"]["body"]["error"]["param"] == PARAM
+
+
+def test_show_models_and_props_say_vision_from_the_projector(live, tmp_path, smollm2_gguf):
+    from localserve.store.cache import ModelStore
+    from projector_gguf import projector_bytes
+
+    live.json("POST", "/api/generate", {"model": MODEL, "prompt": "hi", "stream": False, "options": {"num_predict": 1}})
+    status, show = live.json("POST", "/api/show", {"model": MODEL})  # loaded, no projector: ModelInfo.vision
+    assert status == 200 and "vision" not in show["capabilities"]
+    projector = tmp_path / "mmproj-seer-f16.gguf"
+    projector.write_bytes(projector_bytes())
+    ModelStore(live.settings).register_local(smollm2_gguf, "seer", mmproj=projector)
+    status, show = live.json("POST", "/api/show", {"model": "seer"})  # not loaded: the store's projector
+    assert status == 200 and "vision" in show["capabilities"]
+    _, models = live.json("GET", "/v1/models")
+    vision = {m["id"]: m["vision"] for m in models["data"]}
+    assert vision["seer:latest"] is True and vision[next(k for k in vision if k.startswith(MODEL))] is False
+    _, props = live.json("GET", "/props?model=seer")
+    assert props["modalities"] == {"vision": True, "audio": False}
