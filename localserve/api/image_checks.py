@@ -27,12 +27,13 @@ ENGINE_READS = ("png", "jpeg", "gif", "bmp")
 TAKEN = "PNG, JPEG, GIF, BMP or WebP"
 
 
-def _refused(param: str, problem: str) -> InvalidRequestError:
+def refused(param: str, problem: str) -> InvalidRequestError:
+    """The 400 of every image check: `'<param>' <problem>`, naming the field."""
     return InvalidRequestError(f"'{param}' {problem}", param=param)
 
 
 def _too_many_pixels(param: str, size: str, max_pixels: int) -> InvalidRequestError:
-    return _refused(param, f"declares {size} pixels, more than the {max_pixels} one image may have "
+    return refused(param, f"declares {size} pixels, more than the {max_pixels} one image may have "
                            "(setting max_image_pixels)")
 
 
@@ -45,21 +46,21 @@ def _opened(data: bytes, param: str, max_pixels: int) -> Image.Image:
         # the warning is an exception only where warnings are errors (the tests).
         raise _too_many_pixels(param, "more", max_pixels) from None
     except (UnidentifiedImageError, OSError, SyntaxError, ValueError):
-        raise _refused(param, f"is not an image this server reads ({TAKEN})") from None
+        raise refused(param, f"is not an image this server reads ({TAKEN})") from None
 
 
 def check_image(data: bytes, param: str, *, max_pixels: int) -> ImageInput:
     """`data` as an ImageInput, or a 400 naming `param`: empty, not an image, a format refused,
     more than `max_pixels` pixels (from the header, before decoding), or damaged/truncated."""
     if not data:
-        raise _refused(param, "is empty")
+        raise refused(param, "is empty")
     image = _opened(data, param, max_pixels)
     kind = FORMATS.get(image.format or "")
     if kind is None:
-        raise _refused(param, f"is a {image.format} image; this server reads {TAKEN}")
+        raise refused(param, f"is a {image.format} image; this server reads {TAKEN}")
     width, height = image.size
     if width <= 0 or height <= 0:
-        raise _refused(param, f"declares an empty image ({width}x{height})")
+        raise refused(param, f"declares an empty image ({width}x{height})")
     if width * height > max_pixels:
         raise _too_many_pixels(param, f"{width}x{height}", max_pixels)
     try:
@@ -68,7 +69,7 @@ def check_image(data: bytes, param: str, *, max_pixels: int) -> ImageInput:
         image.load()
     except (OSError, SyntaxError, ValueError, EOFError) as e:
         # "image file is truncated", "broken PNG file", a bad Huffman table...: the decoder's words.
-        raise _refused(param, f"is a damaged or truncated {kind.upper()} file ({str(e)[:80]})") from None
+        raise refused(param, f"is a damaged or truncated {kind.upper()} file ({str(e)[:80]})") from None
     if kind not in ENGINE_READS:
         data, kind = _as_png(image), "png"
     return ImageInput(data=data, sha256=hashlib.sha256(data).hexdigest(), width=width, height=height, format=kind)

@@ -16,15 +16,11 @@ import time
 import urllib.error
 from dataclasses import replace
 
-from ..errors import InvalidRequestError
 from ..pull.policy import UrlPolicy
 from ..pull.transport import UrllibTransport
+from .image_checks import refused
 
 READ_CHUNK = 64 * 1024
-
-
-def _refused(param: str, problem: str) -> InvalidRequestError:
-    return InvalidRequestError(f"'{param}' {problem}", param=param)
 
 
 def fetch_image(url: str, param: str, policy: UrlPolicy, *, max_bytes: int, timeout: float) -> bytes:
@@ -37,13 +33,13 @@ def fetch_image(url: str, param: str, policy: UrlPolicy, *, max_bytes: int, time
         response = transport.open(url, {"Accept": "image/*"})
     except (OSError, http.client.HTTPException, ValueError) as e:
         reason = getattr(e, "reason", None) or type(e).__name__
-        raise _refused(param, f"could not be fetched ({str(reason)[:80]})") from None
+        raise refused(param, f"could not be fetched ({str(reason)[:80]})") from None
     try:
         if response.status != 200:
-            raise _refused(param, f"could not be fetched (the server answered HTTP {response.status})")
+            raise refused(param, f"could not be fetched (the server answered HTTP {response.status})")
         declared = response.headers.get("Content-Length")
         if declared is not None and declared.isdigit() and int(declared) > max_bytes:
-            raise _refused(param, f"is {declared} bytes, more than the {max_bytes} this request's images may "
+            raise refused(param, f"is {declared} bytes, more than the {max_bytes} this request's images may "
                                   "have left (setting max_image_bytes)")
         return _read_bounded(response, param, max_bytes, deadline, timeout)
     finally:
@@ -55,17 +51,17 @@ def _read_bounded(response, param: str, max_bytes: int, deadline: float, timeout
     total = 0
     while True:
         if time.monotonic() > deadline:
-            raise _refused(param, f"did not arrive within {timeout:g} seconds (setting image_fetch_timeout)")
+            raise refused(param, f"did not arrive within {timeout:g} seconds (setting image_fetch_timeout)")
         try:
             chunk = response.read(READ_CHUNK)
         except TimeoutError:
-            raise _refused(param, f"did not arrive within {timeout:g} seconds (setting image_fetch_timeout)") from None
+            raise refused(param, f"did not arrive within {timeout:g} seconds (setting image_fetch_timeout)") from None
         except (OSError, http.client.HTTPException, urllib.error.URLError):
-            raise _refused(param, "could not be fetched (the connection failed while reading)") from None
+            raise refused(param, "could not be fetched (the connection failed while reading)") from None
         if not chunk:
             return b"".join(chunks)
         total += len(chunk)
         if total > max_bytes:
-            raise _refused(param, f"is more than the {max_bytes} bytes this request's images may have left "
+            raise refused(param, f"is more than the {max_bytes} bytes this request's images may have left "
                                   "(setting max_image_bytes)")
         chunks.append(chunk)

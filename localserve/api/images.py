@@ -33,15 +33,11 @@ from ..errors import InvalidRequestError
 from ..protocol.engine import ModelEngine
 from ..protocol.media import MEDIA_MARKER, ImageInput
 from ..pull.policy import UrlPolicy
-from .image_checks import check_image
+from .image_checks import check_image, refused
 from .image_fetch import fetch_image
 
 _DATA_URL = re.compile(r"\Adata:([^;,]*)((?:;[^;,]*)*),", re.IGNORECASE)
 _SPACE = re.compile(rb"\s+")
-
-
-def _refused(param: str, problem: str) -> InvalidRequestError:
-    return InvalidRequestError(f"'{param}' {problem}", param=param)
 
 
 @dataclass(frozen=True)
@@ -84,7 +80,7 @@ class ImageParts:
 
     def _add(self, ref: ImageRef) -> str:
         if len(self.refs) >= self.limits.max_images:
-            raise _refused(ref.param, f"is one image more than the {self.limits.max_images} a request may hold "
+            raise refused(ref.param, f"is one image more than the {self.limits.max_images} a request may hold "
                                       "(setting max_images_per_request)")
         self.refs.append(ref)
         self.images = None
@@ -93,32 +89,32 @@ class ImageParts:
     def add_base64(self, value: Any, param: str) -> str:
         """A base64 image (Anthropic's `data`, Ollama's `images`, llama.cpp's `multimodal_data`)."""
         if not isinstance(value, str) or not value:
-            raise _refused(param, "must be a non-empty string of base64 image data")
+            raise refused(param, "must be a non-empty string of base64 image data")
         if len(value) // 4 * 3 > self.limits.max_bytes:  # refused before a byte is decoded
-            raise _refused(param, f"is more than the {self.limits.max_bytes} bytes a request's images may have "
+            raise refused(param, f"is more than the {self.limits.max_bytes} bytes a request's images may have "
                                   "(setting max_image_bytes)")
         return self._add(ImageRef(param, base64=value))
 
     def add_url(self, value: Any, param: str) -> str:
         """An image URL: `data:image/...;base64,...` or an https link (fetched in resolve)."""
         if not isinstance(value, str) or not value:
-            raise _refused(param, "must be a non-empty string (a data: URL or an https:// link)")
+            raise refused(param, "must be a non-empty string (a data: URL or an https:// link)")
         head = _DATA_URL.match(value[:256])
         if head is not None:
             media_type, params = head.group(1).strip().lower(), head.group(2).lower()
             if media_type and not media_type.startswith("image/"):
-                raise _refused(param, f"is a data: URL of {media_type[:40]!r}, not an image")
+                raise refused(param, f"is a data: URL of {media_type[:40]!r}, not an image")
             if ";base64" not in params:
-                raise _refused(param, "must be a base64 data: URL (data:image/png;base64,...)")
+                raise refused(param, "must be a base64 data: URL (data:image/png;base64,...)")
             return self.add_base64(value[head.end():], param)
         if value[:5].lower() == "data:":
-            raise _refused(param, "is not a well-formed data: URL (data:image/png;base64,...)")
+            raise refused(param, "is not a well-formed data: URL (data:image/png;base64,...)")
         if len(value) > 8192:
-            raise _refused(param, "is a URL longer than 8192 characters")
+            raise refused(param, "is a URL longer than 8192 characters")
         try:
             replace(self.limits.policy, param=param).check_url(value)
         except InvalidRequestError as e:
-            raise _refused(param, f"is refused: {e.message}") from None
+            raise refused(param, f"is refused: {e.message}") from None
         return self._add(ImageRef(param, url=value))
 
     def check_markers(self, texts: Iterable[str], param: str) -> None:
@@ -129,7 +125,7 @@ class ImageParts:
             return
         found = sum(text.count(MEDIA_MARKER) for text in texts)
         if found != len(self.refs):
-            raise _refused(param, f"holds the text {MEDIA_MARKER!r}, which marks an image's place in a prompt "
+            raise refused(param, f"holds the text {MEDIA_MARKER!r}, which marks an image's place in a prompt "
                                   "with images; remove it from the text")
 
     async def resolve(self) -> list[ImageInput]:
@@ -146,7 +142,7 @@ class ImageParts:
             data = self._bytes(ref, left)
             left -= len(data)
             if left < 0:
-                raise _refused(ref.param, f"brings the request's images past {self.limits.max_bytes} bytes "
+                raise refused(ref.param, f"brings the request's images past {self.limits.max_bytes} bytes "
                                           "(setting max_image_bytes)")
             out.append(check_image(data, ref.param, max_pixels=self.limits.max_pixels))
         return out
@@ -160,7 +156,7 @@ class ImageParts:
         try:
             return base64.b64decode(_SPACE.sub(b"", text), validate=True)
         except (binascii.Error, ValueError):
-            raise _refused(ref.param, "is not valid base64") from None
+            raise refused(ref.param, "is not valid base64") from None
 
     def for_model(self, engine: ModelEngine) -> list[ImageInput]:
         """The resolved images for `engine`, or a 400 naming the model when it has no vision
@@ -168,7 +164,7 @@ class ImageParts:
         if not self.refs:
             return []
         if not getattr(engine.info, "vision", False):
-            raise _refused(self.refs[0].param, f"is an image, and the model {engine.name!r} takes no images: it has "
+            raise refused(self.refs[0].param, f"is an image, and the model {engine.name!r} takes no images: it has "
                                                "no vision projector (mmproj). Use a vision model (README: Images)")
         if self.images is None:
             raise RuntimeError("ImageParts.for_model before resolve()")  # generation() resolves first
