@@ -229,3 +229,21 @@ def test_urls_are_fetched_under_the_pull_policy_with_bounds():
             ImageParts().add_url(f"{base}/a.png", "u")
         with pytest.raises(InvalidRequestError, match="loopback, private"):
             ImageParts().add_url(base.replace("http:", "https:") + "/a.png", "u")
+
+
+def test_responses_items_keep_images_in_place_and_name_their_input():
+    from localserve.api.responses_items import chat_messages, parse_input
+
+    url = "data:image/png;base64," + b64(image_bytes("PNG"))
+    stored = parse_input([{"role": "user", "content": [{"type": "input_image", "image_url": url}]}])
+    items = parse_input([{"role": "user", "content": [
+        {"type": "input_text", "text": "and this?"}, {"type": "input_image", "image_url": url, "detail": "low"}]}])
+    assert items[0]["content"] == [{"type": "input_text", "text": "and this?"},
+                                   {"type": "input_image", "image_url": url, "detail": "low"}]
+    parts = ImageParts()
+    messages = chat_messages(None, stored + items, parts, own_from=1)
+    assert [m["content"] for m in messages] == [MEDIA_MARKER, "and this?" + MEDIA_MARKER]
+    assert [r.param for r in parts.refs] == ["previous_response_id", "input[0].content[1].image_url"]
+    with pytest.raises(InvalidRequestError) as e:
+        parse_input([{"role": "assistant", "content": [{"type": "input_image", "image_url": url}]}])
+    assert e.value.param == "input[0].content[0]"
