@@ -30,7 +30,7 @@ from typing import Any, Iterable
 
 from ..config.settings import Settings
 from ..errors import InvalidRequestError
-from ..protocol.engine import ModelEngine
+from ..protocol.engine import ModelEngine, TextEngine
 from ..protocol.media import MEDIA_MARKER, ImageInput
 from ..pull.policy import UrlPolicy
 from .image_checks import check_image, refused
@@ -163,9 +163,12 @@ class ImageParts:
         projector (checked before any template, tokenizing or generation)."""
         if not self.refs:
             return []
+        if isinstance(engine, TextEngine):  # a remote upstream: its request is relayed as text
+            raise refused(self.refs[0].param, f"is an image, and the remote model {engine.name!r} is sent text only "
+                                              "(images are not relayed to upstreams)")
         if not getattr(engine.info, "vision", False):
             raise refused(self.refs[0].param, f"is an image, and the model {engine.name!r} takes no images: it has "
-                                               "no vision projector (mmproj). Use a vision model (README: Images)")
+                                              "no vision projector (mmproj). Use a vision model (README: Images)")
         if self.images is None:
             raise RuntimeError("ImageParts.for_model before resolve()")  # generation() resolves first
         return self.images

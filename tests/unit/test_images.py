@@ -247,3 +247,18 @@ def test_responses_items_keep_images_in_place_and_name_their_input():
     with pytest.raises(InvalidRequestError) as e:
         parse_input([{"role": "assistant", "content": [{"type": "input_image", "image_url": url}]}])
     assert e.value.param == "input[0].content[0]"
+
+
+def test_for_model_hands_images_only_to_a_model_with_a_projector():
+    from types import SimpleNamespace
+
+    parts = ImageParts()
+    parts.add_base64(b64(image_bytes("PNG")), "images[0]")
+    images = resolve(parts)
+    seer = SimpleNamespace(name="seer:Q8_0", info=SimpleNamespace(vision=True))
+    blind = SimpleNamespace(name="blind:Q4_1", info=SimpleNamespace(vision=False))
+    assert parts.for_model(seer) == images
+    with pytest.raises(InvalidRequestError) as e:
+        parts.for_model(blind)
+    assert e.value.param == "images[0]" and "'blind:Q4_1' takes no images" in e.value.message
+    assert ImageParts().for_model(blind) == []  # no images: nothing to refuse
