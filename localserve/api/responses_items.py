@@ -52,8 +52,8 @@ def _text_of(value: Any, param: str) -> str:
             texts.append(part["refusal"])
             continue
         if kind not in TEXT_PARTS:
-            raise invalid(f"'{p}': only text content is supported (got {str(kind)[:30]!r}); this server "
-                          "serves no images, files or audio", p)
+            raise invalid(f"'{p}': only text content is supported here (got {str(kind)[:30]!r}); this server "
+                          "reads no files or audio, and images only as input_image parts of user messages", p)
         if not isinstance(part.get("text"), str):
             raise invalid(f"'{p}.text' must be a string", f"{p}.text")
         texts.append(part["text"])
