@@ -31,9 +31,11 @@ def fetch_image(url: str, param: str, policy: UrlPolicy, *, max_bytes: int, time
     transport = UrllibTransport(timeout=timeout, policy=policy)
     try:
         response = transport.open(url, {"Accept": "image/*"})
-    except (OSError, http.client.HTTPException, ValueError) as e:
-        reason = getattr(e, "reason", None) or type(e).__name__
-        raise refused(param, f"could not be fetched ({str(reason)[:80]})") from None
+    except (OSError, http.client.HTTPException, ValueError):
+        # No reason given: "connection refused" against "timed out" would tell a client which
+        # ports are open on a host whose name resolves to a private address (checked only once
+        # connected), the port probe the policy exists to stop.
+        raise refused(param, "could not be fetched (no connection to its host, or no answer)") from None
     try:
         if response.status != 200:
             raise refused(param, f"could not be fetched (the server answered HTTP {response.status})")

@@ -223,6 +223,11 @@ def test_urls_are_fetched_under_the_pull_policy_with_bounds():
             parts.add_url(f"{base}{path}", "messages[0].content[0].image_url.url")
             error = refused(parts)
             assert error.param == "messages[0].content[0].image_url.url" and words in error.message, (path, error)
+        # A closed port answers as an unanswered one: no "refused" that would tell open ports apart.
+        parts = ImageParts(allowed)
+        parts.add_url("http://127.0.0.1:1/x.png", "u")
+        error = refused(parts)
+        assert "could not be fetched" in error.message and "refused" not in error.message.lower()
         # Not allowed: the same server over http://, or over https:// at a loopback address, is
         # refused before connecting.
         with pytest.raises(InvalidRequestError, match="http:// are not allowed"):
