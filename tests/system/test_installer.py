@@ -144,6 +144,7 @@ def test_uninstall_and_purge_remove_only_what_localserve_wrote(tmp_path: Path) -
     and every file of the user's stays, named in what the uninstaller says it left."""
     import openai
 
+    from localserve.store.prompt_cache import PromptDiskCache
     from onnx_helpers import write_tiny_gguf
 
     mine = tmp_path / "mine"
@@ -161,10 +162,15 @@ def test_uninstall_and_purge_remove_only_what_localserve_wrote(tmp_path: Path) -
         client = openai.OpenAI(base_url=info["url"] + "/v1", api_key="unused", max_retries=0)
         client.files.create(file=("in.jsonl", b'{"custom_id": "a"}\n'), purpose="batch")
         stop_quietly(env, proc)
+    # A parked conversation on disk, as an unload writes it (store/prompt_cache.py): it holds a prompt.
+    parked = PromptDiskCache(mine, "ab" * 32, "engine", 1 << 20).open()
+    parked.save([1, 2, 3], b"the conversation's KV cells")
+    assert parked.flush()
     written = set(_files(mine)) - set(own_files)
     manifest = "models/tiny/latest/manifest.json"
     assert {manifest, "batches/batches.sqlite3", "logs/localserve.log", "run/daemon.lock"} <= written, written
     assert any(f.startswith("batches/files/file-") for f in written), written
+    assert any(f.startswith(f"prompt-cache/{'ab' * 32}/") for f in written), written
 
     env = _env(tmp_path / "home", LOCALSERVE_HOME=str(mine))
     (tmp_path / "home").mkdir()
