@@ -157,6 +157,10 @@ class Settings:
     # Hosts /api/pull may fetch from over http:// or at loopback/private addresses (a LAN mirror);
     # every other host must be public and https, so clients cannot probe the local network.
     pull_allow_http_hosts: tuple[str, ...] = ()
+    # Where `localserve setup` looks for a prebuilt llama-cpp-python before compiling: folders of
+    # wheels, find-links pages or package indexes, each `BUILD=SOURCE` (cuda=..., one build's) or
+    # `SOURCE` (any; the wheel's flavour is read from its libraries). runtime/wheels.py.
+    llama_wheels: tuple[str, ...] = ()
     pull_min_free_disk: int = 64 * 1024 * 1024  # bytes a download always leaves free on the disk
     partial_max_age_days: float = 7.0  # abandoned .partial downloads older than this are deleted
     # Batch API (localserve/batches/): input files of at most this many bytes and lines (OpenAI's

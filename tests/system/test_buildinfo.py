@@ -17,6 +17,9 @@ from localserve.runtime.buildinfo import NO_AMX_FLAGS, Toolkits, build_env, inst
 from localserve.commands.setup import pip_commands
 from localserve.hardware import CPUInfo, HardwareReport, detect_hardware
 from localserve.runtime.placement import Runtimes, choose_backend
+from wheel_cache import wheel_of_this_build
+
+REPO = Path(__file__).resolve().parents[2]
 
 ALL = Toolkits(nvcc=True, hipcc=True, vulkan_loader=True, glslc=True, xcode=True)
 VULKAN_ONLY = Toolkits(vulkan_loader=True, glslc=True)
@@ -132,3 +135,46 @@ def test_setup_dry_run_prints_the_plan(tmp_path: Path) -> None:
     assert done.returncode == 0, done.stderr
     assert "--no-cache-dir" in done.stdout and f"llama-cpp-python=={pinned_version()}" in done.stdout
     assert not (tmp_path / "logs").exists()
+
+
+@pytest.fixture
+def wheel_folder(tmp_path: Path) -> Path:
+    """A folder holding the llama-cpp-python wheel this machine built (pip's cache, as CI keeps it)."""
+    folder = tmp_path / "wheels"
+    if wheel_of_this_build(folder) is None:
+        pytest.skip("pip's cache holds no wheel of the installed llama-cpp-python build (CI's install puts it there)")
+    return folder
+
+
+def test_setup_installs_a_prebuilt_wheel_without_compiling(tmp_path: Path, wheel_folder: Path) -> None:
+    """Into a fresh environment, from a local wheel folder with every index off: installed, and the
+    log shows pip fetched a wheel and never built one."""
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=120)
+    python = venv / "bin" / "python"
+    # localserve and its dependencies come from this checkout and the dev environment; pip installs
+    # into the fresh one (it leaves the dev environment's llama-cpp-python alone: outside it).
+    dev_site = next(p for p in sys.path if p.endswith("site-packages") and Path(p, "llama_cpp").is_dir())
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), dev_site]), "PIP_NO_INDEX": "1"}
+    done = subprocess.run([str(python), "-m", "localserve", "--home", str(tmp_path / "home"), "setup", "--build", "cpu",
+                           "--force", "--wheels", str(wheel_folder)], capture_output=True, text=True, timeout=300, env=env)
+    assert done.returncode == 0, done.stderr
+    said = " ".join(done.stderr.split())  # rich wraps its lines
+    assert "Installed the prebuilt cpu build of llama-cpp-python" in said and "nothing was compiled" in said
+    installed = list((venv / "lib").glob(f"python3*/site-packages/llama_cpp_python-{pinned_version()}.dist-info"))
+    assert len(installed) == 1
+    log = next((tmp_path / "home" / "logs").glob("setup-cpu-*.log")).read_text()
+    assert "-m pip download" in log and "-m pip wheel" not in log
+
+
+def test_setup_refuses_a_wheel_of_another_flavour_and_names_the_toolkit(tmp_path: Path, wheel_folder: Path) -> None:
+    """The CPU wheel offered for a ROCm build is read for what it is; without hipcc nothing compiles
+    either, and the refusal says both."""
+    done = _cli("setup", "--build", "rocm", "--wheels", str(wheel_folder),
+                env={"PATH": str(Path(sys.executable).parent), "ROCM_PATH": str(tmp_path / "no-rocm"), "PIP_NO_INDEX": "1"},
+                home=tmp_path)
+    assert done.returncode == 1, done.stdout + done.stderr
+    message = " ".join(done.stderr.split())
+    assert f"its llama-cpp-python {pinned_version()} wheel is a cpu build, not rocm" in message
+    assert "the rocm build needs ROCm with hipcc to compile, which is not installed" in message
+    assert "Traceback" not in done.stderr

@@ -9,7 +9,6 @@ runs (found in pip's wheel cache by the hash of its libllama.so) through --find-
 
 from __future__ import annotations
 
-import csv
 import os
 import plistlib
 import shutil
@@ -18,39 +17,16 @@ import stat
 import subprocess
 import sys
 import time
-import zipfile
-from importlib import metadata
 from pathlib import Path
 
 import pytest
 
 from daemon_util import cli_env, free_port, register_model, serving, stop_quietly, wait_published
+from wheel_cache import wheel_of_this_build
 from localserve.desktop.service import ServiceSpec, launch_agent, systemd_unit
 
 REPO = Path(__file__).resolve().parents[2]
 INSTALL = REPO / "installer" / "install.sh"
-
-
-def _record_hash(lines: list[list[str]], suffix: str) -> str | None:
-    return next((row[1] for row in lines if row and row[0].endswith(suffix)), None)
-
-
-def _wheel_of_this_build(dest: Path) -> Path | None:
-    """The cached wheel whose libllama.so is the installed one (pip's cache ignores CFLAGS, so a
-    cached wheel may be another flavour: only an identical library will do)."""
-    dist = metadata.distribution("llama-cpp-python")
-    record = next(f for f in dist.files or [] if f.name == "RECORD")
-    wanted = _record_hash(list(csv.reader(Path(record.locate()).read_text().splitlines())), "lib/libllama.so")
-    done = subprocess.run([sys.executable, "-m", "pip", "cache", "list", "llama_cpp_python*", "--format=abspath"],
-                          capture_output=True, text=True)
-    for line in done.stdout.split():
-        with zipfile.ZipFile(line) as z:
-            name = next(n for n in z.namelist() if n.endswith(".dist-info/RECORD"))
-            rows = list(csv.reader(z.read(name).decode().splitlines()))
-        if wanted and _record_hash(rows, "lib/libllama.so") == wanted:
-            dest.mkdir(parents=True, exist_ok=True)
-            return Path(shutil.copy(line, dest))
-    return None
 
 
 def _env(home: Path, **extra: str) -> dict[str, str]:
@@ -74,7 +50,7 @@ def _files(root: Path) -> list[str]:
 @pytest.mark.model
 def test_install_answer_upgrade_uninstall(tmp_path: Path, smollm2_gguf: Path) -> None:
     wheels = tmp_path / "wheels"
-    if _wheel_of_this_build(wheels) is None:
+    if wheel_of_this_build(wheels) is None:
         pytest.skip("pip's cache holds no wheel of the installed llama-cpp-python build (CI's install puts it there)")
     built = subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "-w", str(wheels), str(REPO)],
                            capture_output=True, text=True, timeout=300)
