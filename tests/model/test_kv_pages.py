@@ -5,6 +5,7 @@ memory held, never time."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from localserve.backends.llamacpp import kv_pages
@@ -47,3 +48,38 @@ def test_a_loaded_context_commits_no_kv_page_and_a_freed_stream_gives_its_pages_
     b.kv_remove(3)
     assert rss_bytes() < held - inside * 3 // 4  # the stream's pages went back
     b.kv_clear()
+
+
+@pytest.mark.timeout(900)  # one 8,191-token prefill: ~10 s on 2 quiet cores, minutes on a shared machine
+def test_eight_sequences_of_the_full_context_fit_at_once_and_answer_alike(product_sized):
+    """Today's capacity with KV that commits as it is used (issue 42 part 1): eight sequences of
+    SmolLM2's whole 8,192-token context resident together, each answering its next token. The
+    prompt is computed once; the other seven get its cells as the prompt cache on disk places a
+    saved conversation (SeqState), so the test pays one 8,191-token prefill, not eight."""
+    from localserve.backends.llamacpp.seq_state import SeqState
+
+    b, _ = product_sized
+    n, step = 8191, 512
+    tokens = b.tokenize("The quick brown fox jumps over the lazy dog near the river bank. " * 700)[:n]
+    assert len(tokens) == n
+    b.kv_clear()
+    b.set_threads(2)
+    try:
+        for start in range(0, n, step):
+            chunk = tokens[start:start + step]
+            b.decode_arrays(chunk, [0] * len(chunk), list(range(start, start + len(chunk))), [0] * len(chunk))
+        state = SeqState(b).save(0)
+        for seq in range(1, 8):
+            SeqState(b).restore(seq, state, keep=n)
+        pages = b._pages.pages
+        stream_bytes = 30 * 2 * 8192 * 384  # SmolLM2's f16 K and V rows of one full stream
+        assert kv_pages.resident_bytes(pages.address, pages.size) > 8 * stream_bytes * 0.95
+        # Each one's last cell: the same next token in every sequence, computed in one batch.
+        b.decode_arrays([tokens[-1]] * 8, list(range(8)), [n] * 8, [1] * 8)
+        rows = [b.logits(i) for i in range(8)]
+        assert all(np.array_equal(rows[0], row) for row in rows[1:])
+        assert all(b.kv_pos_max(seq) == n for seq in range(8))
+    finally:
+        b.set_threads(1)
+        b.kv_clear()
+    assert kv_pages.resident_bytes(pages.address, pages.size) < 8 * MIB  # all of it given back
