@@ -18,17 +18,16 @@ import ctypes
 import dataclasses
 import logging
 import os
-import re
 import threading
 import weakref
 from pathlib import Path
-from typing import Any, Generator, Sequence
+from typing import Generator, Sequence
 
 import llama_cpp
 import numpy as np
 
 from ...protocol.requests import SamplingParams
-from ...errors import BackendError, GGUFError, ModelNotFoundError
+from ...errors import BackendError
 from ..base import Backend, BatchToken, Capabilities, DecodeInterrupted, KVFullError, KVRequest, KVSizing
 from .batch import PackedBatch, stream_groups
 from ..common.grammar import GRAMMAR_CONSTRAINTS
@@ -37,16 +36,13 @@ from .embed import EmbeddingContext
 from .info import read_model_info
 from .interrupt import InterruptFlag, available as interrupt_available
 from .offload import OffloadFacts, parse_load_log
-from .probe import build_died_here
+from .loading import check_load_args, context_params, load_model
 from .runtime import captured_log, ensure_runtime, error_count, last_error_since
 from .sampling import LlamaCppSampler
 from .tokenizer import LlamaTokenizer
 from . import kv_pages, seq_copy, sizing
 
 log = logging.getLogger(__name__)
-
-_KV_TYPES = {"f16": llama_cpp.GGML_TYPE_F16, "q8_0": llama_cpp.GGML_TYPE_Q8_0}
-
 
 def _free_native(model, ctx, embedder_box: list) -> None:
     # Order matters: contexts reference the model.
@@ -191,11 +187,11 @@ class LlamaCppBackend(LlamaTokenizer, Backend):
             this build's recorded probe verdict on this machine (no probe is run).
         """
         path = Path(path)
-        _check_load_args(path, n_ctx, n_seq_max, n_batch, kv_type)
+        check_load_args(path, n_ctx, n_seq_max, n_batch, kv_type)
         ensure_runtime()
         n_threads = n_threads or default_threads()
-        model, load_lines = _load_model(path, n_gpu_layers, extra_buffers)
-        cparams = _context_params(n_ctx=n_ctx, n_seq_max=n_seq_max, n_batch=n_batch, n_threads=n_threads,
+        model, load_lines = load_model(path, n_gpu_layers, extra_buffers)
+        cparams = context_params(n_ctx=n_ctx, n_seq_max=n_seq_max, n_batch=n_batch, n_threads=n_threads,
                                   kv_unified=kv_unified, kv_type=kv_type, flash_attention=flash_attention,
                                   exact_attention=exact_attention)
         # The KV buffer's clear gives its pages back instead of writing them (kv_pages.py): a
@@ -433,60 +429,3 @@ class LlamaCppBackend(LlamaTokenizer, Backend):
         if self._pages is not None:
             self._pages.cleared()
         self._n_out = 0
-
-_ABS_PATH = re.compile(r"(?<![\w.])(?:[A-Za-z]:\\|/)[^\s:'\"]+")
-
-
-def _without_paths(message: str, path: Path) -> str:
-    """llama.cpp's errors name files by their full path; clients may only see the file name."""
-    message = message.replace(str(path.resolve()), path.name).replace(str(path), path.name)
-    return _ABS_PATH.sub("<path>", message)
-
-
-# --- LlamaCppBackend.load's steps ----------------------------------------------------------------
-def _check_load_args(path: Path, n_ctx: int, n_seq_max: int, n_batch: int, kv_type: str) -> None:
-    max_seq = llama_cpp.llama_max_parallel_sequences()
-    if not 1 <= n_seq_max <= max_seq:
-        raise ValueError(f"n_seq_max must be in 1..{max_seq}")
-    if n_ctx < 1 or n_batch < 1:
-        raise ValueError("n_ctx and n_batch must be positive")
-    if kv_type not in _KV_TYPES:
-        raise ValueError(f"kv_type must be one of {sorted(_KV_TYPES)}")
-    if not path.is_file():
-        raise ModelNotFoundError(path.name, message=f"model file {path.name!r} does not exist")
-
-
-def _load_model(path: Path, n_gpu_layers: int, extra_buffers: bool | None) -> tuple[Any, list[str]]:
-    """The weights, and llama.cpp's log lines of the load (where it put the layers); GGUFError in
-    llama.cpp's own words, with no host path, when it cannot load the file."""
-    errors_before = error_count()
-    mparams = llama_cpp.llama_model_default_params()
-    mparams.n_gpu_layers = n_gpu_layers
-    mparams.use_extra_bufts = not build_died_here() if extra_buffers is None else extra_buffers
-    with captured_log() as load_lines:
-        model = llama_cpp.llama_model_load_from_file(os.fsencode(path), mparams)
-    if not model:
-        reason = _without_paths(last_error_since(errors_before), path)
-        raise GGUFError(f"could not load model file {path.name!r}" + (f": {reason}" if reason else ""))
-    return model, load_lines
-
-
-def _context_params(*, n_ctx: int, n_seq_max: int, n_batch: int, n_threads: int, kv_unified: bool, kv_type: str,
-                    flash_attention: bool, exact_attention: bool) -> Any:
-    cparams = llama_cpp.llama_context_default_params()
-    cparams.n_ctx = n_ctx
-    cparams.n_batch = n_batch
-    cparams.n_ubatch = min(n_batch, 512)  # llama.cpp's default micro-batch: bigger only costs memory
-    cparams.n_seq_max = n_seq_max
-    cparams.kv_unified = kv_unified
-    cparams.n_threads = n_threads
-    cparams.n_threads_batch = n_threads
-    cparams.embeddings = False
-    cparams.type_k = cparams.type_v = _KV_TYPES[kv_type]
-    if kv_type != "f16":
-        flash_attention = True  # llama.cpp refuses a quantized V cache without it
-    if exact_attention:
-        cparams.type_k = cparams.type_v = llama_cpp.GGML_TYPE_F32
-    if exact_attention or not flash_attention:
-        cparams.flash_attn_type = llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED
-    return cparams
