@@ -22,6 +22,8 @@ from ..errors import BackendError, ConfigError
 from .placement import BACKENDS, FORMAT_BACKEND, PREFERENCES, BackendChoice, Runtimes, choose_backend
 
 if TYPE_CHECKING:  # the engine pulls in llama.cpp; choosing a backend must import without it
+    from pathlib import Path
+
     from ..protocol.engine import ModelEngine
     from ..hardware import HardwareReport
     from .memory import MemoryEstimate
@@ -64,10 +66,17 @@ def _load_llamacpp(installed: "InstalledModel", variant: "StoredVariant", plan: 
         flash_attention=limits.flash_attention,
         kv_type=limits.kv_type,
         extra_buffers=extra_buffers_allowed(variant.path, cpu.model, cpu.features),
+        mmproj=_projector(variant),
     )
     engine = Engine(backend, limits, installed.ref, prompt_disk=_prompt_disk(backend, variant, plan, settings))
     engine.start()
     return engine
+
+
+def _projector(variant: "StoredVariant") -> "Path | None":
+    """The tag's projector file (mmproj), which the store records beside its GGUF (pull, `add
+    --mmproj`), or None: then the model takes no images (ModelInfo.vision false)."""
+    return getattr(variant, "mmproj", None)
 
 
 def _prompt_disk(backend, variant: "StoredVariant", plan: "ModelPlan", settings: Settings):
