@@ -3,10 +3,9 @@ of its token list, and those positions the embeddings a decode reads (issue 43).
 
 **Images as prompt positions.** `tokenize` runs mtmd's tokenizer over the rendered prompt (one
 MEDIA_MARKER per image) and returns one flat list: text tokens as they are, and for each image chunk
-(a tile, an overview) one negative id per position. An id holds the chunk's key (from the image's
-sha256 and which of its chunks it is) and the row within it, so the same image gives the same ids in
-every request and the prefix cache, which matches ids, reuses its cells, while two different images
-never share an id. The scheduler plans these positions as any prompt tokens (chunks, lanes, budget);
+(a tile, an overview) one negative id per position (protocol/media_ids.py: the chunk's key from the
+image's sha256, and the row), so the same image gives the same ids in every request and the prefix
+cache, which matches ids, reuses its cells, while two different images never share an id. The scheduler plans these positions as any prompt tokens (chunks, lanes, budget);
 the backend decodes a run of them as a `llama_batch` of embeddings, since llama.cpp takes tokens or
 embeddings in one batch, never both (llama-server decodes an image chunk on its own too).
 
@@ -38,25 +37,20 @@ from llama_cpp import mtmd_cpp as mtmd
 
 from ...errors import BackendError, InvalidRequestError
 from ...protocol.media import MEDIA_MARKER, ImageInput
+from ...protocol.media_ids import ROW_BITS, ROW_MASK, media_ids
 from .runtime import captured_log
 
 log = logging.getLogger(__name__)
 
-_ROW_BITS = 20  # rows per chunk: 1M positions, far past any projector's tile
 _KEY_BYTES = 5  # 40 bits of sha256: two different images sharing a key is a 1-in-10^12 event
 _IDLE_CHUNKS = 16  # chunks no request holds, kept (with their embeddings) for the next question
 _MTMD_TEXT = 0  # MTMD_INPUT_CHUNK_TYPE_TEXT
 
 
-def media_ids(key: int, n: int) -> list[int]:
-    base = 1 + (key << _ROW_BITS)
-    return [-(base + row) for row in range(n)]
-
-
 def split_ids(ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """(chunk key, row) of each media id."""
+    """(chunk key, row) of each media id (protocol/media_ids.py, for a whole array)."""
     k = -ids.astype(np.int64) - 1
-    return k >> _ROW_BITS, k & ((1 << _ROW_BITS) - 1)
+    return k >> ROW_BITS, k & ROW_MASK
 
 
 def chunk_key(sha256: str, ordinal: int) -> int:
@@ -70,6 +64,7 @@ def chunk_key(sha256: str, ordinal: int) -> int:
 class _Chunk:
     ptr: Any  # an owned mtmd_input_chunk (mtmd_input_chunk_copy), freed with the entry
     n_tokens: int
+    sha256: str  # of the image it is part of
     embd: np.ndarray | None = None  # (n_tokens, n_embd) float32 once encoded
     refs: int = 0  # requests holding it
 
@@ -149,7 +144,7 @@ class Projector:
 
     def _read(self, chunks: Any) -> list[int]:
         tokens: list[int] = []
-        ordinals: collections.Counter[bytes] = collections.Counter()
+        ordinals: collections.Counter[str] = collections.Counter()
         for i in range(mtmd.mtmd_input_chunks_size(chunks)):
             chunk = mtmd.mtmd_input_chunks_get(chunks, i)
             n = mtmd.mtmd_input_chunk_get_n_tokens(chunk)
@@ -162,11 +157,11 @@ class Projector:
                                               "layout needs", param="model")
                 tokens.extend(text)
                 continue
-            image_id = mtmd.mtmd_input_chunk_get_id(chunk) or b""
-            key = chunk_key(image_id.decode(), ordinals[image_id])
-            ordinals[image_id] += 1
+            sha256 = (mtmd.mtmd_input_chunk_get_id(chunk) or b"").decode()
+            key = chunk_key(sha256, ordinals[sha256])
+            ordinals[sha256] += 1
             if key not in self._chunks:
-                self._chunks[key] = _Chunk(mtmd.mtmd_input_chunk_copy(chunk), n)
+                self._chunks[key] = _Chunk(mtmd.mtmd_input_chunk_copy(chunk), n, sha256)
                 self._idle[key] = None
                 self._trim()
             tokens.extend(media_ids(key, n))
@@ -183,8 +178,8 @@ class Projector:
             if any(key not in self._chunks for key in keys):
                 for image in images:
                     self.tokenize(MEDIA_MARKER, [image], add_special=False)
-            unknown = [key for key in keys if key not in self._chunks]
-            if unknown:
+            own = {image.sha256 for image in images}
+            if any(key not in self._chunks or self._chunks[key].sha256 not in own for key in keys):
                 raise InvalidRequestError("the prompt has image positions that none of its images makes",
                                           param="prompt")
             for key in keys:
