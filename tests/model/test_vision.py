@@ -15,23 +15,20 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-from contextlib import contextmanager
 
 import numpy as np
 import pytest
 
 from localserve.backends.llamacpp.backend import LlamaCppBackend
-from localserve.batching.limits import EngineLimits
 from localserve.engine.local import Engine
 from localserve.errors import InvalidRequestError
 from localserve.protocol.media import MEDIA_MARKER, ImageInput
 from localserve.protocol.requests import GenerationRequest, SamplingParams
 
 import vision_model
+from test_engine_llamacpp import run, running_engine  # its step budget (48) and defaults
 
 GREEDY = SamplingParams(temperature=0.0)
-# A small step budget: the 131-position image layout and the text around it take several steps.
-BUDGET = 48
 
 
 def image(seed: int) -> ImageInput:
@@ -54,20 +51,6 @@ def backend(vision_files):
     b.close()
 
 
-@contextmanager
-def running_engine(backend, **limits):
-    defaults = dict(max_sequences=8, batch_tokens=BUDGET, n_ctx=backend.n_ctx, n_ctx_seq=1024, prefix_cache=True)
-    defaults.update(limits)
-    backend.kv_clear()
-    engine = Engine(backend, EngineLimits(**defaults), name="smolvlm")
-    engine.start()
-    try:
-        yield engine
-    finally:
-        engine.shutdown()
-        backend.kv_clear()
-
-
 def prompt(question: str, n_images: int = 1) -> str:
     return f"<|im_start|>user\n{MEDIA_MARKER * n_images}\n{question}<|im_end|>\n<|im_start|>assistant\n"
 
@@ -75,14 +58,6 @@ def prompt(question: str, n_images: int = 1) -> str:
 def image_request(engine: Engine, question: str, images: list[ImageInput], max_tokens: int = 12) -> GenerationRequest:
     tokens = engine.tokenize_media(prompt(question, len(images)), images)
     return GenerationRequest(tokens, GREEDY, max_tokens=max_tokens, ignore_eos=True, images=images)
-
-
-async def run(engine: Engine, request: GenerationRequest):
-    tokens, last = [], None
-    async for event in engine.submit(request):
-        tokens += event.token_ids
-        last = event
-    return tokens, last
 
 
 def test_the_projector_loads_and_sees(backend):
@@ -112,8 +87,8 @@ def test_markers_and_images_must_pair_up(backend):
 
 async def test_the_same_image_twice_answers_alike_and_the_second_reads_its_cells(backend):
     with running_engine(backend) as engine:
-        first, last1 = await run(engine, image_request(engine, "Describe the picture.", [image(1)]))
-        second, last2 = await run(engine, image_request(engine, "Describe the picture.", [image(1)]))
+        first, _, last1 = await run(engine, image_request(engine, "Describe the picture.", [image(1)]))
+        second, _, last2 = await run(engine, image_request(engine, "Describe the picture.", [image(1)]))
         n_prompt = last2.usage.prompt_tokens
     assert first == second and len(first) == 12
     assert last1.usage.cached_tokens == 0
@@ -125,7 +100,7 @@ async def test_a_second_question_about_the_same_image_reuses_its_cells(backend):
     with running_engine(backend) as engine:
         await run(engine, image_request(engine, "Describe the picture.", [image(1)]))
         request = image_request(engine, "What colour is it?", [image(1)])
-        _, last = await run(engine, request)
+        _, _, last = await run(engine, request)
     first_media = next(i for i, t in enumerate(request.prompt_tokens) if t < 0)
     last_media = max(i for i, t in enumerate(request.prompt_tokens) if t < 0)
     assert last.usage.cached_tokens > last_media > first_media  # the whole image was read from the cache
@@ -133,9 +108,9 @@ async def test_a_second_question_about_the_same_image_reuses_its_cells(backend):
 
 async def test_a_different_image_shares_no_cells_and_answers_from_its_own(backend):
     with running_engine(backend) as engine:
-        one, _ = await run(engine, image_request(engine, "Describe the picture.", [image(1)], max_tokens=16))
+        one, _, _ = await run(engine, image_request(engine, "Describe the picture.", [image(1)], max_tokens=16))
         request = image_request(engine, "Describe the picture.", [image(3)], max_tokens=16)
-        two, last = await run(engine, request)
+        two, _, last = await run(engine, request)
     first_media = next(i for i, t in enumerate(request.prompt_tokens) if t < 0)
     assert last.usage.cached_tokens <= first_media  # only the text before the image was shared
     assert one != two
@@ -166,24 +141,24 @@ async def test_an_image_alone_and_beside_four_running_chats_answers_alike(backen
     chats = [backend.tokenize(f"<|im_start|>user\nTell me a long story about {topic}.<|im_end|>\n"
                               "<|im_start|>assistant\n") for topic in ("rivers", "bread", "owls", "tea")]
     with running_engine(backend, prefix_cache=False) as engine:
-        alone, _ = await run(engine, image_request(engine, "Describe the picture.", [image(5)], max_tokens=16))
+        alone, _, _ = await run(engine, image_request(engine, "Describe the picture.", [image(5)], max_tokens=16))
     with running_engine(backend, prefix_cache=False) as engine:
         running = [asyncio.ensure_future(run(engine, GenerationRequest(c, GREEDY, max_tokens=48, ignore_eos=True)))
                    for c in chats]
         while engine.stats().running < 4:
             await asyncio.sleep(0.01)
-        beside, last = await run(engine, image_request(engine, "Describe the picture.", [image(5)], max_tokens=16))
+        beside, _, last = await run(engine, image_request(engine, "Describe the picture.", [image(5)], max_tokens=16))
         stories = await asyncio.gather(*running)
         assert engine.stats().running == 0
     assert beside == alone
-    assert all(len(tokens) == 48 for tokens, _ in stories)
+    assert all(len(tokens) == 48 for tokens, _, _ in stories)
     assert last.finish_reason == "length"
 
 
 async def test_two_images_in_one_prompt(backend):
     with running_engine(backend) as engine:
-        both, last = await run(engine, image_request(engine, "Compare them.", [image(1), image(2)]))
-        swapped, _ = await run(engine, image_request(engine, "Compare them.", [image(2), image(1)]))
+        both, _, last = await run(engine, image_request(engine, "Compare them.", [image(1), image(2)]))
+        swapped, _, _ = await run(engine, image_request(engine, "Compare them.", [image(2), image(1)]))
     assert len(both) == 12 and last.finish_reason == "length"
     assert both != swapped
 

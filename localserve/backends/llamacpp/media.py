@@ -5,7 +5,8 @@ of its token list, and those positions the embeddings a decode reads (issue 43).
 MEDIA_MARKER per image) and returns one flat list: text tokens as they are, and for each image chunk
 (a tile, an overview) one negative id per position (protocol/media_ids.py: the chunk's key from the
 image's sha256, and the row), so the same image gives the same ids in every request and the prefix
-cache, which matches ids, reuses its cells, while two different images never share an id. The scheduler plans these positions as any prompt tokens (chunks, lanes, budget);
+cache, which matches ids, reuses its cells, while two different images never share an id. The
+scheduler plans these positions as any prompt tokens (chunks, lanes, budget);
 the backend decodes a run of them as a `llama_batch` of embeddings, since llama.cpp takes tokens or
 embeddings in one batch, never both (llama-server decodes an image chunk on its own too).
 
@@ -13,11 +14,13 @@ embeddings in one batch, never both (llama-server decodes an image chunk on its 
 engine thread, in the step whose decode first needs one of its rows, and its embeddings are kept
 while a request holds the image (and a few more after, for the next question about it): a
 preempted request re-fed from scratch, or one whose prefix hit ends inside the image, reads them
-again without encoding again.
+again without encoding again. The scheduler charges that step for the encode
+(batching/encode_charge.py).
 
-Only what llama.cpp decodes as plain positions is served: a projector whose model takes M-RoPE
-positions (Qwen2-VL's 2-D ones) or non-causal attention over an image (Gemma 3) would need both the
-batch and the scheduler to keep an image whole; such a projector loads with `vision` off.
+Only what llama.cpp decodes as plain causal positions is served: a projector whose model takes
+M-RoPE positions (Qwen2-VL's 2-D ones) or non-causal attention over an image (Gemma 3) would need
+the batch to carry them and the scheduler to keep an image whole; such a projector loads with
+`vision` off, and the log says why.
 """
 
 from __future__ import annotations
@@ -76,13 +79,44 @@ class Projector:
     def __init__(self, ctx: Any, n_embd: int) -> None:
         self.ctx = ctx
         self.n_embd = n_embd
-        plain = not mtmd.mtmd_decode_use_mrope(ctx)
-        self.vision = bool(mtmd.mtmd_support_vision(ctx)) and plain
-        self.audio = bool(mtmd.mtmd_support_audio(ctx)) and plain
         self._lock = threading.RLock()
         self._chunks: dict[int, _Chunk] = {}
         self._idle: collections.OrderedDict[int, None] = collections.OrderedDict()  # oldest first
         self._closed = False
+        self.vision = self.audio = False
+        self.why_not = ""  # why a projector that sees is not used (a log line)
+        if mtmd.mtmd_support_vision(ctx) or mtmd.mtmd_support_audio(ctx):
+            self.why_not = self._unsupported()
+        if not self.why_not:
+            self.vision = bool(mtmd.mtmd_support_vision(ctx))
+            self.audio = bool(mtmd.mtmd_support_audio(ctx))
+
+    def _unsupported(self) -> str:
+        """What of this projector's decoding the engine does not do, or "" (module doc)."""
+        if mtmd.mtmd_decode_use_mrope(self.ctx):
+            return "it needs M-RoPE positions"
+        if not mtmd.mtmd_support_vision(self.ctx):
+            return ""
+        # Whether an image is decoded with non-causal attention is a property of its chunks: ask
+        # with a small grey one.
+        pixels = (ctypes.c_uint8 * (32 * 32 * 3))(*([128] * (32 * 32 * 3)))
+        bitmap = mtmd.mtmd_bitmap_init(32, 32, pixels)
+        chunks = mtmd.mtmd_input_chunks_init()
+        try:
+            marker = MEDIA_MARKER.encode()
+            text = mtmd.mtmd_input_text(marker, len(marker), False, True)
+            array = (mtmd.mtmd_bitmap_p_ctypes * 1)(bitmap)
+            if mtmd.mtmd_tokenize(self.ctx, chunks, ctypes.byref(text), array, 1) != 0:
+                return "it refused a small test image"
+            for i in range(mtmd.mtmd_input_chunks_size(chunks)):
+                chunk = mtmd.mtmd_input_chunks_get(chunks, i)
+                image = mtmd.mtmd_input_chunk_get_type(chunk) != _MTMD_TEXT
+                if image and mtmd.mtmd_decode_use_non_causal(self.ctx, chunk):
+                    return "it needs each image decoded whole, with non-causal attention"
+            return ""
+        finally:
+            mtmd.mtmd_input_chunks_free(chunks)
+            mtmd.mtmd_bitmap_free(bitmap)
 
     @classmethod
     def load(cls, path: str | os.PathLike[str], model: Any, n_embd: int, n_threads: int,
@@ -104,9 +138,9 @@ class Projector:
             raise BackendError(f"could not load projector {path.name!r} for this model "
                                "(not a projector, or made for another model)")
         projector = cls(ctx, n_embd)
-        if not projector.vision and mtmd.mtmd_support_vision(ctx):
-            log.warning("projector %s needs M-RoPE positions, which this engine does not feed yet: "
-                        "images stay off for this model", path.name)
+        if projector.why_not:
+            log.warning("projector %s loaded, but images stay off for this model: %s, which this engine "
+                        "does not do yet", path.name, projector.why_not)
         return projector
 
     # --- prompts -----------------------------------------------------------------------------
