@@ -20,6 +20,7 @@ import numpy as np
 import pytest
 
 from localserve.backends.llamacpp.backend import LlamaCppBackend
+from localserve.batching.limits import EngineLimits
 from localserve.engine.local import Engine
 from localserve.errors import InvalidRequestError
 from localserve.protocol.media import MEDIA_MARKER, ImageInput
@@ -180,3 +181,45 @@ def test_a_model_without_a_projector_does_not_see(smollm2_gguf):
             plain.tokenize_media(prompt("What is this?"), [image(1)])
     finally:
         plain.close()
+
+
+def load_vision_engine(model: str, projector: str) -> Engine:
+    """The loader an engine worker runs (a module-level function: the worker imports it by name)."""
+    backend = LlamaCppBackend.load(model, n_ctx=4096, n_seq_max=4, n_batch=256, n_threads=1, kv_unified=False,
+                                   flash_attention=False, mmproj=projector)
+    engine = Engine(backend, EngineLimits(max_sequences=4, batch_tokens=48, n_ctx=4096, n_ctx_seq=1024,
+                                          prefix_cache=True), name="smolvlm")
+    engine.start()
+    return engine
+
+
+async def test_images_through_an_engine_worker(vision_files, tmp_path):
+    """As the daemon runs a model: the worker holds the projector, says `vision` in its ready
+    message, tokenizes the images (a round trip: the daemon has only the vocabulary), and the
+    images travel with the request over the pipe."""
+    from localserve.api.generation import tokenize_async
+    from localserve.engine.worker.proxy import WorkerEngine
+
+    model, projector = vision_files
+    worker = await asyncio.to_thread(WorkerEngine.start, "smolvlm", load_vision_engine, (str(model), str(projector)),
+                                     log_path=tmp_path / "engine.log", vocab_gguf=model)
+    try:
+        assert worker.info.vision is True
+        answers = []
+        for _ in range(2):
+            tokens = await tokenize_async(worker, prompt("Describe the picture."), images=[image(1)])
+            assert sum(t < 0 for t in tokens) == 2 * vision_model.TOKENS_PER_IMAGE
+            stream = await worker.generate(GenerationRequest(tokens, GREEDY, max_tokens=8, ignore_eos=True,
+                                                             images=[image(1)]))
+            out, last = [], None
+            async for event in stream:
+                out += event.token_ids
+                last = event
+            answers.append((out, last.usage.cached_tokens, len(tokens)))
+        (first, cached1, _), (second, cached2, n) = answers
+        assert first == second and len(first) == 8
+        assert cached1 == 0 and cached2 == n - 2
+        with pytest.raises(InvalidRequestError):  # markers and images that do not pair up: the worker's 400
+            await tokenize_async(worker, prompt("Two?", 2), images=[image(1)])
+    finally:
+        await asyncio.to_thread(worker.shutdown)
