@@ -6,8 +6,9 @@ clip `idefics3` type, a SigLIP-style vision tower (patch embedding, position emb
 post-layernorm) and idefics3's pixel shuffle + linear projection to 576, from seeded random weights.
 Its language model is SmolLM2 itself with two unused special tokens renamed to the ones
 idefics3's image layout names (`<fake_token_around_image>`, `<global-img>`: SmolVLM's tokenizer has
-them, SmolLM2's has not, and mtmd's tokenizer would put -1 where they go). So llama.cpp's whole vision path (preprocessing, encoding, the embeddings entering the sequence)
-runs on our default test model; what SmolLM2 makes of random image embeddings is beside the point,
+them, SmolLM2's has not, and mtmd's tokenizer would put -1 where they go). So llama.cpp's whole
+vision path (preprocessing, encoding, the embeddings entering the sequence) runs on our default
+test model; what SmolLM2 makes of random image embeddings is beside the point,
 but they are deterministic and differ from image to image.
 
 Tiny on purpose (a 128-pixel image, 8-pixel patches, two 64-wide blocks): an encode is a few
@@ -25,7 +26,8 @@ import numpy as np
 
 PROJECTOR_NAME = "smolvlm-mmproj.gguf"
 MODEL_NAME = "smolvlm-text.gguf"
-SMOLLM2 = Path(__file__).resolve().parent.parent / ".test-cache/home/models/smollm2-135m/Q4_1/SmolLM2-135M-Instruct.Q4_1.gguf"
+SMOLLM2 = (Path(__file__).resolve().parent.parent
+           / ".test-cache/home/models/smollm2-135m/Q4_1/SmolLM2-135M-Instruct.Q4_1.gguf")
 # SmolLM2's <jupyter_output> and <jupyter_script> (control tokens no chat uses) under SmolVLM's names.
 RENAMED_TOKENS = {14: "<fake_token_around_image>", 15: "<global-img>"}
 IMAGE_SIZE = 128
