@@ -6,6 +6,7 @@ charged for it, as for as many prompt tokens as the chunk has positions (the tow
 with the patches those positions come from), and a prompt chunk that would start an image in a
 step with too little room left stops short of it instead: the image then starts a later step
 where it comes first, and running decodes never wait for an encode plus a whole prompt chunk.
+A prompt alone in its step is never cut for it: nothing waits on that step but the prompt itself.
 """
 
 from __future__ import annotations

@@ -175,7 +175,8 @@ class Scheduler:
                 # room has no valid cut (2 + a lone 1), and with only such prompts running nothing
                 # was fed at all and the engine spun on empty steps.
                 want = self.caps.chunk(seq.pending, min(fed.budget, room + min_chunk - 1))
-            want = before_encode(self.caps, seq.tokens, seq.num_computed, want, room)
+            if fed.feeds:  # an encode delays only what shares its step: alone an image goes at once
+                want = before_encode(self.caps, seq.tokens, seq.num_computed, want, room)
             n = self._reserve(seq, want, fed.unscheduled, shrink=True)
             if n:
                 fed.add(seq, n)

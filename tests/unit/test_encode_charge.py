@@ -47,3 +47,9 @@ def test_an_image_that_fits_with_its_encode_goes_at_once():
     sched = planner(STREAMS)
     seq = submit(sched, list(range(100, 104)) + OTHER + list(range(200, 204)))
     assert positions(step(sched), seq) == list(range(16))  # 16 + 8 for the encode <= 64
+
+
+def test_alone_an_image_goes_with_its_encode_in_one_step():
+    sched = planner(STREAMS)
+    seq = submit(sched, PROMPT)  # 60 positions + a 40-position encode: over the 64, but nothing waits
+    assert positions(step(sched), seq) == list(range(60))
