@@ -21,7 +21,7 @@ import os
 import threading
 import weakref
 from pathlib import Path
-from typing import Generator, Sequence
+from typing import TYPE_CHECKING, Generator, Sequence
 
 import llama_cpp
 import numpy as np
@@ -38,11 +38,13 @@ from .info import read_model_info
 from .interrupt import InterruptFlag, available as interrupt_available
 from .offload import OffloadFacts, parse_load_log
 from .loading import check_load_args, context_params, load_model
-from .media import Projector
 from .runtime import captured_log, ensure_runtime, error_count, last_error_since
 from .sampling import LlamaCppSampler
 from .tokenizer import LlamaTokenizer
 from . import kv_pages, seq_copy, sizing
+
+if TYPE_CHECKING:  # media.py loads libmtmd: only a model with a projector needs it
+    from .media import Projector
 
 log = logging.getLogger(__name__)
 
@@ -215,6 +217,8 @@ class LlamaCppBackend(LlamaTokenizer, Backend):
         backend.set_offload(parse_load_log(load_lines + context_lines))
         backend.exact_attention = exact_attention
         if mmproj is not None:
+            from .media import Projector
+
             try:
                 backend._attach_projector(Projector.load(mmproj, model, backend.n_embd, n_threads,
                                                          use_gpu=n_gpu_layers != 0))
