@@ -30,7 +30,7 @@ def add_drafts(policy: DraftPolicy, pool: KVPool, feeds: list[tuple[Sequence, in
             continue
         seq.spec = seq.spec or DraftState()
         draft, match = seq.spec.lookup.draft(seq.tokens, room)
-        # An image's positions (negative ids, protocol/media.py) are never drafted: no sample
+        # An image's positions (negative ids, protocol/media_ids.py) are never drafted: no sample
         # equals one, and its row would be an image embedding decoded as a guess.
         draft = list(itertools.takewhile(lambda t: t >= 0, draft))
         if draft:

@@ -202,8 +202,8 @@ class LlamaCppBackend(LlamaTokenizer, Backend):
         n_threads = n_threads or default_threads()
         model, load_lines = load_model(path, n_gpu_layers, extra_buffers)
         cparams = context_params(n_ctx=n_ctx, n_seq_max=n_seq_max, n_batch=n_batch, n_threads=n_threads,
-                                  kv_unified=kv_unified, kv_type=kv_type, flash_attention=flash_attention,
-                                  exact_attention=exact_attention)
+                                 kv_unified=kv_unified, kv_type=kv_type, flash_attention=flash_attention,
+                                 exact_attention=exact_attention)
         # The KV buffer's clear gives its pages back instead of writing them (kv_pages.py): a
         # context of 16 x 8,192 cells was 3 GiB committed and most of a 2.3 s load.
         with captured_log() as context_lines, kv_pages.zeroing_by_release() as zeroed:
