@@ -98,8 +98,12 @@ class LocalEngine:
         tokens = self.backend.tokenize(f"<|im_start|>user\n{CHAT.format(topic=topic)}<|im_end|>\n"
                                        "<|im_start|>assistant\n")
         request = GenerationRequest(tokens, SamplingParams(temperature=0.0), max_tokens=CHAT_TOKENS, ignore_eos=True)
-        async for _ in self.engine.submit(request):
-            pass
+        stream = self.engine.submit(request)
+        try:
+            async for _ in stream:
+                pass
+        finally:
+            stream.cancel()  # the pass is over: the engine drops it, as a client that left
 
     def running(self) -> int:
         return self.engine.stats().running
