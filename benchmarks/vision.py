@@ -174,18 +174,29 @@ async def one_pass(server, seed: int) -> dict[str, float]:
     return {"alone": alone, "beside 4 chats": beside, "again": again}
 
 
+def print_comparison(results: dict[str, list[dict[str, float]]]) -> None:
+    print("\nmedian TTFT (ms)        localserve   llama-server   ratio")
+    for key in ("alone", "beside 4 chats", "again"):
+        ours = statistics.median(r[key] for r in results["localserve"]) * 1000
+        theirs = statistics.median(r[key] for r in results["llama-server"]) * 1000
+        print(f"{key:<22} {ours:>10.0f} {theirs:>14.0f} {ours / theirs:>7.2f}x")
+
+
 async def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--passes", type=int, default=2)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--servers", default="localserve,llama-server",
+                        help="which to run, comma-separated (localserve alone: no llama-server build)")
     args = parser.parse_args()
+    names = args.servers.split(",")
     smollm2 = vision_model.SMOLLM2
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
         model, projector = vision_model.write_text_model(smollm2, work), vision_model.write_projector(work)
-        results: dict[str, list[dict[str, float]]] = {"localserve": [], "llama-server": []}
+        results: dict[str, list[dict[str, float]]] = {name: [] for name in names}
         for p in range(args.passes):
-            for name in ("localserve", "llama-server"):
+            for name in names:
                 if name == "localserve":
                     server = LocalEngine(model, projector, args.threads)
                 else:
@@ -198,11 +209,8 @@ async def main() -> None:
                     server.close()
                 print(f"pass {p + 1} {name}: " + ", ".join(f"{k} {v * 1000:.0f} ms"
                                                            for k, v in results[name][-1].items()), flush=True)
-    print("\nmedian TTFT (ms)        localserve   llama-server   ratio")
-    for key in ("alone", "beside 4 chats", "again"):
-        ours = statistics.median(r[key] for r in results["localserve"]) * 1000
-        theirs = statistics.median(r[key] for r in results["llama-server"]) * 1000
-        print(f"{key:<22} {ours:>10.0f} {theirs:>14.0f} {ours / theirs:>7.2f}x")
+    if len(names) == 2:
+        print_comparison(results)
     for name, runs in results.items():
         alone = statistics.median(r["alone"] for r in runs)
         print(f"{name}: beside 4 chats / alone {statistics.median(r['beside 4 chats'] for r in runs) / alone:.2f}x "
