@@ -45,12 +45,23 @@ def chat_template(engine: ModelEngine) -> ChatTemplate:
 
 
 def tokenize_prompt(engine: ModelEngine, text: str, template: ChatTemplate | None = None, *,
-                    add_special: bool = True) -> list[int]:
+                    add_special: bool = True, images: Sequence[ImageInput] = ()) -> list[int]:
     """Tokens of a prompt. A rendered template that already starts with BOS must not get a second
     one from the tokenizer (a doubled BOS measurably degrades Llama-family answers); nor does a
-    continuation (`add_special=False`), whose earlier turn already began with BOS."""
+    continuation (`add_special=False`), whose earlier turn already began with BOS.
+
+    `images`: one per MEDIA_MARKER in `text`, in order; each takes its positions in the tokens
+    (negative ids, the engine's own: the same image, the same ids, so the prefix cache reuses it).
+    Only an engine whose `info.vision` is true takes them (InvalidRequestError otherwise); with a
+    worker this is a round trip to it, where the projector is."""
     has_bos = bool(template and template.bos_token and text.startswith(template.bos_token))
-    return list(engine.tokenize(text, add_special=add_special and not has_bos))
+    add_special = add_special and not has_bos
+    if not images:
+        return list(engine.tokenize(text, add_special=add_special))
+    tokenize_media = getattr(engine, "tokenize_media", None)
+    if tokenize_media is None or not engine.info.vision:
+        raise InvalidRequestError(f"the model {engine.name} does not take images", param="model")
+    return list(tokenize_media(text, list(images), add_special))
 
 
 async def off_loop_if_long(chars: int, work: Callable[..., T], *args: Any, **kwargs: Any) -> T:
@@ -63,18 +74,12 @@ async def off_loop_if_long(chars: int, work: Callable[..., T], *args: Any, **kwa
 
 
 async def tokenize_async(engine: ModelEngine, text: str, template: ChatTemplate | None = None, *,
-                         add_special: bool = True) -> list[int]:
-    return await off_loop_if_long(len(text), tokenize_prompt, engine, text, template, add_special=add_special)
-
-
-async def tokenize_media(engine: ModelEngine, text: str, template: ChatTemplate | None,
-                         images: Sequence[ImageInput], *, add_special: bool = True) -> list[int]:
-    """Tokens of a prompt whose text holds one MEDIA_MARKER per image (api/images.py checked it);
-    the engine's tokenizer gives each image its positions (issue 43's engine half)."""
-    if not images:
-        return await tokenize_async(engine, text, template, add_special=add_special)
-    return await tokenize_async(engine, text, template, add_special=add_special,  # type: ignore[call-arg]
-                                images=list(images))
+                         add_special: bool = True, images: Sequence[ImageInput] = ()) -> list[int]:
+    # With images always off the loop: decoding and preprocessing them (in the engine's worker)
+    # takes milliseconds to seconds.
+    chars = LONG_PROMPT_CHARS + 1 if images else len(text)
+    return await off_loop_if_long(chars, tokenize_prompt, engine, text, template, add_special=add_special,
+                                  images=images)
 
 
 def is_token_list(items: Any) -> bool:

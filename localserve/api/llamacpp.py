@@ -27,7 +27,7 @@ from ..protocol.engine import EventStream, ModelEngine
 from ..protocol.requests import GenerationEvent, GenerationRequest, Lane, SamplingParams, Usage
 from .fim import fim_prompt_async, prompt_budget
 from ..protocol.media import MEDIA_MARKER
-from .generation import check_tokens, is_token_list, tokenize_media
+from .generation import check_tokens, is_token_list, tokenize_async
 from .images import ImageParts
 from .validation import Body, check_schema, clamp_max_tokens, invalid, parse_lane, parse_seed, parse_stop, sampling_from
 
@@ -171,7 +171,7 @@ class CompletionCall(NativeCall):
         else:
             # llama-server tokenizes /completion prompts with BOS and special tokens parsed, so a
             # client-side FIM template (`<|fim_prefix|>...`) reaches the model as its tokens.
-            tokens = await tokenize_media(engine, self.prompt, None, images)
+            tokens = await tokenize_async(engine, self.prompt, images=images)
         request = self.request(engine, tokens, "prompt")
         request.images = images
         return [request]

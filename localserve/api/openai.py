@@ -38,7 +38,6 @@ from .generation import (
     generation,
     is_token_list,
     tokenize_async,
-    tokenize_media,
     with_seed_offset,
 )
 from .images import ImageParts
@@ -257,7 +256,7 @@ class ChatCall:
         template = chat_template(engine)
         self.prompt = await template.render_async(self.messages, tools=self.tools or None, **self.template_args)
         self.prompt += self.continuation
-        return await tokenize_media(engine, self.prompt, template, images)
+        return await tokenize_async(engine, self.prompt, template, images=images)
 
     async def prepare(self, engine: ModelEngine) -> list[GenerationRequest]:
         self.images.for_model(engine)

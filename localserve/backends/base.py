@@ -23,7 +23,8 @@ from typing import Generator, Literal, Sequence
 
 from ..protocol.engine import ModelInfo
 from ..protocol.requests import SamplingParams, TokenLogprob
-from ..errors import BackendError
+from ..errors import BackendError, InvalidRequestError
+from ..protocol.media import ImageInput
 
 
 class KVFullError(BackendError):
@@ -143,6 +144,8 @@ class Capabilities:
 
 @dataclass(frozen=True, slots=True)
 class BatchToken:
+    # A negative token is a position of an image (protocol/media.py): a backend with a projector
+    # decodes its embedding row, one without refuses it.
     token: int
     seq_id: int
     pos: int
@@ -277,6 +280,19 @@ class Backend(ABC):
     @abstractmethod
     def is_eog(self, token: int) -> bool:
         """End of generation (EOS, EOT, ...)."""
+
+    # --- images (a projector beside the model: llamacpp/media.py) ------------------------------
+    def tokenize_media(self, text: str, images: Sequence[ImageInput], add_special: bool = True) -> list[int]:
+        """The ids of a prompt whose text holds one MEDIA_MARKER per image: its text tokens, and
+        negative ids for the images' positions (the same image, the same ids)."""
+        raise InvalidRequestError(f"{self.info.name} takes no images", param="model")
+
+    def hold_media(self, tokens: Sequence[int], images: Sequence[ImageInput]) -> object:
+        """Keep what decoding `tokens`' image positions needs until `release_media(held)`."""
+        raise InvalidRequestError(f"{self.info.name} takes no images", param="model")
+
+    def release_media(self, held: object) -> None:
+        """Give back what hold_media kept."""
 
     def close(self) -> None:
         """Free the model and context."""

@@ -7,6 +7,8 @@ emitted, and records a removal of the rest (KVPool.truncate), applied before the
 
 from __future__ import annotations
 
+import itertools
+
 from ..backends.base import BatchToken, SampledToken
 from ..protocol.requests import FinishReason
 from .kvpool import KVPool
@@ -28,6 +30,9 @@ def add_drafts(policy: DraftPolicy, pool: KVPool, feeds: list[tuple[Sequence, in
             continue
         seq.spec = seq.spec or DraftState()
         draft, match = seq.spec.lookup.draft(seq.tokens, room)
+        # An image's positions (negative ids, protocol/media_ids.py) are never drafted: no sample
+        # equals one, and its row would be an image embedding decoded as a guess.
+        draft = list(itertools.takewhile(lambda t: t >= 0, draft))
         if draft:
             candidates.append(Candidate(seq, seq.spec, draft, match))
     if not candidates:

@@ -59,7 +59,9 @@ class CachedPrefix:
         self.tokens = tokens
         self.disposable = disposable  # left by a cancelled request: a hit takes it over
         self.parked_at = time.monotonic()
-        self.saved = disposable  # written to disk (a cancelled request's is never worth writing)
+        # Written to disk, or never to be: a cancelled request's is not worth it, and an image's
+        # cells stay in memory (their ids are no file's int32 tokens, and images are few and short).
+        self.saved = disposable or (bool(tokens) and min(tokens) < 0)
 
     @property
     def num_computed(self) -> int:

@@ -24,6 +24,7 @@ from ..backends.base import BatchToken, Capabilities
 from ..errors import GenerationError, LocalserveError, OverloadedError
 from .admission import Admission
 from .drafting import add_drafts, feed_draft, keep_verified, take_verified
+from .encode_charge import before_encode, encode_charge
 from .kvpool import KVPool
 from .lanes import LaneQueues, due_step, priority_key, prompt_key
 from .limits import EngineLimits
@@ -175,10 +176,14 @@ class Scheduler(Admission):
                 # room has no valid cut (2 + a lone 1), and with only such prompts running nothing
                 # was fed at all and the engine spun on empty steps.
                 want = self.caps.chunk(seq.pending, min(fed.budget, room + min_chunk - 1))
+            if fed.feeds:  # an encode delays only what shares its step: alone an image goes at once
+                want = before_encode(self.caps, seq.tokens, seq.num_computed, want, room)
             n = self._reserve(seq, want, fed.unscheduled, shrink=True)
             if n:
                 fed.add(seq, n)
-                rooms.took(seq, rank, n)
+                charge = encode_charge(seq.tokens, seq.num_computed, n)[0]  # an image encoded in this step
+                fed.budget = max(0, fed.budget - charge)
+                rooms.took(seq, rank, n + charge)
 
     def _never_empty(self, prefillers: list[Sequence], fed: "_Feeds") -> None:
         """Never an empty step while prompts wait: the engine would spin on it for ever. The rules

@@ -25,6 +25,7 @@ from typing import Generator
 from ..backends.common import sampler_thread
 from ..backends.base import Backend, Sampler, declared_capabilities
 from ..batching.limits import EngineLimits
+from ..protocol.media import ImageInput
 from ..protocol.requests import LANES, GenerationRequest, Lane, check_request
 from ..batching.scheduler import Scheduler
 from ..batching.sequence import Sequence
@@ -107,6 +108,7 @@ class Engine:
         self._queued = dict.fromkeys(LANES, 0)  # submitted, not yet started (bounded per lane)
         self._queued_lock = threading.Lock()
         self._active: dict[str, Sequence] = {}
+        self._media_held: dict[str, object] = {}  # request id -> what the backend keeps of its images
         self._token_bytes_cache: dict[int, bytes] = {}
         self._rates = _Rates()
         self._thread: threading.Thread | None = None
@@ -143,6 +145,17 @@ class Engine:
         if self._stopping:
             raise OverloadedError("the model is unloading; retry shortly", retry_after=1.0)
         self._validate(request)
+        if not request.images:
+            return self._enqueue(request, sampler)
+        # Its images' chunks stay with the backend until it finishes (_deliver gives them back).
+        self._media_held[request.request_id] = self._backend.hold_media(request.prompt_tokens, request.images)
+        try:
+            return self._enqueue(request, sampler)
+        except BaseException:
+            self._release_media(request.request_id)
+            raise
+
+    def _enqueue(self, request: GenerationRequest, sampler: Sampler | None) -> RequestStream:
         lane = request.lane
         with self._queued_lock:
             if self._queued[lane] >= self.limits.queue_size:
@@ -222,6 +235,11 @@ class Engine:
 
     def tokenize(self, text: str, add_special: bool = True) -> list[int]:
         return self._backend.tokenize(text, add_special=add_special)
+
+    def tokenize_media(self, text: str, images: list[ImageInput], add_special: bool = True) -> list[int]:
+        """A prompt with one MEDIA_MARKER per image: its ids, each image's positions negative ids
+        (backends/llamacpp/media.py). InvalidRequestError for a model that takes no images."""
+        return self._backend.tokenize_media(text, images, add_special)
 
     def detokenize(self, tokens: list[int]) -> str:
         return b"".join(self._token_bytes(t) for t in tokens).decode("utf-8", errors="replace")
@@ -366,6 +384,7 @@ class Engine:
                 n_finished += 1
                 self._n_cancelled += event.finish_reason == "cancelled"
                 self._active.pop(seq.request_id, None)
+                self._release_media(seq.request_id)
             items.append((seq.stream, event))
         if n_finished:
             self._rates.finished(n_finished)
@@ -442,6 +461,11 @@ class Engine:
         if rate <= 0:
             return 5.0
         return float(min(300.0, max(1.0, round(queued / rate, 1))))
+
+    def _release_media(self, request_id: str) -> None:
+        held = self._media_held.pop(request_id, None)
+        if held is not None:
+            self._backend.release_media(held)
 
     def _dequeued(self, seq: Sequence) -> None:
         self._dequeued_lane(seq.request.lane)

@@ -169,7 +169,9 @@ def check_request(request: GenerationRequest, n_ctx_per_seq: int, n_vocab: int) 
         )
     if request.max_tokens < 1:
         raise InvalidRequestError("max_tokens must be at least 1", param="max_tokens")
-    if n_vocab and any(t < 0 or t >= n_vocab for t in request.prompt_tokens):
+    # Negative ids are image positions (media_ids.py), which only a request with images may hold; the
+    # engine that holds them checks they belong to its images.
+    if n_vocab and any(t >= n_vocab or (t < 0 and not request.images) for t in request.prompt_tokens):
         raise InvalidRequestError("the prompt contains token ids outside the vocabulary", param="prompt")
     if request.lane not in LANES:
         raise InvalidRequestError(f"unknown priority lane {request.lane!r}", param="priority")

@@ -64,6 +64,7 @@ def _load_llamacpp(installed: "InstalledModel", variant: "StoredVariant", plan: 
         flash_attention=limits.flash_attention,
         kv_type=limits.kv_type,
         extra_buffers=extra_buffers_allowed(variant.path, cpu.model, cpu.features),
+        mmproj=installed.mmproj,
     )
     engine = Engine(backend, limits, installed.ref, prompt_disk=_prompt_disk(backend, variant, plan, settings))
     engine.start()

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from localserve.backends.llamacpp.batch import stream_groups
+from localserve.backends.llamacpp.batch import media_calls, stream_groups
 
 
 def groups(seq: list[int]):
@@ -40,3 +40,14 @@ def test_every_row_is_submitted_exactly_once():
         for g in out or []:
             ids = seq[g]
             assert len(set(ids.tolist())) == 1 or len(ids) == len(set(ids.tolist()))  # one chunk, or decodes
+
+
+def test_image_rows_get_calls_of_their_own_in_position_order():
+    """llama_decode takes tokens or embeddings: a chunk of text, image, text is three calls, in that
+    order, and a decoding sequence's row still goes last (media_calls)."""
+    seq = np.array([0, 0, 0, 0, 0, 0, 0, 1], dtype=np.int32)
+    media = np.array([False, False, True, True, True, False, False, False])
+    calls = media_calls(stream_groups(seq), len(seq), media)
+    assert [c.tolist() for c in calls] == [[0, 1], [2, 3, 4], [5, 6], [7]]
+    # One pool (no stream groups): the same cuts, over the batch as it is.
+    assert [c.tolist() for c in media_calls(None, len(seq), media)] == [[0, 1], [2, 3, 4], [5, 6, 7]]

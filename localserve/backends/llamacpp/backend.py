@@ -18,40 +18,41 @@ import ctypes
 import dataclasses
 import logging
 import os
-import re
 import threading
 import weakref
 from pathlib import Path
-from typing import Any, Generator, Sequence
+from typing import TYPE_CHECKING, Generator, Sequence
 
 import llama_cpp
 import numpy as np
 
 from ...protocol.requests import SamplingParams
-from ...errors import BackendError, GGUFError, ModelNotFoundError
+from ...errors import BackendError, InvalidRequestError
+from ...protocol.media import ImageInput
 from ..base import Backend, BatchToken, Capabilities, DecodeInterrupted, KVFullError, KVRequest, KVSizing
-from .batch import PackedBatch, stream_groups
+from .batch import PackedBatch, media_calls, stream_groups
 from ..common.grammar import GRAMMAR_CONSTRAINTS
 from ..common.threads import default_threads
 from .embed import EmbeddingContext
 from .info import read_model_info
 from .interrupt import InterruptFlag, available as interrupt_available
 from .offload import OffloadFacts, parse_load_log
-from .probe import build_died_here
+from .loading import check_load_args, context_params, load_model
 from .runtime import captured_log, ensure_runtime, error_count, last_error_since
 from .sampling import LlamaCppSampler
 from .tokenizer import LlamaTokenizer
 from . import kv_pages, seq_copy, sizing
 
+if TYPE_CHECKING:  # media.py loads libmtmd: only a model with a projector needs it
+    from .media import Projector
+
 log = logging.getLogger(__name__)
 
-_KV_TYPES = {"f16": llama_cpp.GGML_TYPE_F16, "q8_0": llama_cpp.GGML_TYPE_Q8_0}
-
-
-def _free_native(model, ctx, embedder_box: list) -> None:
-    # Order matters: contexts reference the model.
-    if embedder_box and embedder_box[0] is not None:
-        embedder_box[0].close()
+def _free_native(model, ctx, embedder_box: list, projector_box: list) -> None:
+    # Order matters: contexts (the projector's too) reference the model.
+    for box in (embedder_box, projector_box):
+        if box and box[0] is not None:
+            box[0].close()
     if ctx:
         llama_cpp.llama_free(ctx)
     if model:
@@ -94,8 +95,10 @@ class LlamaCppBackend(LlamaTokenizer, Backend):
         self._pieces: dict[tuple[int, bool], bytes] = {}
         self._embedder_box: list[EmbeddingContext | None] = [None]
         self._embedder_lock = threading.Lock()
+        self._projector_box: list[Projector | None] = [None]  # load(mmproj=...) attaches one
+        self._embd_part: PackedBatch | None = None  # a call's image rows, as embeddings
         self._closed = False
-        self._finalizer = weakref.finalize(self, _free_native, model, ctx, self._embedder_box)
+        self._finalizer = weakref.finalize(self, _free_native, model, ctx, self._embedder_box, self._projector_box)
         self.info = read_model_info(model, self.vocab, path, n_vocab=self.n_vocab, n_embd=self.n_embd)
         self.offload = OffloadFacts()  # load() fills it in from the load's log lines
         self._capabilities = self._read_capabilities()
@@ -152,6 +155,7 @@ class LlamaCppBackend(LlamaTokenizer, Backend):
         flash_attention: bool = True,
         kv_type: str = "f16",
         extra_buffers: bool | None = None,
+        mmproj: str | os.PathLike[str] | None = None,
     ) -> LlamaCppBackend:
         """Load a GGUF model and create its batching context.
 
@@ -189,15 +193,17 @@ class LlamaCppBackend(LlamaTokenizer, Backend):
         extra_buffers: llama.cpp's extra CPU buffer types (AMX, repacked Q4_0/Q4_K layouts). False
             where the build's AMX path kills the process here (probe.py); None, the default, follows
             this build's recorded probe verdict on this machine (no probe is run).
+        mmproj: the model's projector file (llama.cpp's mtmd); with it the model takes images
+            where mtmd says the projector sees (`info.vision`, `info.audio`; media.py).
         """
         path = Path(path)
-        _check_load_args(path, n_ctx, n_seq_max, n_batch, kv_type)
+        check_load_args(path, n_ctx, n_seq_max, n_batch, kv_type)
         ensure_runtime()
         n_threads = n_threads or default_threads()
-        model, load_lines = _load_model(path, n_gpu_layers, extra_buffers)
-        cparams = _context_params(n_ctx=n_ctx, n_seq_max=n_seq_max, n_batch=n_batch, n_threads=n_threads,
-                                  kv_unified=kv_unified, kv_type=kv_type, flash_attention=flash_attention,
-                                  exact_attention=exact_attention)
+        model, load_lines = load_model(path, n_gpu_layers, extra_buffers)
+        cparams = context_params(n_ctx=n_ctx, n_seq_max=n_seq_max, n_batch=n_batch, n_threads=n_threads,
+                                 kv_unified=kv_unified, kv_type=kv_type, flash_attention=flash_attention,
+                                 exact_attention=exact_attention)
         # The KV buffer's clear gives its pages back instead of writing them (kv_pages.py): a
         # context of 16 x 8,192 cells was 3 GiB committed and most of a 2.3 s load.
         with captured_log() as context_lines, kv_pages.zeroing_by_release() as zeroed:
@@ -210,9 +216,23 @@ class LlamaCppBackend(LlamaTokenizer, Backend):
         backend._pages = kv_pages.StreamKeeper(pages, backend.memory) if pages else None
         backend.set_offload(parse_load_log(load_lines + context_lines))
         backend.exact_attention = exact_attention
+        if mmproj is not None:
+            from .media import Projector
+
+            try:
+                backend._attach_projector(Projector.load(mmproj, model, backend.n_embd, n_threads,
+                                                         use_gpu=n_gpu_layers != 0))
+            except BaseException:
+                backend.close()
+                raise
         if embeddings:
             backend._embedder()
         return backend
+
+    def _attach_projector(self, projector: Projector) -> None:
+        self._projector_box[0] = projector
+        self.info.vision = projector.vision
+        self.info.audio = projector.audio
 
     def set_offload(self, facts: OffloadFacts) -> None:
         """Record where the load put the model (its log lines' facts) in `info`."""
@@ -279,6 +299,11 @@ class LlamaCppBackend(LlamaTokenizer, Backend):
         if interruptible and self._interrupt.is_set():
             raise DecodeInterrupted("decode interrupted before it started")
         groups = None if self.kv_unified else stream_groups(packed.seq[:n])
+        media = packed.media_rows()
+        images: dict[int, np.ndarray] = {}
+        if media.any():  # image rows: calls of their own, their embeddings ready before the first
+            groups = media_calls(groups, n, media)
+            images = self._image_rows(packed, groups)
         errors_before = error_count()
         if groups is None:
             self._row_in_call[:n] = np.arange(n)
@@ -287,7 +312,11 @@ class LlamaCppBackend(LlamaTokenizer, Backend):
             last = len(groups) - 1
             for k, rows in enumerate(groups):
                 part = self._part
-                part.fill(packed.token[rows], packed.seq[rows], packed.pos[rows], packed.logits[rows])
+                if k in images:
+                    part = self._embd_part
+                    part.fill_embeddings(images[k], packed.seq[rows], packed.pos[rows], packed.logits[rows])
+                else:
+                    part.fill(packed.token[rows], packed.seq[rows], packed.pos[rows], packed.logits[rows])
                 self._decode_call(packed, part, k, errors_before)
                 if k < last:  # the next call overwrites llama.cpp's logits: keep this call's
                     for j in np.flatnonzero(part.logits[: part.n_tokens]):
@@ -300,6 +329,15 @@ class LlamaCppBackend(LlamaTokenizer, Backend):
             self._pages.decoded()
         self._outputs[:n] = packed.logits[:n]
         self._n_out = n
+
+    def _image_rows(self, packed: PackedBatch, calls: list[np.ndarray]) -> dict[int, np.ndarray]:
+        """call index -> the embeddings of its image rows, encoding what is not yet (media.py)."""
+        projector = self._projector_box[0]
+        if projector is None:
+            raise ValueError("image positions in a batch for a model without a projector")
+        if self._embd_part is None:
+            self._embd_part = PackedBatch(self.n_batch, self.n_embd)
+        return {k: projector.embeddings(packed.ids[rows]) for k, rows in enumerate(calls) if packed.ids[rows[0]] < 0}
 
     def _decode_call(self, packed: PackedBatch, part: PackedBatch, k: int, errors_before: int) -> None:
         """One llama_decode of `part` (call k of `packed`); on failure nothing of `packed` is kept."""
@@ -351,6 +389,26 @@ class LlamaCppBackend(LlamaTokenizer, Backend):
     def new_sampler(self, params: SamplingParams, prompt_tokens: Sequence[int]) -> LlamaCppSampler:
         self._check_open()
         return LlamaCppSampler(self, params, prompt_tokens)
+
+    # --- images (media.py) -------------------------------------------------------------------
+    def tokenize_media(self, text: str, images: Sequence[ImageInput], add_special: bool = True) -> list[int]:
+        return self._vision().tokenize(text, images, add_special)
+
+    def hold_media(self, tokens: Sequence[int], images: Sequence[ImageInput]) -> object:
+        return self._vision().hold(tokens, images)
+
+    def release_media(self, held: object) -> None:
+        projector = self._projector_box[0]
+        if projector is not None and isinstance(held, list):
+            projector.release(held)
+
+    def _vision(self) -> Projector:
+        self._check_open()
+        projector = self._projector_box[0]
+        if projector is None or not projector.vision:
+            raise InvalidRequestError(f"{self.info.name} takes no images: it was loaded without a projector "
+                                      "that sees", param="model")
+        return projector
 
     def embed(self, inputs: Sequence[Sequence[int]]) -> list[list[float]]:
         self._check_open()
@@ -433,60 +491,3 @@ class LlamaCppBackend(LlamaTokenizer, Backend):
         if self._pages is not None:
             self._pages.cleared()
         self._n_out = 0
-
-_ABS_PATH = re.compile(r"(?<![\w.])(?:[A-Za-z]:\\|/)[^\s:'\"]+")
-
-
-def _without_paths(message: str, path: Path) -> str:
-    """llama.cpp's errors name files by their full path; clients may only see the file name."""
-    message = message.replace(str(path.resolve()), path.name).replace(str(path), path.name)
-    return _ABS_PATH.sub("<path>", message)
-
-
-# --- LlamaCppBackend.load's steps ----------------------------------------------------------------
-def _check_load_args(path: Path, n_ctx: int, n_seq_max: int, n_batch: int, kv_type: str) -> None:
-    max_seq = llama_cpp.llama_max_parallel_sequences()
-    if not 1 <= n_seq_max <= max_seq:
-        raise ValueError(f"n_seq_max must be in 1..{max_seq}")
-    if n_ctx < 1 or n_batch < 1:
-        raise ValueError("n_ctx and n_batch must be positive")
-    if kv_type not in _KV_TYPES:
-        raise ValueError(f"kv_type must be one of {sorted(_KV_TYPES)}")
-    if not path.is_file():
-        raise ModelNotFoundError(path.name, message=f"model file {path.name!r} does not exist")
-
-
-def _load_model(path: Path, n_gpu_layers: int, extra_buffers: bool | None) -> tuple[Any, list[str]]:
-    """The weights, and llama.cpp's log lines of the load (where it put the layers); GGUFError in
-    llama.cpp's own words, with no host path, when it cannot load the file."""
-    errors_before = error_count()
-    mparams = llama_cpp.llama_model_default_params()
-    mparams.n_gpu_layers = n_gpu_layers
-    mparams.use_extra_bufts = not build_died_here() if extra_buffers is None else extra_buffers
-    with captured_log() as load_lines:
-        model = llama_cpp.llama_model_load_from_file(os.fsencode(path), mparams)
-    if not model:
-        reason = _without_paths(last_error_since(errors_before), path)
-        raise GGUFError(f"could not load model file {path.name!r}" + (f": {reason}" if reason else ""))
-    return model, load_lines
-
-
-def _context_params(*, n_ctx: int, n_seq_max: int, n_batch: int, n_threads: int, kv_unified: bool, kv_type: str,
-                    flash_attention: bool, exact_attention: bool) -> Any:
-    cparams = llama_cpp.llama_context_default_params()
-    cparams.n_ctx = n_ctx
-    cparams.n_batch = n_batch
-    cparams.n_ubatch = min(n_batch, 512)  # llama.cpp's default micro-batch: bigger only costs memory
-    cparams.n_seq_max = n_seq_max
-    cparams.kv_unified = kv_unified
-    cparams.n_threads = n_threads
-    cparams.n_threads_batch = n_threads
-    cparams.embeddings = False
-    cparams.type_k = cparams.type_v = _KV_TYPES[kv_type]
-    if kv_type != "f16":
-        flash_attention = True  # llama.cpp refuses a quantized V cache without it
-    if exact_attention:
-        cparams.type_k = cparams.type_v = llama_cpp.GGML_TYPE_F32
-    if exact_attention or not flash_attention:
-        cparams.flash_attn_type = llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED
-    return cparams

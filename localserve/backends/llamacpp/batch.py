@@ -23,14 +23,18 @@ _c_int32_p = ctypes.POINTER(ctypes.c_int32)
 
 
 class PackedBatch:
-    """A llama_batch of up to `capacity` tokens, one sequence id per token."""
+    """A llama_batch of up to `capacity` tokens, one sequence id per token; with `n_embd`, of
+    embedding rows instead (an image's positions: llama.cpp takes one or the other per batch)."""
 
-    def __init__(self, capacity: int) -> None:
+    def __init__(self, capacity: int, n_embd: int = 0) -> None:
         if capacity <= 0:
             raise ValueError("batch capacity must be positive")
         self.capacity = capacity
         self.n_tokens = 0
         self.token = np.zeros(capacity, dtype=np.int32)
+        # The rows' ids as the scheduler gave them: negative ones are image positions (media.py),
+        # which `token` holds as 0 and a call of their own decodes from embeddings.
+        self.ids = np.zeros(capacity, dtype=np.int64)
         self.pos = np.zeros(capacity, dtype=np.int32)
         self.seq = np.zeros(capacity, dtype=np.int32)
         self.logits = np.zeros(capacity, dtype=np.int8)
@@ -43,6 +47,10 @@ class PackedBatch:
         b.n_tokens = 0
         b.token = self.token.ctypes.data_as(_c_int32_p)
         b.embd = ctypes.POINTER(ctypes.c_float)()  # NULL: token mode
+        if n_embd:
+            self.embd = np.zeros((capacity, n_embd), dtype=np.float32)
+            b.token = _c_int32_p()  # NULL: embeddings mode
+            b.embd = self.embd.ctypes.data_as(ctypes.POINTER(ctypes.c_float))
         b.pos = self.pos.ctypes.data_as(_c_int32_p)
         b.n_seq_id = self._n_seq_id.ctypes.data_as(_c_int32_p)
         b.seq_id = ctypes.cast(self._seq_ptrs.ctypes.data, ctypes.POINTER(_c_int32_p))
@@ -65,6 +73,7 @@ class PackedBatch:
         if not (len(seq_ids) == len(positions) == len(logits) == n):
             raise ValueError("tokens, seq_ids, positions and logits must have the same length")
         self.token[:n] = tokens
+        self.ids[:n] = tokens
         self.seq[:n] = seq_ids
         self.pos[:n] = positions
         self.logits[:n] = logits
@@ -74,11 +83,25 @@ class PackedBatch:
         """Fill from the contract's BatchToken list (one Python pass, then one numpy copy)."""
         n = self._set_count(len(batch))
         rows = np.array([(t.token, t.seq_id, t.pos, t.logits) for t in batch], dtype=np.int64)
-        self.token[:n] = rows[:, 0]
+        self.ids[:n] = rows[:, 0]
+        self.token[:n] = np.maximum(rows[:, 0], 0)
         self.seq[:n] = rows[:, 1]
         self.pos[:n] = rows[:, 2]
         self.logits[:n] = rows[:, 3]
         return n
+
+    def fill_embeddings(self, embd: np.ndarray, seq_ids, positions, logits) -> int:
+        """Fill an embeddings-mode batch: one row of `embd` per position."""
+        n = self._set_count(len(embd))
+        self.embd[:n] = embd
+        self.seq[:n] = seq_ids
+        self.pos[:n] = positions
+        self.logits[:n] = logits
+        return n
+
+    def media_rows(self) -> np.ndarray:
+        """Which rows of the last fill_tokens are image positions."""
+        return self.ids[: self.n_tokens] < 0
 
     def fill_sequence(self, tokens: Sequence[int], seq_id: int, start_pos: int, offset: int = 0,
                       all_logits: bool = False) -> int:
@@ -133,3 +156,15 @@ def stream_groups(seq: np.ndarray) -> list[np.ndarray] | None:
     if len(singles):
         groups.append(singles[np.argsort(seq[singles], kind="stable")])
     return groups
+
+
+def media_calls(groups: list[np.ndarray] | None, n: int, media: np.ndarray) -> list[np.ndarray]:
+    """`groups` (stream_groups' calls, None: one call) cut where rows turn from tokens to image
+    positions or back: llama_decode takes tokens or embeddings, never both. Within a sequence its
+    rows stay in position order (text before an image is in the cache before the image is read)."""
+    calls = []
+    for rows in groups if groups is not None else [np.arange(n)]:
+        kind = media[rows]
+        cuts = np.flatnonzero(kind[1:] != kind[:-1]) + 1
+        calls.extend(np.split(rows, cuts))
+    return calls

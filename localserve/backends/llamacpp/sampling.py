@@ -221,7 +221,8 @@ class LlamaCppSampler(Sampler):
             # Prime the penalty history with the prompt, as llama-server does. Only the penalties:
             # the grammar must never see prompt tokens (a mismatch aborts the process).
             for t in prompt_tokens[-_penalty_window(backend, params):]:
-                llama_cpp.llama_sampler_accept(penalties, int(t))
+                if t >= 0:  # an image's positions are no tokens to penalise (media.py)
+                    llama_cpp.llama_sampler_accept(penalties, int(t))
         self._cand = _Candidates(backend.n_vocab)
         self._one = _Candidates(1) if self._grammar is not None else None
 

@@ -41,7 +41,9 @@ class LlamaTokenizer:
         key = (token, special)
         piece = self._pieces.get(key)
         if piece is None:
-            if not 0 <= token < self.n_vocab:
+            if token < 0:  # an image's position (media.py): no text of its own
+                return b""
+            if not token < self.n_vocab:
                 raise ValueError(f"token id {token} out of range 0..{self.n_vocab - 1}")
             piece = self._piece(token, special)
             self._pieces[key] = piece

@@ -18,7 +18,7 @@ import llama_cpp
 
 from ...errors import GGUFError
 from ..base import ModelInfo
-from .backend import _without_paths
+from .loading import without_paths
 from .info import read_model_info
 from .runtime import ensure_runtime, error_count, last_error_since
 from .tokenizer import LlamaTokenizer
@@ -33,7 +33,7 @@ class LlamaVocab(LlamaTokenizer):
         mparams.vocab_only = True
         model = llama_cpp.llama_model_load_from_file(os.fsencode(path), mparams)
         if not model:
-            reason = _without_paths(last_error_since(errors_before), path)
+            reason = without_paths(last_error_since(errors_before), path)
             raise GGUFError(f"could not read the tokenizer of {path.name!r}" + (f": {reason}" if reason else ""))
         self.model = model
         self._finalizer = weakref.finalize(self, llama_cpp.llama_model_free, model)

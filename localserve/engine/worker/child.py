@@ -184,7 +184,8 @@ class Worker:
     async def _call(self, method: str, args: tuple) -> Any:
         if method not in CALLS:
             raise BackendError(f"the engine worker has no call {method!r}")
-        if method in ("tokenize", "detokenize"):  # a long text must not hold up the streams' events
+        # A long text, or an image's preprocessing, must not hold up the streams' events.
+        if method in ("tokenize", "detokenize", "tokenize_media"):
             return await asyncio.to_thread(getattr(self.engine, method), *args)
         if method == "stats":
             return self.engine.stats()

@@ -31,7 +31,6 @@ import concurrent.futures
 import itertools
 import logging
 import multiprocessing
-import signal
 import threading
 import time
 from pathlib import Path
@@ -39,11 +38,13 @@ from typing import Any, Callable
 
 from ...errors import EngineCrashedError, OverloadedError, redact_paths
 from ...protocol.engine import EngineStats, ModelInfo
+from ...protocol.media import ImageInput
 from ...protocol.requests import GenerationEvent, GenerationRequest, Lane
 from .. import core_share
 from ..core_share import worker_context
 from ..streams import EventQueue, post_events
 from .channel import Channel
+from .exits import HangReason, describe_exit, native_tail, telling_line, tail_lines
 from .rss import rss_bytes
 
 log = logging.getLogger(__name__)
@@ -55,7 +56,6 @@ CALL_TIMEOUT_S = 10.0  # a worker that takes longer to answer tokenize is hung o
 QUICK_CALL_TIMEOUT_S = 0.5
 HANG_FLOOR_S = 30.0  # the watchdog never fires sooner than this (unless the ceiling is lower)
 HANG_STEP_MULTIPLE = 20.0  # ... nor before this many times the longest recent step
-NATIVE_TAIL_LINES = 20
 
 
 def _open_vocab(gguf: Path | None) -> Any:
@@ -162,7 +162,7 @@ class WorkerEngine:
                 process.join(5)
                 reason = describe_exit(process.exitcode)
                 tail = native_tail(log_path)
-                log.error("the engine worker for %s stopped (%s) while loading%s", name, reason, _lines(tail))
+                log.error("the engine worker for %s stopped (%s) while loading%s", name, reason, tail_lines(tail))
                 last = redact_paths(telling_line(tail))[:300]
                 raise EngineCrashedError(f"the engine for {name} stopped ({reason}) while loading the model"
                                          + (f": {last}" if last else ""), reason) from None
@@ -221,6 +221,10 @@ class WorkerEngine:
         if self._vocab is not None:
             return self._vocab.tokenize(text, add_special=add_special)  # as engine/local.py's
         return self._wait("tokenize", text, add_special)
+
+    def tokenize_media(self, text: str, images: list[ImageInput], add_special: bool = True) -> list[int]:
+        """In the worker, which holds the projector: each image's positions depend on it."""
+        return self._wait("tokenize_media", text, images, add_special)
 
     def detokenize(self, tokens: list[int]) -> str:
         if self._vocab is not None:  # as engine/local.py's
@@ -336,7 +340,7 @@ class WorkerEngine:
         error: Exception
         if crashed:
             log.error("the engine worker for %s (pid %d) stopped (%s)%s", self.name, self.pid, reason,
-                      _lines(native_tail(self._log_path)))
+                      tail_lines(native_tail(self._log_path)))
             error = EngineCrashedError(f"the engine for {self.name} stopped ({reason}) and is being restarted", reason)
         else:
             error = OverloadedError("the model was unloaded")
@@ -442,60 +446,6 @@ class WorkerEngine:
     def _idle_if_done(self) -> None:
         if not self._streams and not self._calls:
             self._working.clear()
-
-
-class HangReason(str):
-    """The watchdog's reason for a kill. `first_step`: the engine had ended no step yet, so its limit
-    knew none of its steps (a 7B model's first prompt chunk on a laptop CPU, where the native count
-    of a step's progress is missing: a GPU step, an ONNX run): runtime/crashes.py restarts it as any
-    crash but does not count it toward marking the model failed."""
-
-    first_step: bool
-
-    def __new__(cls, text: str, first_step: bool = False) -> "HangReason":
-        reason = super().__new__(cls, text)
-        reason.first_step = first_step
-        return reason
-
-
-def describe_exit(code: int | None) -> str:
-    """How a worker ended, as a user reads it: the signal's name, or the exit status."""
-    if code is None:
-        return "did not exit"
-    if code < 0:
-        try:
-            name = signal.Signals(-code).name
-        except ValueError:
-            name = f"signal {-code}"
-        return f"{name}, killed for memory or by another program" if name == "SIGKILL" else name
-    return f"exit status {code}"
-
-
-def native_tail(path: Path | None, lines: int = NATIVE_TAIL_LINES) -> list[str]:
-    """The last lines of a worker's stderr log (what llama.cpp printed before it aborted)."""
-    if path is None:
-        return []
-    try:
-        with open(path, "rb") as f:
-            f.seek(0, 2)
-            f.seek(max(0, f.tell() - 16384))
-            text = f.read().decode("utf-8", errors="replace")
-    except OSError:
-        return []
-    return [line for line in text.splitlines() if line.strip()][-lines:]
-
-
-def telling_line(tail: list[str]) -> str:
-    """The line of a native log tail that says what went wrong (llama.cpp's `file:line:
-    GGML_ASSERT(...) failed`, a C++ `terminate called after ...`), else its last line."""
-    for line in reversed(tail):
-        if any(mark in line for mark in ("GGML_ASSERT", "GGML_ABORT", "terminate called", "error", "failed")):
-            return line.strip()
-    return tail[-1].strip() if tail else ""
-
-
-def _lines(tail: list[str]) -> str:
-    return "; its last native log lines:\n    " + "\n    ".join(tail) if tail else ""
 
 
 def _relay(name: str, message: tuple) -> None:

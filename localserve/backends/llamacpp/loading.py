@@ -1,0 +1,73 @@
+"""LlamaCppBackend.load's steps: checking its arguments, loading the weights, the context's
+parameters; and llama.cpp's error text without host paths (the vocab-only load uses it too)."""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+from typing import Any
+
+import llama_cpp
+
+from ...errors import GGUFError, ModelNotFoundError
+from .probe import build_died_here
+from .runtime import captured_log, error_count, last_error_since
+
+KV_TYPES = {"f16": llama_cpp.GGML_TYPE_F16, "q8_0": llama_cpp.GGML_TYPE_Q8_0}
+
+_ABS_PATH = re.compile(r"(?<![\w.])(?:[A-Za-z]:\\|/)[^\s:'\"]+")
+
+
+def without_paths(message: str, path: Path) -> str:
+    """llama.cpp's errors name files by their full path; clients may only see the file name."""
+    message = message.replace(str(path.resolve()), path.name).replace(str(path), path.name)
+    return _ABS_PATH.sub("<path>", message)
+
+
+def check_load_args(path: Path, n_ctx: int, n_seq_max: int, n_batch: int, kv_type: str) -> None:
+    max_seq = llama_cpp.llama_max_parallel_sequences()
+    if not 1 <= n_seq_max <= max_seq:
+        raise ValueError(f"n_seq_max must be in 1..{max_seq}")
+    if n_ctx < 1 or n_batch < 1:
+        raise ValueError("n_ctx and n_batch must be positive")
+    if kv_type not in KV_TYPES:
+        raise ValueError(f"kv_type must be one of {sorted(KV_TYPES)}")
+    if not path.is_file():
+        raise ModelNotFoundError(path.name, message=f"model file {path.name!r} does not exist")
+
+
+def load_model(path: Path, n_gpu_layers: int, extra_buffers: bool | None) -> tuple[Any, list[str]]:
+    """The weights, and llama.cpp's log lines of the load (where it put the layers); GGUFError in
+    llama.cpp's own words, with no host path, when it cannot load the file."""
+    errors_before = error_count()
+    mparams = llama_cpp.llama_model_default_params()
+    mparams.n_gpu_layers = n_gpu_layers
+    mparams.use_extra_bufts = not build_died_here() if extra_buffers is None else extra_buffers
+    with captured_log() as load_lines:
+        model = llama_cpp.llama_model_load_from_file(os.fsencode(path), mparams)
+    if not model:
+        reason = without_paths(last_error_since(errors_before), path)
+        raise GGUFError(f"could not load model file {path.name!r}" + (f": {reason}" if reason else ""))
+    return model, load_lines
+
+
+def context_params(*, n_ctx: int, n_seq_max: int, n_batch: int, n_threads: int, kv_unified: bool, kv_type: str,
+                    flash_attention: bool, exact_attention: bool) -> Any:
+    cparams = llama_cpp.llama_context_default_params()
+    cparams.n_ctx = n_ctx
+    cparams.n_batch = n_batch
+    cparams.n_ubatch = min(n_batch, 512)  # llama.cpp's default micro-batch: bigger only costs memory
+    cparams.n_seq_max = n_seq_max
+    cparams.kv_unified = kv_unified
+    cparams.n_threads = n_threads
+    cparams.n_threads_batch = n_threads
+    cparams.embeddings = False
+    cparams.type_k = cparams.type_v = KV_TYPES[kv_type]
+    if kv_type != "f16":
+        flash_attention = True  # llama.cpp refuses a quantized V cache without it
+    if exact_attention:
+        cparams.type_k = cparams.type_v = llama_cpp.GGML_TYPE_F32
+    if exact_attention or not flash_attention:
+        cparams.flash_attn_type = llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED
+    return cparams
