@@ -25,7 +25,7 @@ from typing import Any
 
 # The worker's ModelEngine members the daemon calls and waits for (the rest have messages of their
 # own): each is answered by a "reply" or a "fail".
-CALLS = ("tokenize", "detokenize", "stats", "live_sequences", "live_steps", "live_parked")
+CALLS = ("tokenize", "detokenize", "token_pieces", "stats", "live_sequences", "live_steps", "live_parked")
 
 
 class Channel:

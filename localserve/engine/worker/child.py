@@ -184,7 +184,7 @@ class Worker:
     async def _call(self, method: str, args: tuple) -> Any:
         if method not in CALLS:
             raise BackendError(f"the engine worker has no call {method!r}")
-        if method in ("tokenize", "detokenize"):  # a long text must not hold up the streams' events
+        if method in ("tokenize", "detokenize", "token_pieces"):  # a long text must not hold up the streams' events
             return await asyncio.to_thread(getattr(self.engine, method), *args)
         if method == "stats":
             return self.engine.stats()

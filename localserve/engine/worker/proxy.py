@@ -227,6 +227,11 @@ class WorkerEngine:
             return b"".join(map(self._vocab.token_to_bytes, tokens)).decode("utf-8", errors="replace")
         return self._wait("detokenize", tokens)
 
+    def token_pieces(self, tokens: list[int]) -> list[bytes]:
+        if self._vocab is not None:  # as engine/local.py's
+            return [self._vocab.token_to_bytes(t, special=True) for t in tokens]
+        return self._wait("token_pieces", tokens)
+
     def stats(self) -> EngineStats:
         """The worker's figures; the last ones it gave (or zeros) when it cannot answer now, so
         `ps` and the dashboard never fail for a dying worker."""
