@@ -27,6 +27,7 @@ from typing import Any, Generator, Sequence
 import llama_cpp
 import numpy as np
 
+from ...config.kv_cache import kv_pair, needs_flash_attention
 from ...protocol.requests import SamplingParams
 from ...errors import BackendError, GGUFError, ModelNotFoundError
 from ..base import Backend, BatchToken, Capabilities, DecodeInterrupted, KVFullError, KVRequest, KVSizing
@@ -45,7 +46,11 @@ from . import kv_pages, seq_copy, sizing
 
 log = logging.getLogger(__name__)
 
-_KV_TYPES = {"f16": llama_cpp.GGML_TYPE_F16, "q8_0": llama_cpp.GGML_TYPE_Q8_0}
+# ggml's type ids of the KV types config/kv_cache.py names (llama-cpp-python 0.3.36 has no BF16 constant:
+# 30 is ggml.h's GGML_TYPE_BF16).
+_KV_TYPES = {"f32": llama_cpp.GGML_TYPE_F32, "f16": llama_cpp.GGML_TYPE_F16, "bf16": 30,
+             "q8_0": llama_cpp.GGML_TYPE_Q8_0, "q5_1": llama_cpp.GGML_TYPE_Q5_1, "q5_0": llama_cpp.GGML_TYPE_Q5_0,
+             "q4_1": llama_cpp.GGML_TYPE_Q4_1, "q4_0": llama_cpp.GGML_TYPE_Q4_0, "iq4_nl": llama_cpp.GGML_TYPE_IQ4_NL}
 
 
 def _free_native(model, ctx, embedder_box: list) -> None:
@@ -183,9 +188,10 @@ class LlamaCppBackend(LlamaTokenizer, Backend):
             prompt prefilled in other chunk sizes (alone vs. beside other requests) can end in other
             greedy tokens. With per-sequence streams and flash attention off, outputs are identical
             whatever the batch (tests/model/test_engine_llamacpp.py), with the F16 cache.
-        kv_type: "f16" or "q8_0" for K and V (q8_0 halves KV memory; llama.cpp needs flash
-            attention for a quantized V cache, so it turns flash attention on). Ignored with
-            exact_attention, which keeps F32.
+        kv_type: the cache's element types, "K/V" or one name for both ("f16", "q8_0",
+            "q8_0/f16": config/kv_cache.py; q8_0 halves KV memory). llama.cpp needs flash attention
+            for a quantized V cache, so a quantized V turns it on; a quantized K alone does not.
+            Ignored with exact_attention, which keeps F32.
         extra_buffers: llama.cpp's extra CPU buffer types (AMX, repacked Q4_0/Q4_K layouts). False
             where the build's AMX path kills the process here (probe.py); None, the default, follows
             this build's recorded probe verdict on this machine (no probe is run).
@@ -450,8 +456,8 @@ def _check_load_args(path: Path, n_ctx: int, n_seq_max: int, n_batch: int, kv_ty
         raise ValueError(f"n_seq_max must be in 1..{max_seq}")
     if n_ctx < 1 or n_batch < 1:
         raise ValueError("n_ctx and n_batch must be positive")
-    if kv_type not in _KV_TYPES:
-        raise ValueError(f"kv_type must be one of {sorted(_KV_TYPES)}")
+    if any(t not in _KV_TYPES for t in kv_pair(kv_type)):
+        raise ValueError(f"kv_type must be K/V of {sorted(_KV_TYPES)}")
     if not path.is_file():
         raise ModelNotFoundError(path.name, message=f"model file {path.name!r} does not exist")
 
@@ -482,8 +488,9 @@ def _context_params(*, n_ctx: int, n_seq_max: int, n_batch: int, n_threads: int,
     cparams.n_threads = n_threads
     cparams.n_threads_batch = n_threads
     cparams.embeddings = False
-    cparams.type_k = cparams.type_v = _KV_TYPES[kv_type]
-    if kv_type != "f16":
+    type_k, type_v = kv_pair(kv_type)
+    cparams.type_k, cparams.type_v = _KV_TYPES[type_k], _KV_TYPES[type_v]
+    if needs_flash_attention(kv_type):
         flash_attention = True  # llama.cpp refuses a quantized V cache without it
     if exact_attention:
         cparams.type_k = cparams.type_v = llama_cpp.GGML_TYPE_F32

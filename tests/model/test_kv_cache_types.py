@@ -1,0 +1,70 @@
+"""KV-cache types per model on the real SmolLM2: K=q8_0/V=f16 (`model_kv_cache_type`) loads in
+both KV layouts as llama.cpp reports it, a server answers with it, and `show` gives the memory it
+saves."""
+
+from __future__ import annotations
+
+import argparse
+
+import llama_cpp
+import pytest
+
+from localserve.backends.llamacpp.backend import LlamaCppBackend
+from localserve.backends.llamacpp.runtime import captured_log
+from localserve.commands.models import run_show
+from localserve.runtime.describe import describe_model
+from localserve.runtime.planning import plan_model
+from localserve.store.cache import ModelStore
+
+from server_harness import MODEL, MODEL_TAG, model_server
+
+pytestmark = pytest.mark.model
+MIXED = (f"{MODEL}=q8_0/f16",)
+
+
+@pytest.mark.parametrize("unified", [False, True], ids=["streams", "unified"])
+def test_llamacpp_makes_the_cache_with_k_and_v_apart(smollm2_gguf, unified):
+    with captured_log() as lines:
+        backend = LlamaCppBackend.load(smollm2_gguf, n_ctx=512, n_seq_max=2, n_batch=64, n_threads=2,
+                                       kv_unified=unified, flash_attention=unified, kv_type="q8_0/f16")
+    try:
+        (cache,) = [line for line in lines if line.startswith("llama_kv_cache: size")]
+        assert "K (q8_0)" in cache and "V (f16)" in cache
+        # A quantized K alone leaves flash attention off in the streams layout: exact answers stay.
+        assert any(line.endswith("flash_attn            = disabled") for line in lines) != unified
+    finally:
+        backend.close()
+
+
+@pytest.fixture(scope="module")
+def live(tmp_path_factory, smollm2_gguf):
+    with model_server(tmp_path_factory.mktemp("home"), smollm2_gguf, kv_layout="streams",
+                      model_kv_cache_type=MIXED) as server:
+        yield server
+
+
+def test_a_model_with_k_q8_0_and_v_f16_answers_as_llamacpp_does(live, smollm2_gguf):
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    status, chat = live.json("POST", "/v1/chat/completions", {"model": MODEL, "max_tokens": 12, "temperature": 0,
+                                                              "messages": messages})
+    assert status == 200 and chat["choices"][0]["message"]["content"].strip()
+    # The same greedy answer as llama.cpp's own API loaded with K q8_0 and V f16.
+    status, prompt = live.json("POST", "/tokenize", {"model": MODEL, "messages": messages})
+    llm = llama_cpp.Llama(str(smollm2_gguf), n_ctx=1024, n_threads=2, flash_attn=False, verbose=False,
+                          type_k=llama_cpp.GGML_TYPE_Q8_0, type_v=llama_cpp.GGML_TYPE_F16)
+    try:
+        direct = llm.create_completion(prompt["tokens"], max_tokens=12, temperature=0.0)
+    finally:
+        llm.close()
+    assert chat["choices"][0]["message"]["content"] == direct["choices"][0]["text"]
+    plan = plan_model(ModelStore(live.settings).find(MODEL), live.settings)
+    assert plan.limits.kv_type == "q8_0/f16" and not plan.limits.kv_unified and not plan.limits.flash_attention
+
+
+def test_show_gives_the_memory_the_types_save(live, capsys):
+    model = ModelStore(live.settings).find(f"{MODEL}:{MODEL_TAG}")
+    memory = describe_model(model, live.settings)["memory"]
+    assert memory["kv_bytes"] == pytest.approx(memory["kv_f16_bytes"] * (34 / 32 + 2) / 4, abs=1)
+    assert run_show(argparse.Namespace(model=MODEL, ctx=None, json=False), live.settings) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert "q8_0/f16: " in out and "less than f16" in out and "a KV stream each, q8_0/f16" in out
