@@ -5,6 +5,7 @@ saves."""
 from __future__ import annotations
 
 import argparse
+import logging
 
 import llama_cpp
 import pytest
@@ -38,12 +39,14 @@ def test_llamacpp_makes_the_cache_with_k_and_v_apart(smollm2_gguf, unified):
 
 @pytest.fixture(scope="module")
 def live(tmp_path_factory, smollm2_gguf):
-    with model_server(tmp_path_factory.mktemp("home"), smollm2_gguf, kv_layout="streams",
+    # In the daemon's process (engine_workers off), where llama.cpp's load lines reach the test's log.
+    with model_server(tmp_path_factory.mktemp("home"), smollm2_gguf, kv_layout="streams", engine_workers=False,
                       model_kv_cache_type=MIXED) as server:
         yield server
 
 
-def test_a_model_with_k_q8_0_and_v_f16_answers_as_llamacpp_does(live, smollm2_gguf):
+def test_a_model_with_k_q8_0_and_v_f16_answers_as_llamacpp_does(live, smollm2_gguf, caplog):
+    caplog.set_level(logging.DEBUG, logger="localserve.llama")
     messages = [{"role": "user", "content": "What is the capital of France?"}]
     status, chat = live.json("POST", "/v1/chat/completions", {"model": MODEL, "max_tokens": 12, "temperature": 0,
                                                               "messages": messages})
@@ -57,6 +60,10 @@ def test_a_model_with_k_q8_0_and_v_f16_answers_as_llamacpp_does(live, smollm2_gg
     finally:
         llm.close()
     assert chat["choices"][0]["message"]["content"] == direct["choices"][0]["text"]
+    # The server's context (loaded first: the direct one above logs its own line after it) holds K
+    # in q8_0 and V in f16 (llama.cpp's own load lines).
+    cache = [r.getMessage() for r in caplog.records if r.getMessage().startswith("llama_kv_cache: size")]
+    assert len(cache) == 2 and "K (q8_0)" in cache[0] and "V (f16)" in cache[0]
     plan = plan_model(ModelStore(live.settings).find(MODEL), live.settings)
     assert plan.limits.kv_type == "q8_0/f16" and not plan.limits.kv_unified and not plan.limits.flash_attention
 
