@@ -62,17 +62,16 @@ def check_kv_types(kv_cache_type: str, items: Iterable[str], kv_layout: str, fla
     llama.cpp refuses: a quantized V where flash attention stays off."""
     items = tuple(items)
     model_kv_type(items, "")  # every entry's form and types (the empty ref matches none)
-    flash_off = kv_layout.strip().lower() == "streams" and not flash_attention
-    if kv_cache_type != "auto":
+    named = [("model_kv_cache_type", item, item.partition("=")[2]) for item in items]
+    if kv_cache_type.strip().lower() != "auto":
         try:
-            kv = parse_kv_type(kv_cache_type)
+            parse_kv_type(kv_cache_type)
         except ValueError as e:
             raise ConfigError(f"setting 'kv_cache_type': {kv_cache_type!r} {e}") from None
-        if flash_off and needs_flash_attention(kv):
-            raise ConfigError(f"setting 'kv_cache_type': {kv_cache_type!r}: {FLASH_OFF_REASON}; give V as "
-                              f"{', '.join(_PLAIN)}, or set kv_layout auto or unified")
-    for item in items:
-        kv = parse_kv_type(item.partition("=")[2])
-        if flash_off and needs_flash_attention(kv):
-            raise ConfigError(f"setting 'model_kv_cache_type': {item!r}: {FLASH_OFF_REASON}; give V as "
-                              f"{', '.join(_PLAIN)}, or set kv_layout auto or unified")
+        named.append(("kv_cache_type", kv_cache_type, kv_cache_type))
+    if kv_layout.strip().lower() != "streams" or flash_attention:
+        return
+    for setting, entry, kv in named:
+        if needs_flash_attention(parse_kv_type(kv)):
+            raise ConfigError(f"setting '{setting}': {entry!r}: {FLASH_OFF_REASON}; give V as {', '.join(_PLAIN)}, "
+                              "or set kv_layout auto or unified")
