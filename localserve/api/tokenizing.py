@@ -27,6 +27,8 @@ from .validation import Body, invalid, parse_keep_alive
 # MAX_PROMPT_TOKENS); an 8 MiB body holds fewer than 2M anyway.
 MAX_DETOKENIZE_TOKENS = 1 << 20
 _CHAT_FIELDS = ("model", "messages", "tools", "tool_choice", "keep_alive")
+# Variables the template gets from the request and the model (api/templates.py ChatTemplate.render).
+_TEMPLATE_OWN = frozenset({"messages", "tools", "add_generation_prompt", "bos_token", "eos_token"})
 
 
 @asynccontextmanager
@@ -68,8 +70,12 @@ def parse_template_call(body: Body, env: ApiEnv) -> ChatCall:
         raise invalid("'messages' is required", "messages")
     call = parse_chat(Body({k: body.raw(k) for k in _CHAT_FIELDS if body.raw(k) is not None}), env)
     kwargs = body.get_object("chat_template_kwargs")
-    call.template_args = {**(kwargs.data if kwargs is not None else {}),
-                          "add_generation_prompt": body.get_bool("add_generation_prompt", True)}
+    extra = dict(kwargs.data) if kwargs is not None else {}
+    taken = sorted(set(extra) & _TEMPLATE_OWN)
+    if taken:
+        raise invalid(f"'chat_template_kwargs' may not set {taken[0]!r}: the request's own fields give it",
+                      "chat_template_kwargs")
+    call.template_args = {**extra, "add_generation_prompt": body.get_bool("add_generation_prompt", True)}
     return call
 
 

@@ -68,6 +68,9 @@ def test_apply_template_is_what_a_chat_request_renders(live):
     assert raw["content"] == chat["choices"][0]["message"]["content"]
     without = post(live, "/apply-template", {"messages": MESSAGES, "add_generation_prompt": False})["prompt"]
     assert prompt == without + "<|im_start|>assistant\n"
+    # chat_template_kwargs are template variables (Qwen3's enable_thinking): one this template does
+    # not read changes nothing.
+    assert post(live, "/apply-template", {"messages": MESSAGES, "chat_template_kwargs": {"x": 1}})["prompt"] == prompt
 
 
 def test_vllm_tokenize_shapes(live):
@@ -98,6 +101,8 @@ def test_vllm_tokenize_shapes(live):
     ("/tokenize", {"prompt": ["x"]}, "prompt"),
     ("/tokenize", {"messages": "hi"}, "messages"),
     ("/apply-template", {}, "messages"),
+    ("/apply-template", {"messages": MESSAGES, "chat_template_kwargs": {"bos_token": "x"}}, "chat_template_kwargs"),
+    ("/apply-template", {"messages": MESSAGES, "chat_template_kwargs": []}, "chat_template_kwargs"),
     ("/apply-template", {"messages": [{"role": "wizard", "content": "x"}]}, "messages"),
 ])
 def test_bad_input_is_a_400_naming_the_field(live, path, body, param):
