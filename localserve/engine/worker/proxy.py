@@ -6,7 +6,7 @@ the per-request context). Afterwards every ModelEngine member is a message over 
 (channel.py): `generate` and `embed` await their answer, `stats` and the dashboard's live views
 wait for it (a pipe round trip: tens of microseconds idle), and one reader thread
 hands each "events" message to the streams' event loops with one wakeup per loop, as the in-process
-engine does (engine/local.py post_events). A GGUF model's `tokenize` and `detokenize` run here, on a
+engine does (engine/local.py post_events). A GGUF model's tokenizer calls run here (vocab.py), on a
 vocab-only load of the same file (llama.cpp's own tokenizer, so the same ids): they are called on
 the event loop, and a round trip waits for the worker's threads to be scheduled, which beside a
 busy decode on 2 cores is no longer tens of microseconds; an editor's keystroke tokenizes four texts.
@@ -45,6 +45,7 @@ from ..core_share import worker_context
 from ..streams import EventQueue, post_events
 from .channel import Channel
 from .rss import rss_bytes
+from .vocab import VocabCalls, open_vocab
 
 log = logging.getLogger(__name__)
 
@@ -56,19 +57,6 @@ QUICK_CALL_TIMEOUT_S = 0.5
 HANG_FLOOR_S = 30.0  # the watchdog never fires sooner than this (unless the ceiling is lower)
 HANG_STEP_MULTIPLE = 20.0  # ... nor before this many times the longest recent step
 NATIVE_TAIL_LINES = 20
-
-
-def _open_vocab(gguf: Path | None) -> Any:
-    """The GGUF's tokenizer in this process, or None (then the worker tokenizes)."""
-    if gguf is None:
-        return None
-    from ...backends.llamacpp.vocab import LlamaVocab  # not at import time: loads llama.cpp
-
-    try:
-        return LlamaVocab(gguf, n_ctx_train=0, n_embd=0, n_params=0)
-    except Exception as e:  # noqa: BLE001 - the worker's tokenizer still works, a round trip away
-        log.info("tokenizing %s in its worker: %s", gguf.name, e)
-        return None
 
 
 def _context() -> multiprocessing.context.BaseContext:
@@ -101,7 +89,7 @@ class WorkerStream(EventQueue):
             self._engine.cancel(self._request_id)
 
 
-class WorkerEngine:
+class WorkerEngine(VocabCalls):
     """ModelEngine of a model loaded in a worker process (see the module docstring)."""
 
     def __init__(self, name: str, process: Any, channel: Channel, ready: tuple, log_path: Path | None,
@@ -173,7 +161,7 @@ class WorkerEngine:
                 channel.close()
                 raise message[1]
             elif message[0] == "ready":
-                engine = cls(name, process, channel, message, log_path, hang_timeout, _open_vocab(vocab_gguf))
+                engine = cls(name, process, channel, message, log_path, hang_timeout, open_vocab(vocab_gguf))
                 log.info("%s runs in engine worker pid %d", name, engine.pid)
                 return engine
 
@@ -216,21 +204,6 @@ class WorkerEngine:
 
     def cancel(self, request_id: str) -> None:
         self._channel.send("cancel", request_id)
-
-    def tokenize(self, text: str, add_special: bool = True) -> list[int]:
-        if self._vocab is not None:
-            return self._vocab.tokenize(text, add_special=add_special)  # as engine/local.py's
-        return self._wait("tokenize", text, add_special)
-
-    def detokenize(self, tokens: list[int]) -> str:
-        if self._vocab is not None:  # as engine/local.py's
-            return b"".join(map(self._vocab.token_to_bytes, tokens)).decode("utf-8", errors="replace")
-        return self._wait("detokenize", tokens)
-
-    def token_pieces(self, tokens: list[int]) -> list[bytes]:
-        if self._vocab is not None:  # as engine/local.py's
-            return [self._vocab.token_to_bytes(t, special=True) for t in tokens]
-        return self._wait("token_pieces", tokens)
 
     def stats(self) -> EngineStats:
         """The worker's figures; the last ones it gave (or zeros) when it cannot answer now, so
