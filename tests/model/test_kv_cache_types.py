@@ -5,6 +5,7 @@ saves."""
 from __future__ import annotations
 
 import argparse
+import asyncio
 import logging
 
 import llama_cpp
@@ -17,7 +18,9 @@ from localserve.runtime.describe import describe_model
 from localserve.runtime.planning import plan_model
 from localserve.store.cache import ModelStore
 
+from localserve.protocol.requests import GenerationRequest
 from server_harness import MODEL, MODEL_TAG, model_server
+from test_engine_llamacpp import GREEDY, chat, run, running_engine
 
 pytestmark = pytest.mark.model
 MIXED = (f"{MODEL}=q8_0/f16",)
@@ -35,6 +38,27 @@ def test_llamacpp_makes_the_cache_with_k_and_v_apart(smollm2_gguf, unified):
         assert any(line.endswith("flash_attn            = disabled") for line in lines) != unified
     finally:
         backend.close()
+
+
+async def test_streams_with_a_q8_0_k_stay_exact(smollm2_gguf):
+    """K q8_0 / V f16 needs no flash attention, so the streams layout keeps its promise: prompts
+    that share prefixes, chunked beside each other's decodes, give exactly the tokens each gives
+    alone (test_engine_llamacpp's exactness test, with this cache)."""
+    streams = LlamaCppBackend.load(smollm2_gguf, n_ctx=16384, n_seq_max=16, n_batch=512, n_threads=2,
+                                   kv_unified=False, flash_attention=False, kv_type="q8_0/f16")
+    try:
+        prompts = [chat(streams, " ".join(["Some background about the world and its details."] * (i * i // 2))
+                        + f" Write a story about {topic}.")
+                   for i, topic in enumerate(["the moon", "bread", "cats", "rivers", "winter", "primes"])]
+        requests = lambda: [GenerationRequest(p, GREEDY, max_tokens=32, ignore_eos=True) for p in prompts]
+        limits = dict(n_ctx_seq=1024, batch_tokens=512, kv_type="q8_0/f16")
+        with running_engine(streams, prefix_cache=False, **limits) as engine:
+            alone = [(await run(engine, r))[0] for r in requests()]
+        with running_engine(streams, **limits) as engine:
+            together = await asyncio.gather(*(run(engine, r) for r in requests()))
+        assert [t for t, _, _ in together] == alone
+    finally:
+        streams.close()
 
 
 @pytest.fixture(scope="module")
