@@ -108,12 +108,14 @@ def test_vllm_tokenize_shapes(live):
 def test_bad_input_is_a_400_naming_the_field(live, path, body, param):
     status, answer = live.json("POST", path, body)
     assert status == 400, answer
-    assert answer["error"]["type"] == "invalid_request_error" and param in answer["error"]["message"] + str(
-        answer["error"].get("param"))
+    # llama-server's error shape: {"error": {"code": 400, "message", "type"}} (and our param).
+    error = answer["error"]
+    assert error["code"] == 400 and error["type"] == "invalid_request_error" and param in error["message"] + str(
+        error["param"])
 
 
 def test_bodies_are_bounded(live):
     status, answer = live.json("POST", "/tokenize", {"content": "x" * (64 * 1024)})
     assert status == 413 and "max_body_bytes" in answer["error"]["message"]
     status, answer = live.json("POST", "/detokenize", {"tokens": [1] * 40_000})
-    assert status == 413
+    assert status == 413 and answer["error"]["code"] == 413
