@@ -42,16 +42,16 @@ def test_llamacpp_makes_the_cache_with_k_and_v_apart(smollm2_gguf, unified):
 
 async def test_streams_with_a_q8_0_k_stay_exact(smollm2_gguf):
     """K q8_0 / V f16 needs no flash attention, so the streams layout keeps its promise: prompts
-    that share prefixes, chunked beside each other's decodes, give exactly the tokens each gives
-    alone (test_engine_llamacpp's exactness test, with this cache)."""
-    streams = LlamaCppBackend.load(smollm2_gguf, n_ctx=16384, n_seq_max=16, n_batch=512, n_threads=2,
+    of 20 to ~110 tokens that share their start, prefilled and decoded beside each other, give
+    exactly the tokens each gives alone (test_engine_llamacpp's exactness test, with this cache)."""
+    streams = LlamaCppBackend.load(smollm2_gguf, n_ctx=8192, n_seq_max=8, n_batch=512, n_threads=2,
                                    kv_unified=False, flash_attention=False, kv_type="q8_0/f16")
     try:
-        prompts = [chat(streams, " ".join(["Some background about the world and its details."] * (i * i // 2))
+        prompts = [chat(streams, " ".join(["Some background about the world and its details."] * (3 * i))
                         + f" Write a story about {topic}.")
-                   for i, topic in enumerate(["the moon", "bread", "cats", "rivers", "winter", "primes"])]
-        requests = lambda: [GenerationRequest(p, GREEDY, max_tokens=32, ignore_eos=True) for p in prompts]
-        limits = dict(n_ctx_seq=1024, batch_tokens=512, kv_type="q8_0/f16")
+                   for i, topic in enumerate(["the moon", "bread", "cats", "rivers"])]
+        requests = lambda: [GenerationRequest(p, GREEDY, max_tokens=16, ignore_eos=True) for p in prompts]
+        limits = dict(max_sequences=4, n_ctx_seq=1024, batch_tokens=512, kv_type="q8_0/f16")
         with running_engine(streams, prefix_cache=False, **limits) as engine:
             alone = [(await run(engine, r))[0] for r in requests()]
         with running_engine(streams, **limits) as engine:
