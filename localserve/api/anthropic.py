@@ -35,6 +35,7 @@ from .generation import Run, collect
 from .images import ImageParts
 from .openai import MAX_TOKENS_LIMIT, ApiEnv, ChatCall, observe, parse_chat, start
 from .templates import THINK_OPEN, is_reasoning_template
+from .tokenizing import chat_prompt
 from .validation import Body, invalid, parse_stop
 
 MESSAGE_PREFIX = "msg_"
@@ -134,13 +135,10 @@ async def create_message(call: MessagesCall, env: ApiEnv) -> dict[str, Any]:
 
 
 async def count_tokens(call: MessagesCall, env: ApiEnv) -> dict[str, int]:
-    """{"input_tokens": N}: the prompt the model would be given, system and tools included."""
+    """{"input_tokens": N}: the prompt the model would be given, system, tools and images included
+    (the same rendering and tokenizer as /tokenize's chat form, api/tokenizing.py)."""
     await call.chat.images.resolve()
-    async with env.manager.use(call.chat.opts.model, keep_alive=call.chat.opts.keep_alive) as loaded:
-        if isinstance(loaded.engine, TextEngine):
-            raise invalid(f"counting tokens is served for local models only, not {loaded.name}", "model")
-        tokens = await call.chat.prompt_tokens(loaded.engine)
-    return {"input_tokens": len(tokens)}
+    return {"input_tokens": len((await chat_prompt(call.chat, env, "counting tokens")).tokens)}
 
 
 # --- models --------------------------------------------------------------------------------------

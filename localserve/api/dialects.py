@@ -44,6 +44,11 @@ def _ollama(status: int, message: str, error_type: str, param: str | None, code:
     return status, {"error": message}
 
 
+def _llamacpp(status: int, message: str, error_type: str, param: str | None, code: str | None) -> tuple[int, dict]:
+    # llama-server's format_error_response: the status as the numeric code (vLLM's errors carry it too).
+    return status, {"error": {"code": status, "message": message, "type": error_type, "param": param}}
+
+
 OPENAI = Dialect("openai", _openai)
 ANTHROPIC = Dialect("anthropic", _anthropic)
 OLLAMA = Dialect("ollama", _ollama)
@@ -59,10 +64,15 @@ ROUTES: dict[str, Dialect] = {
 }
 
 
+TOKENS = Dialect("tokens", _llamacpp)
+# Routes that generate nothing (so no origin on the dashboard) and answer errors in a shape of their own.
+OTHER_ROUTES: dict[str, Dialect] = {"/tokenize": TOKENS, "/detokenize": TOKENS, "/apply-template": TOKENS}
+
+
 def dialect_of(path: str, anthropic_version: bool = False) -> Dialect:
     """The dialect a request to `path` is answered in (`anthropic_version`: it sent that header)."""
     if path == "/api" or path.startswith("/api/"):
         return OLLAMA
     if path == "/v1/messages" or path.startswith("/v1/messages/") or (anthropic_version and path.startswith("/v1/")):
         return ANTHROPIC
-    return ROUTES.get(path, OPENAI)
+    return ROUTES.get(path) or OTHER_ROUTES.get(path, OPENAI)

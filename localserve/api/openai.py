@@ -43,6 +43,7 @@ from .generation import (
 from .images import ImageParts
 from .fim import fim_prompt_async, prompt_budget
 from .metrics import Metrics
+from .templates import ChatTemplate
 from .tools import forced_call_schema, parse_tool_calls, tool_choice_plan
 from .validation import (
     MAX_EMBED_INPUTS,
@@ -249,14 +250,19 @@ class ChatCall:
     prompt: str = ""
     images: ImageParts = field(default_factory=ImageParts)  # the messages' images, in prompt order
 
-    async def prompt_tokens(self, engine: ModelEngine) -> list[int]:
-        """The rendered chat template's tokens (kept in `prompt`); a model without a projector
-        refuses the request's images first."""
-        images = self.images.for_model(engine)
-        template = chat_template(engine)
+    async def render(self, engine: ModelEngine, template: ChatTemplate | None = None) -> str:
+        """The prompt the model's chat template makes of the conversation (kept in `prompt`)."""
+        template = template or chat_template(engine)
         self.prompt = await template.render_async(self.messages, tools=self.tools or None, **self.template_args)
         self.prompt += self.continuation
-        return await tokenize_async(engine, self.prompt, template, images=images)
+        return self.prompt
+
+    async def prompt_tokens(self, engine: ModelEngine) -> list[int]:
+        """The rendered chat template's tokens (the text kept in `prompt`); a model without a
+        projector refuses the request's images first."""
+        images = self.images.for_model(engine)
+        template = chat_template(engine)
+        return await tokenize_async(engine, await self.render(engine, template), template, images=images)
 
     async def prepare(self, engine: ModelEngine) -> list[GenerationRequest]:
         self.images.for_model(engine)

@@ -21,6 +21,7 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Generator, Literal, Sequence
 
+from ..config.kv_cache import kv_element_bytes
 from ..protocol.engine import ModelInfo
 from ..protocol.requests import SamplingParams, TokenLogprob
 from ..errors import BackendError, InvalidRequestError
@@ -35,11 +36,6 @@ class KVFullError(BackendError):
 class DecodeInterrupted(BackendError):
     """An interruptible decode stopped because `Backend.interrupt` was called; nothing of the batch
     was kept, and the scheduler plans the step again (with whatever arrived meanwhile)."""
-
-
-# Bytes per K/V element of the cache types a KV request may name (q8_0: blocks of 32 values in 34
-# bytes); runtime/memory.KV_BYTES has these and the types no request names.
-KV_ELEMENT_BYTES = {"f16": 2.0, "q8_0": 34 / 32}
 
 
 def seq_ids_for(max_sequences: int, prefix_cache: bool) -> int:
@@ -58,7 +54,7 @@ class KVRequest:
     kv_budget_bytes: int  # memory the cache may take
     kv_bytes_per_token: int  # K+V of one token in f16
     layout: str  # the kv_layout setting: "auto", "streams" or "unified"
-    kv_type: str  # the kv_cache_type setting: "auto", "f16" or "q8_0"
+    kv_type: str  # "auto" or a checked K/V type (config/kv_cache.py): the model's, else kv_cache_type
     flash_attention: bool  # the flash_attention setting
 
     @property
@@ -74,7 +70,7 @@ class KVSizing:
     n_ctx_seq: int  # tokens one request may hold
     max_sequences: int
     kv_unified: bool  # one pool shared by every sequence (else a stream per sequence id)
-    kv_type: str  # "f16" or "q8_0"
+    kv_type: str  # "K/V" or one name for both ("f16", "q8_0", "q8_0/f16": config/kv_cache.py)
     flash_attention: bool
 
 
@@ -206,7 +202,7 @@ class Backend(ABC):
         shared pool and no layout of its own: room for every running request at full length
         within the budget, never less than one, cells as the budget gives them (no padding)."""
         kv_type = "f16" if want.kv_type == "auto" else want.kv_type
-        cell_bytes = max(1, math.ceil(want.kv_bytes_per_token * KV_ELEMENT_BYTES[kv_type] / 2))
+        cell_bytes = max(1, math.ceil(want.kv_bytes_per_token * kv_element_bytes(kv_type) / 2))
         n_ctx = max(want.n_ctx_seq, min(want.max_sequences * want.n_ctx_seq, want.kv_budget_bytes // cell_bytes))
         return KVSizing(n_ctx=n_ctx, n_ctx_seq=want.n_ctx_seq, max_sequences=want.max_sequences, kv_unified=True,
                         kv_type=kv_type, flash_attention=want.flash_attention)

@@ -19,7 +19,8 @@ from typing import Callable
 
 import psutil
 
-from ..backends.base import KV_ELEMENT_BYTES, KVRequest, KVSizing, seq_ids_for
+from ..backends.base import KVRequest, KVSizing, seq_ids_for
+from ..config.kv_cache import parse_kv_type
 from ..config.settings import Settings
 from ..errors import ConfigError
 from .speculation import MODES
@@ -44,7 +45,7 @@ class EngineLimits:
     n_ctx_seq: int = 8192  # prompt + completion of one request
     prefix_cache: bool = True
     kv_unified: bool = False  # one shared cell pool instead of a stream per sequence (see config.py)
-    kv_type: str = "f16"  # KV element type ("f16" or "q8_0")
+    kv_type: str = "f16"  # KV element types, "K/V" or one for both ("f16", "q8_0/f16": config/kv_cache.py)
     flash_attention: bool = False
     aging_steps: int = 256  # a waiting/running request gains one lane of priority per this many steps
     batch_step_s: float = DEFAULT_TARGET_S  # time a step's batch-lane prompt chunks may take (0 = no cap)
@@ -62,8 +63,7 @@ class EngineLimits:
                 raise ConfigError(f"engine limit {name} must be at least 1 (got {getattr(self, name)})")
         if self.speculative not in MODES:
             raise ConfigError(f"speculative must be one of {', '.join(MODES)} (got {self.speculative!r})")
-        if self.kv_type not in KV_ELEMENT_BYTES:
-            raise ConfigError(f"KV cache type must be one of {', '.join(KV_ELEMENT_BYTES)} (got {self.kv_type!r})")
+        self.kv_type = _kv_type("KV cache type", self.kv_type)
         self.max_sequences = _max_running(self.max_sequences, self.batch_tokens)
         self.n_ctx_seq = min(self.n_ctx_seq, self.n_ctx)
 
@@ -100,16 +100,19 @@ class EngineLimits:
         cores: int | None = None,
         ram_bytes: int | None = None,
         plan_kv: Callable[[KVRequest], KVSizing],
+        kv_type: str | None = None,
     ) -> "EngineLimits":
         """Limits for one model. Settings win where they are non-zero; the rest is derived.
 
         `kv_bytes_per_token` is the f16 cache's figure (memory.kv_cache_bytes(facts, 1)). The
         cache itself is sized by the backend's rules, `plan_kv` (a Backend class's plan_kv),
-        which the caller hands in: batching/ never imports a concrete backend."""
+        which the caller hands in: batching/ never imports a concrete backend. `kv_type`: the
+        model's own KV types (model_kv_cache_type), else the setting kv_cache_type."""
         if settings.kv_layout not in _KV_LAYOUTS:
             raise ConfigError(f"setting kv_layout must be one of {', '.join(_KV_LAYOUTS)} (got {settings.kv_layout!r})")
-        if settings.kv_cache_type not in ("auto", *KV_ELEMENT_BYTES):
-            raise ConfigError(f"setting kv_cache_type must be auto, f16 or q8_0 (got {settings.kv_cache_type!r})")
+        kv_type = kv_type or settings.kv_cache_type.strip().lower()
+        if kv_type != "auto":
+            kv_type = _kv_type("setting kv_cache_type", kv_type)
         cores = cores or settings.threads or psutil.cpu_count(logical=False) or os.cpu_count() or 1
         ram = ram_bytes or psutil.virtual_memory().total
 
@@ -128,7 +131,7 @@ class EngineLimits:
             prefix_cache=settings.prefix_cache,
             kv_budget_bytes=int(max(ram - model_bytes, 0) * _KV_RAM_SHARE),
             kv_bytes_per_token=kv_bytes_per_token or _DEFAULT_KV_BYTES_PER_TOKEN,
-            layout=settings.kv_layout, kv_type=settings.kv_cache_type, flash_attention=settings.flash_attention,
+            layout=settings.kv_layout, kv_type=kv_type, flash_attention=settings.flash_attention,
         )
         kv = plan_kv(want)
         return cls(max_sequences=kv.max_sequences, batch_tokens=batch_tokens, n_ctx=kv.n_ctx, n_ctx_seq=kv.n_ctx_seq,
@@ -136,6 +139,13 @@ class EngineLimits:
                    queue_timeout=settings.queue_timeout or 600.0, prefix_cache=settings.prefix_cache,
                    kv_unified=kv.kv_unified, kv_type=kv.kv_type, flash_attention=kv.flash_attention,
                    speculative=settings.speculative.strip().lower(), adaptive_threads=settings.adaptive_threads)
+
+
+def _kv_type(what: str, value: str) -> str:
+    try:
+        return parse_kv_type(value)
+    except ValueError as e:
+        raise ConfigError(f"{what} {value!r} {e}") from None
 
 
 def _max_running(max_sequences: int, batch_tokens: int) -> int:

@@ -152,6 +152,16 @@ def _engine_line(engine: dict[str, Any]) -> str:
                    f"{engine['kv_cells']} cells)")
 
 
+def _kv_saved(mem: dict[str, Any], kv_type: str) -> str:
+    """' (q8_0/f16: 3.2 MiB less than f16)' where the KV types are smaller than f16."""
+    from ..runtime.memory import format_bytes
+
+    saved = mem["kv_f16_bytes"] - mem["kv_bytes"]
+    if saved == 0:
+        return ""
+    return f" ({kv_type}: {format_bytes(abs(saved))} {'less' if saved > 0 else 'more'} than f16)"
+
+
 def _at_rest_line(mem: dict[str, Any]) -> str:
     """What a loaded, idle model holds (runtime/describe.py at_rest): `ps` shows it measured."""
     from ..runtime.memory import format_bytes
@@ -206,7 +216,8 @@ def run_show(args: argparse.Namespace, settings: Settings) -> int:
         ("engine", _engine_line(info["engine"])),
         (f"memory @ {mem['n_ctx']} ctx" if info["ctx_given"] else "memory as loaded",
          f"at most {format_bytes(mem['total_bytes'])} (weights {format_bytes(mem['weights_bytes'])} + "
-         f"KV {format_bytes(mem['kv_bytes'])} + compute {format_bytes(mem['compute_bytes'])})"),
+         f"KV {format_bytes(mem['kv_bytes'])}{_kv_saved(mem, info['engine']['kv_type'])} + "
+         f"compute {format_bytes(mem['compute_bytes'])})"),
         ("memory at rest", _at_rest_line(mem)),
         *variant_rows,
         ("runs on", runs_on(place)),

@@ -17,6 +17,7 @@ import platformdirs
 
 from ..errors import ConfigError
 from .aliases import parse_alias
+from .kv_cache import check_kv_types
 from .upstreams import UpstreamConfig, parse_upstreams, resolve_keys
 
 try:  # Python 3.11+
@@ -95,8 +96,12 @@ class Settings:
     # (exact answers where that costs nothing), else unified (backends/llamacpp/sizing.py).
     kv_layout: str = "auto"
     # KV cache element type: "f16", "q8_0" (half the memory; needs flash attention, so only where
-    # exactness is given up anyway), or "auto" = f16 with streams, q8_0 in a unified pool.
+    # exactness is given up anyway), or "auto" = f16 with streams, q8_0 in a unified pool. Any type
+    # llama.cpp offers (kv_cache.py: f32, f16, bf16, q8_0, q5_1, q5_0, q4_1, q4_0, iq4_nl), K and V
+    # apart as "K/V" ("q8_0/f16": a quantized K needs no flash attention, a quantized V does).
+    # `model_kv_cache_type` sets it per model: "NAME[:TAG]=K/V" items, like model_backends.
     kv_cache_type: str = "auto"
+    model_kv_cache_type: tuple[str, ...] = ()
     # llama.cpp's CPU flash-attention kernel rounds differently for chunks of 64+ tokens, so with it
     # on a prompt's output depends on how its prefill was chunked beside other requests.
     flash_attention: bool = False
@@ -325,6 +330,8 @@ def load_settings(
         setattr(settings, name, _coerce(name, value))
         sources[name] = f"flag --{name.replace('_', '-')}"
 
+    # Types and combinations llama.cpp refuses stop the start here, naming the entry, not a load.
+    check_kv_types(settings.kv_cache_type, settings.model_kv_cache_type, settings.kv_layout, settings.flash_attention)
     settings.upstreams = resolve_keys(settings.upstreams, environ)
     if settings.hf_token is None and (fallback := _hf_token_fallback(environ)):
         settings.hf_token, sources["hf_token"] = fallback

@@ -244,6 +244,9 @@ class Engine:
     def detokenize(self, tokens: list[int]) -> str:
         return b"".join(self._token_bytes(t) for t in tokens).decode("utf-8", errors="replace")
 
+    def token_pieces(self, tokens: list[int]) -> list[bytes]:
+        return [self._backend.token_to_bytes(t, special=True) for t in tokens]
+
     def in_flight(self) -> dict[str, Sequence]:
         """request id -> its sequence, for every request held (queued ones too): a copy, for
         readers on other threads (the dashboard), a step stale at most."""

@@ -130,6 +130,11 @@ class ModelEngine(Protocol):
     def detokenize(self, tokens: list[int]) -> str:
         """The text of `tokens` (special tokens render empty; invalid UTF-8 is replaced)."""
 
+    def token_pieces(self, tokens: list[int]) -> list[bytes]:
+        """Each token's bytes as llama-server's /tokenize and /detokenize show them: special tokens
+        as their text (`<|im_start|>`), a piece that splits a UTF-8 character as its raw bytes.
+        Ids must be in the vocabulary (the caller checks them)."""
+
     def stats(self) -> EngineStats: ...
 
     def shutdown(self, timeout: float = 10.0) -> None:

@@ -41,7 +41,8 @@ def describe_model(model: InstalledModel, settings: Settings, n_ctx: int | None 
     """Everything `show` prints, as data: GGUF facts, memory at a context, where it would run."""
     from ..hardware import detect_hardware
     from ..store.gguf_facts import read_gguf_facts
-    from .memory import estimate_memory
+    from ..config.kv_cache import kv_element_bytes
+    from .memory import estimate_memory, kv_cache_bytes
     from .planning import gguf_limits, planned_vram
 
     if n_ctx is not None and n_ctx <= 0:
@@ -53,12 +54,12 @@ def describe_model(model: InstalledModel, settings: Settings, n_ctx: int | None 
                 "context_length": meta.get("context_length"), "memory": None,
                 "placement": _placement(None, model, settings, report)}
     facts = read_gguf_facts(model.gguf.path)
-    limits, estimate = gguf_limits(facts, settings)  # what a load here gets
+    limits, estimate = gguf_limits(facts, settings, model.ref)  # what a load here gets
     ctx_given = n_ctx is not None
     if n_ctx is None:
         n_ctx = limits.n_ctx  # all KV cells, every stream or the whole pool
     else:
-        estimate = estimate_memory(facts, n_ctx)
+        estimate = estimate_memory(facts, n_ctx, kv_element_bytes(limits.kv_type))
     info: dict[str, Any] = {
         **summary(model),
         "architecture": facts.architecture,
@@ -72,7 +73,8 @@ def describe_model(model: InstalledModel, settings: Settings, n_ctx: int | None 
         "chat_template": bool(facts.chat_template),
         "license": model.manifest.get("license") or facts.license,
         "source": (model.manifest.get("source") or {}).get("ref"),
-        "memory": {"n_ctx": n_ctx, **estimate.as_dict()},
+        # What the KV types save: the same cells in f16 (kv_cache_type, model_kv_cache_type).
+        "memory": {"n_ctx": n_ctx, **estimate.as_dict(), "kv_f16_bytes": kv_cache_bytes(facts, estimate.n_ctx)},
         "engine": limits.describe(),
         "ctx_given": ctx_given,
     }

@@ -14,6 +14,7 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from ..config.kv_cache import KV_TYPE_BYTES
 from ..errors import InvalidRequestError
 
 if TYPE_CHECKING:  # a type only: the tray formats bytes with this module without loading gguf (0.3 s)
@@ -24,8 +25,8 @@ DEFAULT_UBATCH = 512
 F32 = 4
 
 # Bytes per KV element for the cache types llama.cpp offers (q8_0/q4_0 store 32 values per block of
-# 34/18 bytes).
-KV_BYTES = {"f32": 4.0, "f16": 2.0, "bf16": 2.0, "q8_0": 34 / 32, "q4_0": 18 / 32}
+# 34/18 bytes): config/kv_cache.py's table.
+KV_BYTES = KV_TYPE_BYTES
 
 
 @dataclass(frozen=True)

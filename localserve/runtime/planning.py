@@ -15,6 +15,7 @@ from __future__ import annotations
 import functools
 from typing import TYPE_CHECKING, Any
 
+from ..config.kv_cache import kv_element_bytes, model_kv_type
 from ..config.per_model import per_model_value
 from ..config.settings import Settings
 from ..errors import BackendError, ConfigError, LocalserveError
@@ -53,12 +54,13 @@ def plan_model(installed: InstalledModel, settings: Settings) -> ModelPlan:
             facts = GGUFFacts.from_dict(installed.facts) if installed.facts else read_gguf_facts(installed.gguf.path)
         except LocalserveError:
             facts = read_gguf_facts(installed.gguf.path)  # an older manifest without every fact: read the file
-        limits, estimate = gguf_limits(facts, settings)
+        limits, estimate = gguf_limits(facts, settings, installed.ref)
         memory = estimate.total_bytes
     else:
         folder = next(iter(installed.variants.values()))
         limits = EngineLimits.from_settings(settings, n_ctx_train=int(folder.meta.get("context_length") or 0),
-                                            model_bytes=folder.size, plan_kv=llamacpp_plan_kv)
+                                            model_bytes=folder.size, plan_kv=llamacpp_plan_kv,
+                                            kv_type=model_kv_type(settings.model_kv_cache_type, installed.ref))
         memory = folder.size
     limits.speculative = speculative_mode(settings, installed.ref)
     report = hardware_report()
@@ -96,18 +98,20 @@ def planned_vram(n_gpu_layers: int, estimate: "MemoryEstimate | None", memory: i
     return min(memory, n_gpu_layers * estimate.layer_bytes)
 
 
-def gguf_limits(facts: "GGUFFacts", settings: Settings) -> tuple["EngineLimits", "MemoryEstimate"]:
-    """The engine limits a load of this GGUF gets here and their memory (what `show` prints too)."""
+def gguf_limits(facts: "GGUFFacts", settings: Settings, ref: str = "") -> tuple["EngineLimits", "MemoryEstimate"]:
+    """The engine limits a load of this GGUF (the model `ref`) gets here and their memory (what
+    `show` prints too)."""
     # Sized by llama.cpp's rules (pure arithmetic, no llama_cpp import): a plan is made before the
     # registry chooses the backend, and every load has been sized for llama.cpp so far.
     from ..backends.llamacpp.sizing import plan_kv as llamacpp_plan_kv
     from ..batching.limits import EngineLimits
-    from .memory import KV_BYTES, estimate_memory, kv_cache_bytes
+    from .memory import estimate_memory, kv_cache_bytes
 
     limits = EngineLimits.from_settings(settings, n_ctx_train=facts.context_length, model_bytes=facts.weights_bytes,
-                                        kv_bytes_per_token=kv_cache_bytes(facts, 1), plan_kv=llamacpp_plan_kv)
+                                        kv_bytes_per_token=kv_cache_bytes(facts, 1), plan_kv=llamacpp_plan_kv,
+                                        kv_type=model_kv_type(settings.model_kv_cache_type, ref))
     streams = 1 if limits.kv_unified else limits.n_seq_max
-    estimate = estimate_memory(facts, limits.n_ctx // streams, KV_BYTES[limits.kv_type], n_seq=streams,
+    estimate = estimate_memory(facts, limits.n_ctx // streams, kv_element_bytes(limits.kv_type), n_seq=streams,
                                flash_attention=limits.flash_attention)
     return limits, estimate
 

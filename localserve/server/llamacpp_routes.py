@@ -1,22 +1,25 @@
 """llama.cpp server's native routes: POST /infill (llama.vscode, llama.vim), POST /completion
-(Continue's and Tabby's llama.cpp providers), streamed or not, and GET /props."""
+(Continue's and Tabby's llama.cpp providers), streamed or not, GET /props, and the token routes
+POST /tokenize, /detokenize (both also in vLLM's shape) and /apply-template (api/tokenizing.py)."""
 
 from __future__ import annotations
 
 import asyncio
-from typing import Callable
+from typing import Awaitable, Callable
 
 from aiohttp import web
 
 from .. import __version__
 from ..api.errors import json_dumps, openai_exception_body
 from ..api.generation import Run, generation, raise_if_failed
+from ..api import tokenizing
 from ..api.images import ImageParts
 from ..api.llamacpp import (NativeCall, bounded, chunk_object, final_object, parse_infill, parse_native_completion,
                             props_body)
 from ..errors import GenerationError, LocalserveError
 from .body import read_json
 from .disconnect import guard_disconnect
+from .openai_routes import api_env
 from .streamed import run_stream
 from .served import served
 from .slots import Client, SlotClaim
@@ -45,6 +48,29 @@ async def props(request: web.Request) -> web.Response:
     return web.json_response(props_body(model.ref, limits.context, limits.slots, __version__,
                                         request.app[SETTINGS_KEY].default_max_tokens, vision=limits.vision),
                              dumps=json_dumps)
+
+
+@routes.post("/tokenize")
+async def tokenize(request: web.Request) -> web.Response:
+    return await _tokens(request, tokenizing.tokenize)
+
+
+@routes.post("/detokenize")
+async def detokenize(request: web.Request) -> web.Response:
+    return await _tokens(request, tokenizing.detokenize)
+
+
+@routes.post("/apply-template")
+async def apply_template(request: web.Request) -> web.Response:
+    return await _tokens(request, tokenizing.apply_template)
+
+
+async def _tokens(request: web.Request, answer: Callable[..., Awaitable[dict]]) -> web.Response:
+    """A body answered with the model's tokenizer or template (no generation): a client that
+    leaves cancels the tokenizing."""
+    env = api_env(request)
+    body = await read_json(request)
+    return web.json_response(await guard_disconnect(request, answer(body, env)), dumps=json_dumps)
 
 
 async def _answer(request: web.Request, parse: Callable[..., NativeCall], what: str) -> web.StreamResponse:

@@ -115,6 +115,9 @@ class EchoEngine:
     def detokenize(self, tokens: list[int]) -> str:
         return bytes(tokens).decode("utf-8", errors="replace")
 
+    def token_pieces(self, tokens: list[int]) -> list[bytes]:
+        return [bytes([t]) for t in tokens]
+
     def stats(self) -> EngineStats:
         running = sum(not s._done for s in self.streams)
         return EngineStats(running=running, waiting=dict.fromkeys(LANES, 0), kv_used=0, kv_total=0,

@@ -162,7 +162,7 @@ def test_exactness_is_a_setting():
     assert f16.kv_unified and f16.kv_type == "f16" and f16.n_ctx < q8.n_ctx
 
 
-@pytest.mark.parametrize("name, value", [("kv_layout", "shared"), ("kv_cache_type", "q4_0")])
+@pytest.mark.parametrize("name, value", [("kv_layout", "shared"), ("kv_cache_type", "q3_k"), ("kv_cache_type", "q8_0/f16/f16")])
 def test_unknown_kv_settings_are_a_config_error(name, value):
     with pytest.raises(ConfigError, match=name):
         _auto(SMOLLM2, 24, 2, Settings(**{name: value}))

@@ -187,9 +187,10 @@ class LlamaCppBackend(LlamaTokenizer, Backend):
             prompt prefilled in other chunk sizes (alone vs. beside other requests) can end in other
             greedy tokens. With per-sequence streams and flash attention off, outputs are identical
             whatever the batch (tests/model/test_engine_llamacpp.py), with the F16 cache.
-        kv_type: "f16" or "q8_0" for K and V (q8_0 halves KV memory; llama.cpp needs flash
-            attention for a quantized V cache, so it turns flash attention on). Ignored with
-            exact_attention, which keeps F32.
+        kv_type: the cache's element types, "K/V" or one name for both ("f16", "q8_0",
+            "q8_0/f16": config/kv_cache.py; q8_0 halves KV memory). llama.cpp needs flash attention
+            for a quantized V cache, so a quantized V turns it on; a quantized K alone does not.
+            Ignored with exact_attention, which keeps F32.
         extra_buffers: llama.cpp's extra CPU buffer types (AMX, repacked Q4_0/Q4_K layouts). False
             where the build's AMX path kills the process here (probe.py); None, the default, follows
             this build's recorded probe verdict on this machine (no probe is run).

@@ -10,11 +10,16 @@ from typing import Any
 
 import llama_cpp
 
+from ...config.kv_cache import kv_pair, needs_flash_attention
 from ...errors import GGUFError, ModelNotFoundError
 from .probe import build_died_here
 from .runtime import captured_log, error_count, last_error_since
 
-KV_TYPES = {"f16": llama_cpp.GGML_TYPE_F16, "q8_0": llama_cpp.GGML_TYPE_Q8_0}
+# ggml's type ids of the KV types config/kv_cache.py names (llama-cpp-python 0.3.36 has no BF16 constant:
+# 30 is ggml.h's GGML_TYPE_BF16).
+KV_TYPES = {"f32": llama_cpp.GGML_TYPE_F32, "f16": llama_cpp.GGML_TYPE_F16, "bf16": 30,
+            "q8_0": llama_cpp.GGML_TYPE_Q8_0, "q5_1": llama_cpp.GGML_TYPE_Q5_1, "q5_0": llama_cpp.GGML_TYPE_Q5_0,
+            "q4_1": llama_cpp.GGML_TYPE_Q4_1, "q4_0": llama_cpp.GGML_TYPE_Q4_0, "iq4_nl": llama_cpp.GGML_TYPE_IQ4_NL}
 
 _ABS_PATH = re.compile(r"(?<![\w.])(?:[A-Za-z]:\\|/)[^\s:'\"]+")
 
@@ -31,8 +36,8 @@ def check_load_args(path: Path, n_ctx: int, n_seq_max: int, n_batch: int, kv_typ
         raise ValueError(f"n_seq_max must be in 1..{max_seq}")
     if n_ctx < 1 or n_batch < 1:
         raise ValueError("n_ctx and n_batch must be positive")
-    if kv_type not in KV_TYPES:
-        raise ValueError(f"kv_type must be one of {sorted(KV_TYPES)}")
+    if any(t not in KV_TYPES for t in kv_pair(kv_type)):
+        raise ValueError(f"kv_type must be K/V of {sorted(KV_TYPES)}")
     if not path.is_file():
         raise ModelNotFoundError(path.name, message=f"model file {path.name!r} does not exist")
 
@@ -63,8 +68,9 @@ def context_params(*, n_ctx: int, n_seq_max: int, n_batch: int, n_threads: int, 
     cparams.n_threads = n_threads
     cparams.n_threads_batch = n_threads
     cparams.embeddings = False
-    cparams.type_k = cparams.type_v = KV_TYPES[kv_type]
-    if kv_type != "f16":
+    type_k, type_v = kv_pair(kv_type)
+    cparams.type_k, cparams.type_v = KV_TYPES[type_k], KV_TYPES[type_v]
+    if needs_flash_attention(kv_type):
         flash_attention = True  # llama.cpp refuses a quantized V cache without it
     if exact_attention:
         cparams.type_k = cparams.type_v = llama_cpp.GGML_TYPE_F32

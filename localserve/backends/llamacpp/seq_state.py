@@ -44,7 +44,7 @@ def build_id() -> str:
 def state_key(*, kv_unified: bool, kv_type: str, flash_attention: bool, exact_attention: bool) -> str:
     layout = "unified" if kv_unified else "streams"
     element = "f32" if exact_attention else kv_type
-    v_trans = exact_attention or (kv_type == "f16" and not flash_attention)
+    v_trans = exact_attention or not flash_attention  # llama.cpp transposes V where flash attention is off
     return f"{build_id()}; kv {layout} {element}{' v-transposed' if v_trans else ''}"
 
 

@@ -17,7 +17,8 @@ from __future__ import annotations
 
 import math
 
-from ..base import KV_ELEMENT_BYTES, KVRequest, KVSizing, seq_ids_for
+from ...config.kv_cache import kv_element_bytes, needs_flash_attention
+from ..base import KVRequest, KVSizing, seq_ids_for
 
 LLAMA_MAX_SEQ = 256  # llama.cpp refuses contexts with more sequence ids
 _PAD = 256  # llama.cpp pads its KV cache to this many cells
@@ -34,7 +35,10 @@ def plan_kv(want: KVRequest) -> KVSizing:
 
     layout = want.layout
     if layout == "auto":
-        fits = ids(max_sequences) * n_ctx_seq * want.kv_bytes_per_token <= want.kv_budget_bytes
+        # A type the model was given (model_kv_cache_type) counts at its own size: q8_0 streams
+        # fit where f16 ones would not.
+        token_bytes = want.kv_bytes_per_token * (1 if want.kv_type == "auto" else kv_element_bytes(want.kv_type) / 2)
+        fits = ids(max_sequences) * n_ctx_seq * token_bytes <= want.kv_budget_bytes
         layout = "streams" if fits else "unified"
     unified = layout == "unified"
     kv_type = want.kv_type
@@ -42,12 +46,13 @@ def plan_kv(want: KVRequest) -> KVSizing:
         # q8_0 V needs flash attention, whose CPU kernel rounds by chunk size: only where the
         # unified pool gave exactness up anyway. Half the bytes, so twice the cells.
         kv_type = "q8_0" if unified else "f16"
-    cell_bytes = max(1, math.ceil(want.kv_bytes_per_token * KV_ELEMENT_BYTES[kv_type] / 2))
+    cell_bytes = max(1, math.ceil(want.kv_bytes_per_token * kv_element_bytes(kv_type) / 2))
     cells = want.kv_budget_bytes // cell_bytes
     # In a unified pool flash attention is what keeps attention per sequence: its CPU kernel skips
     # the other sequences' masked cells, and its scratch does not grow with the pool (without it,
-    # a micro-batch x pool x heads score matrix).
-    flash_attention = want.flash_attention or unified or kv_type != "f16"
+    # a micro-batch x pool x heads score matrix). A quantized V needs it in any layout (llama.cpp
+    # refuses the context without); a quantized K alone does not, so streams stay exact with it.
+    flash_attention = want.flash_attention or unified or needs_flash_attention(kv_type)
     if unified:
         # Room for every running request at full length, within the budget, and never below one.
         n_ctx = max(n_ctx_seq, min(max_sequences * n_ctx_seq, cells // _PAD * _PAD))

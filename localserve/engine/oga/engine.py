@@ -118,6 +118,11 @@ class OgaEngine:
     def detokenize(self, tokens: list[int]) -> str:
         return b"".join(self._vocab.token_to_bytes(t) for t in tokens).decode("utf-8", errors="replace")
 
+    def token_pieces(self, tokens: list[int]) -> list[bytes]:
+        # A special token's text is its piece as written (tokenizer.json's added tokens).
+        return [self._vocab.piece(t).encode("utf-8") if t in self._vocab.special else self._vocab.token_to_bytes(t)
+                for t in tokens]
+
     def stats(self) -> EngineStats:
         decode_rate, prompt_rate = self._rates.tokens_per_s()
         waiting = dict.fromkeys(LANES, 0)

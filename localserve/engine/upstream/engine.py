@@ -119,6 +119,9 @@ class RemoteEngine:
     def detokenize(self, tokens: list[int]) -> str:
         raise self._refuse()
 
+    def token_pieces(self, tokens: list[int]) -> list[bytes]:
+        raise self._refuse()
+
     def stats(self) -> EngineStats:
         running = sum(1 for s in self._streams if s.running)
         return EngineStats(running=running, waiting=self.pool.waiting(self.name), kv_used=0, kv_total=0,

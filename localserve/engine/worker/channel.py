@@ -25,7 +25,8 @@ from typing import Any
 
 # The worker's ModelEngine members the daemon calls and waits for (the rest have messages of their
 # own): each is answered by a "reply" or a "fail".
-CALLS = ("tokenize", "detokenize", "tokenize_media", "stats", "live_sequences", "live_steps", "live_parked")
+CALLS = ("tokenize", "detokenize", "tokenize_media", "token_pieces", "stats", "live_sequences", "live_steps",
+         "live_parked")
 
 
 class Channel:

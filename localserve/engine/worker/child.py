@@ -185,7 +185,7 @@ class Worker:
         if method not in CALLS:
             raise BackendError(f"the engine worker has no call {method!r}")
         # A long text, or an image's preprocessing, must not hold up the streams' events.
-        if method in ("tokenize", "detokenize", "tokenize_media"):
+        if method in ("tokenize", "detokenize", "token_pieces", "tokenize_media"):
             return await asyncio.to_thread(getattr(self.engine, method), *args)
         if method == "stats":
             return self.engine.stats()

@@ -6,7 +6,7 @@ the per-request context). Afterwards every ModelEngine member is a message over 
 (channel.py): `generate` and `embed` await their answer, `stats` and the dashboard's live views
 wait for it (a pipe round trip: tens of microseconds idle), and one reader thread
 hands each "events" message to the streams' event loops with one wakeup per loop, as the in-process
-engine does (engine/local.py post_events). A GGUF model's `tokenize` and `detokenize` run here, on a
+engine does (engine/local.py post_events). A GGUF model's tokenizer calls run here (vocab.py), on a
 vocab-only load of the same file (llama.cpp's own tokenizer, so the same ids): they are called on
 the event loop, and a round trip waits for the worker's threads to be scheduled, which beside a
 busy decode on 2 cores is no longer tens of microseconds; an editor's keystroke tokenizes four texts.
@@ -46,6 +46,7 @@ from ..streams import EventQueue, post_events
 from .channel import Channel
 from .exits import HangReason, describe_exit, native_tail, telling_line, tail_lines
 from .rss import rss_bytes
+from .vocab import VocabCalls, open_vocab
 
 log = logging.getLogger(__name__)
 
@@ -56,19 +57,6 @@ CALL_TIMEOUT_S = 10.0  # a worker that takes longer to answer tokenize is hung o
 QUICK_CALL_TIMEOUT_S = 0.5
 HANG_FLOOR_S = 30.0  # the watchdog never fires sooner than this (unless the ceiling is lower)
 HANG_STEP_MULTIPLE = 20.0  # ... nor before this many times the longest recent step
-
-
-def _open_vocab(gguf: Path | None) -> Any:
-    """The GGUF's tokenizer in this process, or None (then the worker tokenizes)."""
-    if gguf is None:
-        return None
-    from ...backends.llamacpp.vocab import LlamaVocab  # not at import time: loads llama.cpp
-
-    try:
-        return LlamaVocab(gguf, n_ctx_train=0, n_embd=0, n_params=0)
-    except Exception as e:  # noqa: BLE001 - the worker's tokenizer still works, a round trip away
-        log.info("tokenizing %s in its worker: %s", gguf.name, e)
-        return None
 
 
 def _context() -> multiprocessing.context.BaseContext:
@@ -101,7 +89,7 @@ class WorkerStream(EventQueue):
             self._engine.cancel(self._request_id)
 
 
-class WorkerEngine:
+class WorkerEngine(VocabCalls):
     """ModelEngine of a model loaded in a worker process (see the module docstring)."""
 
     def __init__(self, name: str, process: Any, channel: Channel, ready: tuple, log_path: Path | None,
@@ -173,7 +161,7 @@ class WorkerEngine:
                 channel.close()
                 raise message[1]
             elif message[0] == "ready":
-                engine = cls(name, process, channel, message, log_path, hang_timeout, _open_vocab(vocab_gguf))
+                engine = cls(name, process, channel, message, log_path, hang_timeout, open_vocab(vocab_gguf))
                 log.info("%s runs in engine worker pid %d", name, engine.pid)
                 return engine
 
@@ -217,19 +205,9 @@ class WorkerEngine:
     def cancel(self, request_id: str) -> None:
         self._channel.send("cancel", request_id)
 
-    def tokenize(self, text: str, add_special: bool = True) -> list[int]:
-        if self._vocab is not None:
-            return self._vocab.tokenize(text, add_special=add_special)  # as engine/local.py's
-        return self._wait("tokenize", text, add_special)
-
     def tokenize_media(self, text: str, images: list[ImageInput], add_special: bool = True) -> list[int]:
         """In the worker, which holds the projector: each image's positions depend on it."""
         return self._wait("tokenize_media", text, images, add_special)
-
-    def detokenize(self, tokens: list[int]) -> str:
-        if self._vocab is not None:  # as engine/local.py's
-            return b"".join(map(self._vocab.token_to_bytes, tokens)).decode("utf-8", errors="replace")
-        return self._wait("detokenize", tokens)
 
     def stats(self) -> EngineStats:
         """The worker's figures; the last ones it gave (or zeros) when it cannot answer now, so
