@@ -19,7 +19,7 @@ from typing import Any
 from ..protocol.engine import ModelEngine
 from ..protocol.requests import GenerationEvent, GenerationRequest, Lane
 from ..protocol.media import ImageInput
-from .generation import Choice, Clock, chat_template, check_tokens, is_token_list, tokenize_media
+from .generation import Choice, Clock, chat_template, check_tokens, is_token_list, tokenize_async
 from .images import ImageParts, kept_images
 from .live import mark_fim
 from .chat_history import answer_room, fit_history
@@ -98,7 +98,7 @@ class GenerateCall(OllamaCall):
             text = await template.render_async(system + [{"role": "user", "content": self.prompt}])
         # A continuation of `context`: the earlier turn already began with BOS.
         earlier = check_tokens(self.context, engine.info.n_vocab, "context") if self.context else []
-        tokens = earlier + await tokenize_media(engine, text, template, images, add_special=not self.context)
+        tokens = earlier + await tokenize_async(engine, text, template, add_special=not self.context, images=images)
         request = self.request(engine, tokens, interactive=False)
         request.images = images
         if template is not None:
@@ -179,7 +179,7 @@ class ChatCall(OllamaCall):
         async def tokens_of(messages: list[dict[str, Any]]) -> list[int]:
             prompt = await template.render_async(messages, tools=self.tools or None)
             images_of[len(messages)] = kept_images(messages, self.messages, images)
-            return await tokenize_media(engine, prompt, template, images_of[len(messages)])
+            return await tokenize_async(engine, prompt, template, images=images_of[len(messages)])
 
         options = request_options(self.body)
         n_ctx, _, _ = request_context(options, engine)
