@@ -12,10 +12,11 @@ billing header dropped) and anthropic_stream.py (events -> content blocks and st
 A last assistant turn is a prefill: the answer continues its text, as Anthropic's does.
 Not served, each a 400 naming the field: images and documents (our models take text only) and
 server tools (web search, code execution). `output_config.format` (a JSON schema) constrains the
-answer as the chat path's response_format does. Accepted and without effect here: `metadata`,
+answer as the chat path's response_format does; `thinking.budget_tokens` (type "enabled") is the
+engine's thinking budget (think_budget.py). Accepted and without effect here: `metadata`,
 `cache_control` on any block (our prefix cache needs no breakpoints: it reuses every shared
-prefix, and reports it as cache_read_input_tokens), `thinking.budget_tokens` (a reasoning model
-thinks as long as it does), `output_config.effort`, `disable_parallel_tool_use`, `service_tier`.
+prefix, and reports it as cache_read_input_tokens), `output_config.effort`,
+`disable_parallel_tool_use`, `service_tier`.
 """
 
 from __future__ import annotations
@@ -51,16 +52,18 @@ class MessagesCall:
         return self.chat.opts.stream
 
 
-def _thinking(body: Body) -> bool:
+def _thinking(body: Body) -> tuple[bool, int | None]:
+    """(whether the request asked to see the model's reasoning, its budget in tokens: Anthropic's
+    `budget_tokens` with type "enabled")."""
     thinking = body.get_object("thinking")
     if thinking is None:
-        return False
+        return False, None
     kind = thinking.get_str("type", None, choices=("enabled", "disabled", "adaptive", "between_tools"))
     if kind is None:
         raise invalid("'thinking.type' is required", "thinking.type")
-    thinking.get_int("budget_tokens", None, lo=1, hi=MAX_TOKENS_LIMIT)
+    budget = thinking.get_int("budget_tokens", None, lo=1, hi=MAX_TOKENS_LIMIT)
     display = thinking.get_str("display", None, choices=("summarized", "omitted"))
-    return kind != "disabled" and display != "omitted"
+    return kind != "disabled" and display != "omitted", budget if kind == "enabled" else None
 
 
 def _output_format(body: Body) -> dict[str, Any] | None:
@@ -96,10 +99,11 @@ def parse_messages(body: Body, env: ApiEnv, *, count_only: bool = False) -> Mess
                 tool_choice=chat_tool_choice(body), response_format=_output_format(body))
     if count_only:
         chat.pop("stream", None)
-    thinking = _thinking(body)
+    thinking, call_budget = _thinking(body)
     call = parse_chat(Body({k: v for k, v in chat.items() if v is not None}), env)
     # A reasoning template (Qwen3's) thinks only when asked, as Anthropic's models do.
     call.template_args = {"enable_thinking": thinking}
+    call.think_budget = call_budget
     last = call.messages[-1]
     if last["role"] == "assistant" and not last.get("tool_calls") and len(call.messages) > 1:
         # Prefill: the answer continues the last assistant turn instead of starting a new one.

@@ -21,6 +21,7 @@ from .chat_history import answer_room, fit_history
 from .ollama import (answer_length, build_request, context_note, final_fields, fim_request_tokens, model_name, now_iso,
                      request_context, request_options)
 from .templates import ChatTemplate
+from .think_budget import engine_thinking, ollama_think
 from .tools import ToolCallStream, forced_call_schema, parse_tool_calls, tool_choice_plan
 from .validation import Body, invalid, parse_json_format, parse_keep_alive, parse_messages, parse_tools
 
@@ -38,10 +39,20 @@ class OllamaCall:
     default_max_tokens: int
     lane: Lane = "default"
     template: str | None = None  # a created model's chat template, in place of the model's own
+    think: bool | None = None  # `think`: the template's enable_thinking (None: its default)
+    think_budget: int | None = None  # `think` as a level: thinking tokens (think_budget.py)
 
     def chat_template(self, engine: ModelEngine) -> ChatTemplate:
         own = chat_template(engine)
         return replace(own, source=self.template, is_fallback=False) if self.template else own
+
+    @property
+    def template_args(self) -> dict[str, Any]:
+        return {} if self.think is None else {"enable_thinking": self.think}
+
+    def thinking(self, request: GenerationRequest, engine: ModelEngine, template: ChatTemplate, prompt: str) -> None:
+        if request.sampling.json_schema is None:  # a format shapes the whole answer
+            request.thinking = engine_thinking(engine, template, prompt, self.think_budget)
 
     def request(self, engine: ModelEngine, tokens: list[int], interactive: bool) -> GenerationRequest:
         return build_request(self.body, self.priority, engine, tokens, interactive=interactive,
@@ -59,9 +70,10 @@ class OllamaCall:
 
 
 def _common(body: Body, priority: str | None, default_max_tokens: int) -> dict[str, Any]:
+    think, think_budget = ollama_think(body)
     return {"body": body, "model": model_name(body), "stream": body.get_bool("stream", True),
             "keep_alive": parse_keep_alive(body.raw("keep_alive")), "priority": priority,
-            "default_max_tokens": default_max_tokens}
+            "default_max_tokens": default_max_tokens, "think": think, "think_budget": think_budget}
 
 
 # --- /api/generate -------------------------------------------------------------------------------
@@ -88,13 +100,15 @@ class GenerateCall(OllamaCall):
         else:
             template = self.chat_template(engine)
             system = [{"role": "system", "content": self.system}] if self.system else []
-            text = await template.render_async(system + [{"role": "user", "content": self.prompt}])
+            text = await template.render_async(system + [{"role": "user", "content": self.prompt}],
+                                               **self.template_args)
         # A continuation of `context`: the earlier turn already began with BOS.
         earlier = check_tokens(self.context, engine.info.n_vocab, "context") if self.context else []
         tokens = earlier + await tokenize_async(engine, text, template, add_special=not self.context)
         request = self.request(engine, tokens, interactive=False)
         if template is not None:
             request.stop = request.stop + template.stops
+            self.thinking(request, engine, template, text)
         return [request]
 
 
@@ -162,9 +176,11 @@ class ChatCall(OllamaCall):
     async def prepare(self, engine: ModelEngine) -> list[GenerationRequest]:
         template = self.chat_template(engine)
 
+        prompts: list[str] = []
+
         async def tokens_of(messages: list[dict[str, Any]]) -> list[int]:
-            prompt = await template.render_async(messages, tools=self.tools or None)
-            return await tokenize_async(engine, prompt, template)
+            prompts.append(await template.render_async(messages, tools=self.tools or None, **self.template_args))
+            return await tokenize_async(engine, prompts[-1], template)
 
         options = request_options(self.body)
         n_ctx, _, _ = request_context(options, engine)
@@ -175,6 +191,7 @@ class ChatCall(OllamaCall):
         if self.forced:
             request.sampling.json_schema = forced_call_schema(self.forced)
             request.sampling.constraint_param = "tools"
+        self.thinking(request, engine, template, prompts[-1])  # every try ends alike: its tail is the one read
         return [request]
 
     def final_line(self, name: str, clock: Clock, event: GenerationEvent | Choice, engine: ModelEngine,

@@ -42,6 +42,7 @@ from .generation import (
 )
 from .fim import fim_prompt_async, prompt_budget
 from .metrics import Metrics
+from .think_budget import chat_budget, engine_thinking, think_off
 from .tools import forced_call_schema, parse_tool_calls, tool_choice_plan
 from .validation import (
     MAX_EMBED_INPUTS,
@@ -246,6 +247,7 @@ class ChatCall:
     template_args: dict[str, Any] = field(default_factory=dict)
     continuation: str = ""
     prompt: str = ""
+    think_budget: int | None = None  # thinking tokens before the engine closes the block (think_budget.py)
 
     async def prompt_tokens(self, engine: ModelEngine) -> list[int]:
         """The rendered chat template's tokens (kept in `prompt`)."""
@@ -267,6 +269,8 @@ class ChatCall:
         if self.forced:
             base.sampling.json_schema = forced_call_schema(self.forced)
             base.sampling.constraint_param = "tools"
+        if base.sampling.json_schema is None and base.sampling.grammar is None:  # a grammar shapes all of it
+            base.thinking = engine_thinking(engine, chat_template(engine), self.prompt, self.think_budget)
         return [with_seed_offset(base, i) for i in range(self.opts.n)]
 
 
@@ -275,7 +279,8 @@ def parse_chat(body: Body, env: ApiEnv) -> ChatCall:
     messages = parse_messages(body.raw("messages"))
     tools = parse_tools(body.raw("tools"))
     served, forced = tool_choice_plan(body.raw("tool_choice"), tools, opts.json_schema, "response_format")
-    return ChatCall(body, opts, messages, served, forced)
+    budget = chat_budget(body)
+    return ChatCall(body, opts, messages, served, forced, template_args=think_off(budget), think_budget=budget)
 
 
 def chat_response(call: ChatCall, head: Head, choices: Sequence[Choice]) -> dict[str, Any]:
