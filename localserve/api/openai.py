@@ -42,7 +42,7 @@ from .generation import (
 )
 from .fim import fim_prompt_async, prompt_budget
 from .metrics import Metrics
-from .think_budget import chat_budget, engine_thinking, think_off
+from .think_budget import chat_reasoning, engine_thinking
 from .tools import forced_call_schema, parse_tool_calls, tool_choice_plan
 from .validation import (
     MAX_EMBED_INPUTS,
@@ -279,8 +279,8 @@ def parse_chat(body: Body, env: ApiEnv) -> ChatCall:
     messages = parse_messages(body.raw("messages"))
     tools = parse_tools(body.raw("tools"))
     served, forced = tool_choice_plan(body.raw("tool_choice"), tools, opts.json_schema, "response_format")
-    budget = chat_budget(body)
-    return ChatCall(body, opts, messages, served, forced, template_args=think_off(budget), think_budget=budget)
+    budget, template_args = chat_reasoning(body)
+    return ChatCall(body, opts, messages, served, forced, template_args=template_args, think_budget=budget)
 
 
 def chat_response(call: ChatCall, head: Head, choices: Sequence[Choice]) -> dict[str, Any]:

@@ -26,7 +26,7 @@ from .validation import Body, invalid
 
 EFFORT_BUDGETS: dict[str, int] = {"none": 0, "minimal": 128, "low": 512, "medium": 2048, "high": 8192,
                                   "xhigh": 32768}
-OLLAMA_LEVELS = ("low", "medium", "high")  # what Ollama's `think` takes besides true and false
+OLLAMA_LEVELS = ("low", "medium", "high")  # Ollama's `think` besides true and false; gpt-oss's own levels
 MAX_BUDGET = 1 << 24  # more than any context holds; a larger number is a client's mistake
 
 # (open, close) of the think blocks templates write: the <think> tags (Qwen3, DeepSeek-R1 distills,
@@ -46,12 +46,16 @@ def llamacpp_budget(body: Body) -> int | None:
     return None if budget is None or budget < 0 else budget
 
 
-def chat_budget(body: Body) -> int | None:
-    """The budget an OpenAI-dialect chat body asks for: llama-server's token count, else
-    `reasoning_effort`'s level."""
+def chat_reasoning(body: Body) -> tuple[int | None, dict[str, Any]]:
+    """(the budget an OpenAI-dialect chat body asks for: llama-server's token count, else
+    `reasoning_effort`'s level; the template variables it sets)."""
     tokens = llamacpp_budget(body)
     effort = body.get_str("reasoning_effort", None, choices=tuple(EFFORT_BUDGETS))
-    return tokens if tokens is not None else effort_budget(effort)
+    budget = tokens if tokens is not None else effort_budget(effort)
+    variables = think_off(budget)
+    if effort in OLLAMA_LEVELS:  # gpt-oss's template writes it into its system prompt ("Reasoning: low")
+        variables["reasoning_effort"] = effort
+    return budget, variables
 
 
 def ollama_think(body: Body) -> tuple[bool | None, int | None]:
@@ -78,7 +82,7 @@ def _tags(template: str) -> tuple[str, str]:
 def engine_thinking(engine: ModelEngine, template: ChatTemplate, prompt: str, budget: int | None) -> Thinking | None:
     """The request's Thinking for a rendered prompt: None where the template does not reason or
     closed the block already (thinking off); else the model's tags as its tokens and the budget."""
-    if not is_reasoning_template(template.source):
+    if not (is_reasoning_template(template.source) or _HARMONY[0] in template.source):
         return None
     open_tag, close_tag = _tags(template.source)
     tail = prompt.rstrip()

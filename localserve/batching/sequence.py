@@ -109,20 +109,22 @@ class Sequence:
         tokens in its place); returns why the sequence should finish, if it should."""
         if self.think is not None and self.think.due:
             for token in self.think.close():
-                reason = self._take(token, None)
+                reason = self._take(token, None, forced=True)
                 if reason:
                     return reason
             return None
         return self._take(sampled.token, sampled.logprob)
 
-    def _take(self, token: int, logprob: TokenLogprob | None) -> FinishReason | None:
+    def _take(self, token: int, logprob: TokenLogprob | None, forced: bool = False) -> FinishReason | None:
         self.tokens.append(token)
         self.num_generated += 1
         if not self.t_first_token:
             self.t_first_token = time.monotonic()
         if self.think is not None:
             self.think.see(token)
-        if self._is_eog(token) and not self.request.ignore_eos:
+        # A forced end tag may hold an end-of-generation token (gpt-oss closes its analysis with
+        # <|end|>): there it ends the thinking, not the answer.
+        if self._is_eog(token) and not (self.request.ignore_eos or forced):
             return "stop"
         delta, stopped = self._detok.add(token)
         if delta:

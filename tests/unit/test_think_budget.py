@@ -88,3 +88,11 @@ def test_a_negative_budget_or_an_end_tag_outside_the_vocabulary_is_refused():
     for thinking in (Thinking(end=END, budget=-1), Thinking(end=[]), Thinking(end=[99])):
         with pytest.raises(InvalidRequestError):
             check_request(GenerationRequest(prompt_tokens=[1, 2], thinking=thinking), 64, 64)
+
+
+def test_a_forced_end_tag_holding_an_end_of_generation_token_ends_only_the_thinking():
+    """gpt-oss closes its analysis channel with <|end|>, one of its end-of-generation tokens."""
+    h = Harness(FakeBackend(copying=True))
+    r = h.submit(copying_prompt(1), max_tokens=12, thinking=Thinking(end=[0, 62], budget=3))  # 0: the fake's EOG
+    h.run()
+    assert r.tokens[3:5] == [0, 62] and r.finish_reason == "length" and len(r.tokens) == 12
