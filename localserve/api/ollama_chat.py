@@ -21,6 +21,7 @@ from .chat_history import answer_room, fit_history
 from .ollama import (answer_length, build_request, context_note, final_fields, fim_request_tokens, model_name, now_iso,
                      request_context, request_options)
 from .templates import ChatTemplate
+from .ollama_thinking import Thoughts
 from .think_budget import engine_thinking, ollama_think
 from .tools import ToolCallStream, forced_call_schema, parse_tool_calls, tool_choice_plan
 from .validation import Body, invalid, parse_json_format, parse_keep_alive, parse_messages, parse_tools
@@ -41,6 +42,8 @@ class OllamaCall:
     template: str | None = None  # a created model's chat template, in place of the model's own
     think: bool | None = None  # `think`: the template's enable_thinking (None: its default)
     think_budget: int | None = None  # `think` as a level: thinking tokens (think_budget.py)
+    # Set by prepare where `think` asks for the thought apart (`thinking`): whether the prompt opened it.
+    think_inside: bool | None = None
 
     def chat_template(self, engine: ModelEngine) -> ChatTemplate:
         own = chat_template(engine)
@@ -53,6 +56,8 @@ class OllamaCall:
     def thinking(self, request: GenerationRequest, engine: ModelEngine, template: ChatTemplate, prompt: str) -> None:
         if request.sampling.json_schema is None:  # a format shapes the whole answer
             request.thinking = engine_thinking(engine, template, prompt, self.think_budget)
+        if self.think and request.thinking is not None:
+            self.think_inside = not request.thinking.start
 
     def request(self, engine: ModelEngine, tokens: list[int], interactive: bool) -> GenerationRequest:
         return build_request(self.body, self.priority, engine, tokens, interactive=interactive,
@@ -140,25 +145,35 @@ class GenerateAnswer:
     def __init__(self, call: GenerateCall, name: str, prompt: list[int], engine: ModelEngine, clock: Clock):
         self.call, self.name, self.prompt, self.engine, self.clock = call, name, prompt, engine, clock
         self._generated: list[int] = []
+        self._thoughts = Thoughts(call.think_inside)
 
     def line(self, event: GenerationEvent) -> dict[str, Any] | None:
         self._generated.extend(event.token_ids)
-        return self._text_line(event.text) if event.text else None
+        thinking, text = self._thoughts.feed(event.text)
+        if event.finish_reason is not None:
+            rest = self._thoughts.finish()
+            thinking, text = thinking + rest[0], text + rest[1]
+        return self._text_line(text, thinking) if text or thinking else None
 
     def keepalive(self) -> dict[str, Any]:
         """A line with no text, `done: false`: what a silent stream sends so clients see it alive."""
         return self._text_line("")
 
-    def _text_line(self, text: str) -> dict[str, Any]:
-        return {"model": self.name, "created_at": now_iso(), "response": text, "done": False}
+    def _text_line(self, text: str, thinking: str = "") -> dict[str, Any]:
+        return {"model": self.name, "created_at": now_iso(), "response": text, **_thinking(thinking), "done": False}
 
     def final(self, event: GenerationEvent) -> list[dict[str, Any]]:
         return [self.call.final_line(self.name, self.clock, event, self.engine, response="",
                                      context=self.prompt + self._generated)]
 
     def whole(self, choice: Choice) -> dict[str, Any]:
-        return self.call.final_line(self.name, self.clock, choice, self.engine, response=choice.text,
+        thinking, text = self._thoughts.whole(choice.text)
+        return self.call.final_line(self.name, self.clock, choice, self.engine, response=text, **_thinking(thinking),
                                     context=self.prompt + choice.token_ids)
+
+
+def _thinking(text: str) -> dict[str, str]:
+    return {"thinking": text} if text else {}
 
 
 # --- /api/chat -----------------------------------------------------------------------------------
@@ -225,12 +240,17 @@ class ChatAnswer:
     def __init__(self, call: ChatCall, name: str, engine: ModelEngine, clock: Clock):
         self.call, self.name, self.engine, self.clock = call, name, engine, clock
         self._calls = ToolCallStream(call.tools) if call.tools else None
+        self._thoughts = Thoughts(call.think_inside)
 
     def line(self, event: GenerationEvent) -> dict[str, Any] | None:
-        text = self._calls.feed(event.text) if self._calls else event.text
-        if not text:
+        thinking, text = self._thoughts.feed(event.text)
+        if event.finish_reason is not None:
+            rest = self._thoughts.finish()
+            thinking, text = thinking + rest[0], text + rest[1]
+        text = self._calls.feed(text) if self._calls else text
+        if not (text or thinking):
             return None
-        return self._message_line(text)
+        return self._message_line(text, thinking=thinking)
 
     def final(self, event: GenerationEvent) -> list[dict[str, Any]]:
         lines = []
@@ -243,8 +263,9 @@ class ChatAnswer:
         return lines
 
     def whole(self, choice: Choice) -> dict[str, Any]:
-        content, calls = parse_tool_calls(choice.text, self.call.tools) if self.call.tools else (choice.text, [])
-        message: dict[str, Any] = {"role": "assistant", "content": content}
+        thinking, text = self._thoughts.whole(choice.text)
+        content, calls = parse_tool_calls(text, self.call.tools) if self.call.tools else (text, [])
+        message: dict[str, Any] = {"role": "assistant", "content": content, **_thinking(thinking)}
         if calls:
             message["tool_calls"] = [c.ollama() for c in calls]
         return self.call.final_line(self.name, self.clock, choice, self.engine, message=message)
@@ -253,8 +274,9 @@ class ChatAnswer:
         """A line with no text, `done: false`: what a silent stream sends so clients see it alive."""
         return self._message_line("")
 
-    def _message_line(self, text: str, tool_calls: list[dict[str, Any]] | None = None) -> dict[str, Any]:
-        message: dict[str, Any] = {"role": "assistant", "content": text}
+    def _message_line(self, text: str, tool_calls: list[dict[str, Any]] | None = None,
+                      thinking: str = "") -> dict[str, Any]:
+        message: dict[str, Any] = {"role": "assistant", "content": text, **_thinking(thinking)}
         if tool_calls:
             message["tool_calls"] = tool_calls
         return {"model": self.name, "created_at": now_iso(), "message": message, "done": False}

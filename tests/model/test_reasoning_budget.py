@@ -136,20 +136,31 @@ def test_anthropic_sdk_thinking_budget_tokens(live, thought):
 
 
 def test_ollama_client_think_levels(live, thought):
+    """`think` set: the thought comes apart in `thinking`, as Ollama answers it."""
     import ollama
 
     client = ollama.Client(host=live.url)
     n = EFFORT_BUDGETS["low"]
     r = client.chat(model=MODEL, messages=ASK, think="low", options={"temperature": 0, "num_predict": n + 16})
-    assert closed_at(r.message.content, thought(n)).strip()
+    assert r.message.thinking == thought(n) and r.message.content.strip() and CLOSE not in r.message.content
     assert r.eval_count == n + 16
-    # false closes the block in the prompt (the template's enable_thinking): no thinking at all.
-    off = client.chat(model=MODEL, messages=ASK, think=False, options={"temperature": 0, "num_predict": 12})
+    streamed = list(client.chat(model=MODEL, messages=ASK, think="low", stream=True,
+                                options={"temperature": 0, "num_predict": n + 16}))
+    assert "".join(c.message.thinking or "" for c in streamed) == r.message.thinking
+    assert "".join(c.message.content or "" for c in streamed) == r.message.content
+    # true: thinking apart, no budget; false closes the block in the prompt (the template's
+    # enable_thinking): no thinking at all, and a longer prompt.
     on = client.chat(model=MODEL, messages=ASK, think=True, options={"temperature": 0, "num_predict": 12})
-    assert off.prompt_eval_count > on.prompt_eval_count and on.message.content == thought(12)
+    off = client.chat(model=MODEL, messages=ASK, think=False, options={"temperature": 0, "num_predict": 12})
+    assert on.message.thinking == thought(12) and on.message.content == ""
+    assert off.prompt_eval_count > on.prompt_eval_count and not off.message.thinking
     gen = client.generate(model=MODEL, prompt=ASK[0]["content"], think="low",
                           options={"temperature": 0, "num_predict": n + 4})
-    assert gen.response.startswith(thought(n) + CLOSE)
+    assert gen.thinking == thought(n) and gen.response.strip()
+    # Without `think` the text is the model's as written, the forced tag included.
+    status, raw = live.json("POST", "/api/chat", {"model": MODEL, "messages": ASK, "stream": False,
+                                                  "options": {"temperature": 0, "num_predict": 12}})
+    assert status == 200 and raw["message"]["content"] == thought(12) and "thinking" not in raw["message"]
 
 
 @pytest.mark.parametrize("path, body, param", [

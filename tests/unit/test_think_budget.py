@@ -96,3 +96,32 @@ def test_a_forced_end_tag_holding_an_end_of_generation_token_ends_only_the_think
     r = h.submit(copying_prompt(1), max_tokens=12, thinking=Thinking(end=[0, 62], budget=3))  # 0: the fake's EOG
     h.run()
     assert r.tokens[3:5] == [0, 62] and r.finish_reason == "length" and len(r.tokens) == 12
+
+
+def test_ollama_lines_carry_the_thought_apart_only_when_think_was_set():
+    from localserve.api.generation import Clock
+    from localserve.api.ollama_chat import ChatAnswer, parse_chat
+    from localserve.api.validation import Body
+    from localserve.protocol.requests import GenerationEvent
+
+    def lines(think_inside):
+        call = parse_chat(Body({"model": "m", "messages": [{"role": "user", "content": "hi"}], "think": True}), None, 0)
+        call.think_inside = think_inside  # as prepare sets it where the prompt opened the block
+        answer = ChatAnswer(call, "m", None, Clock())
+        events = [GenerationEvent(text="Hmm, a gree"), GenerationEvent(text="ting.</th"),
+                  GenerationEvent(text="ink>\n\nHello!", finish_reason="stop")]
+        return [line["message"] for line in map(answer.line, events) if line]
+
+    assert lines(True) == [{"role": "assistant", "content": "", "thinking": "Hmm, a gree"},
+                           {"role": "assistant", "content": "", "thinking": "ting."},
+                           {"role": "assistant", "content": "Hello!"}]
+    assert "".join(m["content"] for m in lines(None)) == "Hmm, a greeting.</think>\n\nHello!"
+
+
+def test_bad_think_values_are_refused_before_any_model():
+    from localserve.api.ollama_chat import parse_chat
+    from localserve.api.validation import Body
+
+    for value in ("extreme", 3, ["low"]):
+        with pytest.raises(InvalidRequestError, match="'think'"):
+            parse_chat(Body({"model": "m", "messages": [{"role": "user", "content": "hi"}], "think": value}), None, 0)
