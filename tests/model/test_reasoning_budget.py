@@ -188,3 +188,27 @@ def test_ollama_bad_think_is_a_400_in_ollamas_shape(live):
         assert status == 400 and set(answer) == {"error"} and "'think'" in answer["error"], answer
     status, answer = live.json("POST", "/api/chat", {"model": MODEL, "think": 3, "messages": ASK, "stream": False})
     assert status == 400 and "'think'" in json.dumps(answer)
+
+
+def test_a_budget_holds_while_speculative_decoding_drafts(smollm2_gguf, tmp_path):
+    """Drafts verified across the budget: the close still comes after exactly N thinking tokens,
+    once, and the KV the forced tag replaced is not kept (the answer goes on coherently to
+    max_tokens, and plain decoding on the same server agrees up to the close)."""
+    from test_speculation import ROOT, SOURCES, draft_counts
+
+    source = "".join((ROOT / SOURCES[0]).read_text().splitlines(True)[:24])
+    copy = [{"role": "user", "content": "Return this Python file unchanged:\n\n" + source}]
+    gguf = with_think_template(smollm2_gguf, tmp_path / FILE_NAME)
+    with model_server(tmp_path / "home", gguf, speculative="ngram", context_length=2048) as server:
+        for n in (40, 97):
+            status, answer = server.json("POST", "/v1/chat/completions", {
+                "model": MODEL, "messages": copy, "temperature": 0, "max_tokens": n + 40, "reasoning_budget_tokens": n})
+            assert status == 200, answer
+            text = answer["choices"][0]["message"]["content"]
+            assert text.count(CLOSE) == 1 and answer["usage"]["completion_tokens_details"]["reasoning_tokens"] == n
+            assert answer["usage"]["completion_tokens"] == n + 40
+            status, plain = server.json("POST", "/v1/chat/completions", {
+                "model": MODEL, "messages": copy, "temperature": 0, "max_tokens": n, "speculative": False})
+            assert status == 200 and text.startswith(plain["choices"][0]["message"]["content"] + CLOSE)
+        drafted, accepted = draft_counts(server)
+        assert drafted >= accepted > 0
