@@ -13,10 +13,11 @@ A last assistant turn is a prefill: the answer continues its text, as Anthropic'
 Not served, each a 400 naming the field: images and documents (our models take text only) and
 server tools (web search, code execution). `output_config.format` (a JSON schema) constrains the
 answer as the chat path's response_format does; `thinking.budget_tokens` (type "enabled") is the
-engine's thinking budget (think_budget.py). Accepted and without effect here: `metadata`,
-`cache_control` on any block (our prefix cache needs no breakpoints: it reuses every shared
-prefix, and reports it as cache_read_input_tokens), `output_config.effort`,
-`disable_parallel_tool_use`, `service_tier`.
+engine's thinking budget, else `output_config.effort` where it names one of our levels (Claude
+Code sends adaptive thinking with an effort; think_budget.py). Accepted and without effect here:
+`metadata`, `cache_control` on any block (our prefix cache needs no breakpoints: it reuses every
+shared prefix, and reports it as cache_read_input_tokens), `disable_parallel_tool_use`,
+`service_tier`.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from .anthropic_stream import MessageStream
 from .generation import Run, collect
 from .openai import MAX_TOKENS_LIMIT, ApiEnv, ChatCall, observe, parse_chat, start
 from .templates import THINK_OPEN, is_reasoning_template
+from .think_budget import EFFORT_BUDGETS
 from .validation import Body, invalid, parse_stop
 
 MESSAGE_PREFIX = "msg_"
@@ -66,12 +68,20 @@ def _thinking(body: Body) -> tuple[bool, int | None]:
     return kind != "disabled" and display != "omitted", budget if kind == "enabled" else None
 
 
+def _effort_budget(body: Body) -> int | None:
+    """output_config.effort as a budget where it is one of our levels ("max", or a level yet to
+    come, thinks without a limit)."""
+    config = body.get_object("output_config")
+    effort = config.get_str("effort", None, max_len=64) if config is not None else None
+    return EFFORT_BUDGETS.get(effort) if effort is not None else None
+
+
 def _output_format(body: Body) -> dict[str, Any] | None:
     """output_config.format (structured outputs) as the chat path's response_format."""
     config = body.get_object("output_config")
     fmt = config.get_object("format") if config is not None else None
     if config is not None:
-        config.get_str("effort", None, max_len=64)  # any level: none changes how long we think
+        config.get_str("effort", None, max_len=64)  # any level; ours set a budget (_effort_budget)
     if fmt is None:
         return None
     fmt.get_str("type", None, choices=("json_schema",))
@@ -103,7 +113,7 @@ def parse_messages(body: Body, env: ApiEnv, *, count_only: bool = False) -> Mess
     call = parse_chat(Body({k: v for k, v in chat.items() if v is not None}), env)
     # A reasoning template (Qwen3's) thinks only when asked, as Anthropic's models do.
     call.template_args = {"enable_thinking": thinking}
-    call.think_budget = call_budget
+    call.think_budget = call_budget if call_budget is not None else _effort_budget(body)
     last = call.messages[-1]
     if last["role"] == "assistant" and not last.get("tool_calls") and len(call.messages) > 1:
         # Prefill: the answer continues the last assistant turn instead of starting a new one.

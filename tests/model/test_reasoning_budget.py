@@ -133,6 +133,11 @@ def test_anthropic_sdk_thinking_budget_tokens(live, thought):
                                 thinking={"type": "enabled", "budget_tokens": n}) as stream:
         final = stream.get_final_message()
     assert [b.model_dump() for b in final.content] == [b.model_dump() for b in m.content]
+    # Claude Code's shape: adaptive thinking with an effort, which is the level's budget.
+    n = EFFORT_BUDGETS["low"]
+    m = client.messages.create(model=MODEL, max_tokens=n + 16, messages=ASK, thinking={"type": "adaptive"},
+                               extra_body={"temperature": 0, "output_config": {"effort": "low"}})
+    assert [b.type for b in m.content] == ["thinking", "text"] and m.content[0].thinking == thought(n)
 
 
 def test_ollama_client_think_levels(live, thought):
@@ -153,9 +158,8 @@ def test_ollama_client_think_levels(live, thought):
                                 options={"temperature": 0, "num_predict": 12}))
     assert "".join(c.message.thinking or "" for c in streamed) == on.message.thinking
     assert off.prompt_eval_count > on.prompt_eval_count and not off.message.thinking
-    gen = client.generate(model=MODEL, prompt=ASK[0]["content"], think="low",
-                          options={"temperature": 0, "num_predict": n + 16})
-    assert gen.thinking == thought(n) and gen.response.strip()
+    gen = client.generate(model=MODEL, prompt=ASK[0]["content"], think=True, options={"temperature": 0, "num_predict": 12})
+    assert gen.thinking == thought(12) and gen.response == ""
     # Without `think` the text is the model's as written, the forced tag included.
     status, raw = live.json("POST", "/api/chat", {"model": MODEL, "messages": ASK, "stream": False,
                                                   "options": {"temperature": 0, "num_predict": 12}})
