@@ -12,11 +12,13 @@ billing header dropped) and anthropic_stream.py (events -> content blocks and st
 A last assistant turn is a prefill: the answer continues its text, as Anthropic's does.
 Image blocks (`base64` and `url` sources, also inside `tool_result`) go to a model with a vision
 projector, and are a 400 naming the model for one without (api/images.py). Not served, each a 400
-naming the field: documents and server tools (web search, code execution). `output_config.format` (a JSON schema) constrains the
-answer as the chat path's response_format does. Accepted and without effect here: `metadata`,
-`cache_control` on any block (our prefix cache needs no breakpoints: it reuses every shared
-prefix, and reports it as cache_read_input_tokens), `thinking.budget_tokens` (a reasoning model
-thinks as long as it does), `output_config.effort`, `disable_parallel_tool_use`, `service_tier`.
+naming the field: documents and server tools (web search, code execution). `output_config.format`
+(a JSON schema) constrains the answer as the chat path's response_format does; `thinking.budget_tokens`
+(type "enabled") is the engine's thinking budget, else `output_config.effort` where it names one of
+our levels (Claude Code sends adaptive thinking with an effort; think_budget.py). Accepted and
+without effect here: `metadata`, `cache_control` on any block (our prefix cache needs no
+breakpoints: it reuses every shared prefix, and reports it as cache_read_input_tokens),
+`disable_parallel_tool_use`, `service_tier`.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ from .images import ImageParts
 from .openai import MAX_TOKENS_LIMIT, ApiEnv, ChatCall, observe, parse_chat, start
 from .templates import THINK_OPEN, is_reasoning_template
 from .tokenizing import chat_prompt
+from .think_budget import EFFORT_BUDGETS
 from .validation import Body, invalid, parse_stop
 
 MESSAGE_PREFIX = "msg_"
@@ -54,16 +57,26 @@ class MessagesCall:
         return self.chat.opts.stream
 
 
-def _thinking(body: Body) -> bool:
+def _thinking(body: Body) -> tuple[bool, int | None]:
+    """(whether the request asked to see the model's reasoning, its budget in tokens: Anthropic's
+    `budget_tokens` with type "enabled")."""
     thinking = body.get_object("thinking")
     if thinking is None:
-        return False
+        return False, None
     kind = thinking.get_str("type", None, choices=("enabled", "disabled", "adaptive", "between_tools"))
     if kind is None:
         raise invalid("'thinking.type' is required", "thinking.type")
-    thinking.get_int("budget_tokens", None, lo=1, hi=MAX_TOKENS_LIMIT)
+    budget = thinking.get_int("budget_tokens", None, lo=1, hi=MAX_TOKENS_LIMIT)
     display = thinking.get_str("display", None, choices=("summarized", "omitted"))
-    return kind != "disabled" and display != "omitted"
+    return kind != "disabled" and display != "omitted", budget if kind == "enabled" else None
+
+
+def _effort_budget(body: Body) -> int | None:
+    """output_config.effort as a budget where it is one of our levels ("max", or a level yet to
+    come, thinks without a limit)."""
+    config = body.get_object("output_config")
+    effort = config.get_str("effort", None, max_len=64) if config is not None else None
+    return EFFORT_BUDGETS.get(effort) if effort is not None else None
 
 
 def _output_format(body: Body) -> dict[str, Any] | None:
@@ -71,7 +84,7 @@ def _output_format(body: Body) -> dict[str, Any] | None:
     config = body.get_object("output_config")
     fmt = config.get_object("format") if config is not None else None
     if config is not None:
-        config.get_str("effort", None, max_len=64)  # any level: none changes how long we think
+        config.get_str("effort", None, max_len=64)  # any level; ours set a budget (_effort_budget)
     if fmt is None:
         return None
     fmt.get_str("type", None, choices=("json_schema",))
@@ -100,10 +113,11 @@ def parse_messages(body: Body, env: ApiEnv, *, count_only: bool = False) -> Mess
                 tool_choice=chat_tool_choice(body), response_format=_output_format(body))
     if count_only:
         chat.pop("stream", None)
-    thinking = _thinking(body)
+    thinking, call_budget = _thinking(body)
     call = parse_chat(Body({k: v for k, v in chat.items() if v is not None}), env, images)
     # A reasoning template (Qwen3's) thinks only when asked, as Anthropic's models do.
     call.template_args = {"enable_thinking": thinking}
+    call.think_budget = call_budget if call_budget is not None else _effort_budget(body)
     last = call.messages[-1]
     if last["role"] == "assistant" and not last.get("tool_calls") and len(call.messages) > 1:
         # Prefill: the answer continues the last assistant turn instead of starting a new one.

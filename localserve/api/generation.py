@@ -296,6 +296,7 @@ class UsageTotals:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_tokens: int = 0
+    reasoning_tokens: int = 0  # of the completion tokens, those inside a think block
 
     @classmethod
     def of(cls, usages: Sequence[Usage | None], n: int) -> "UsageTotals":
@@ -309,6 +310,7 @@ class UsageTotals:
                 totals.prompt_tokens += usage.prompt_tokens
                 totals.cached_tokens += usage.cached_tokens
             totals.completion_tokens += usage.completion_tokens
+            totals.reasoning_tokens += usage.reasoning_tokens
         return totals
 
     def openai(self) -> dict[str, Any]:
@@ -317,6 +319,7 @@ class UsageTotals:
             "completion_tokens": self.completion_tokens,
             "total_tokens": self.prompt_tokens + self.completion_tokens,
             "prompt_tokens_details": {"cached_tokens": self.cached_tokens},
+            "completion_tokens_details": {"reasoning_tokens": self.reasoning_tokens},
         }
 
 

@@ -26,6 +26,8 @@ from .chat_history import answer_room, fit_history
 from .ollama import (answer_length, build_request, context_note, final_fields, fim_request_tokens, model_name, now_iso,
                      request_context, request_options)
 from .templates import ChatTemplate
+from .ollama_thinking import Thoughts
+from .think_budget import engine_thinking, ollama_think
 from .tools import ToolCallStream, forced_call_schema, parse_tool_calls, tool_choice_plan
 from .validation import Body, invalid, parse_json_format, parse_keep_alive, parse_messages, parse_tools
 
@@ -44,10 +46,24 @@ class OllamaCall:
     lane: Lane = "default"
     template: str | None = None  # a created model's chat template, in place of the model's own
     images: ImageParts = field(default_factory=ImageParts)  # the prompt's images, in order
+    think: bool | None = None  # `think`: the template's enable_thinking (None: its default)
+    think_budget: int | None = None  # `think` as a level: thinking tokens (think_budget.py)
+    # Set by prepare where `think` asks for the thought apart (`thinking`): whether the prompt opened it.
+    think_inside: bool | None = None
 
     def chat_template(self, engine: ModelEngine) -> ChatTemplate:
         own = chat_template(engine)
         return replace(own, source=self.template, is_fallback=False) if self.template else own
+
+    @property
+    def template_args(self) -> dict[str, Any]:
+        return {} if self.think is None else {"enable_thinking": self.think}
+
+    def thinking(self, request: GenerationRequest, engine: ModelEngine, template: ChatTemplate, prompt: str) -> None:
+        if request.sampling.json_schema is None:  # a format shapes the whole answer
+            request.thinking = engine_thinking(engine, template, prompt, self.think_budget)
+        if self.think and request.thinking is not None:
+            self.think_inside = not request.thinking.start
 
     def request(self, engine: ModelEngine, tokens: list[int], interactive: bool) -> GenerationRequest:
         return build_request(self.body, self.priority, engine, tokens, interactive=interactive,
@@ -65,9 +81,11 @@ class OllamaCall:
 
 
 def _common(body: Body, priority: str | None, default_max_tokens: int, images: ImageParts | None) -> dict[str, Any]:
+    think, think_budget = ollama_think(body)
     return {"body": body, "model": model_name(body), "stream": body.get_bool("stream", True),
             "keep_alive": parse_keep_alive(body.raw("keep_alive")), "priority": priority,
-            "default_max_tokens": default_max_tokens, "images": images if images is not None else ImageParts()}
+            "default_max_tokens": default_max_tokens, "images": images if images is not None else ImageParts(),
+            "think": think, "think_budget": think_budget}
 
 
 # --- /api/generate -------------------------------------------------------------------------------
@@ -95,7 +113,8 @@ class GenerateCall(OllamaCall):
         else:
             template = self.chat_template(engine)
             system = [{"role": "system", "content": self.system}] if self.system else []
-            text = await template.render_async(system + [{"role": "user", "content": self.prompt}])
+            text = await template.render_async(system + [{"role": "user", "content": self.prompt}],
+                                               **self.template_args)
         # A continuation of `context`: the earlier turn already began with BOS.
         earlier = check_tokens(self.context, engine.info.n_vocab, "context") if self.context else []
         tokens = earlier + await tokenize_async(engine, text, template, add_special=not self.context, images=images)
@@ -103,6 +122,7 @@ class GenerateCall(OllamaCall):
         request.images = images
         if template is not None:
             request.stop = request.stop + template.stops
+            self.thinking(request, engine, template, text)
         return [request]
 
 
@@ -138,25 +158,35 @@ class GenerateAnswer:
     def __init__(self, call: GenerateCall, name: str, prompt: list[int], engine: ModelEngine, clock: Clock):
         self.call, self.name, self.prompt, self.engine, self.clock = call, name, prompt, engine, clock
         self._generated: list[int] = []
+        self._thoughts = Thoughts(call.think_inside)
 
     def line(self, event: GenerationEvent) -> dict[str, Any] | None:
         self._generated.extend(event.token_ids)
-        return self._text_line(event.text) if event.text else None
+        thinking, text = self._thoughts.feed(event.text)
+        if event.finish_reason is not None:
+            rest = self._thoughts.finish()
+            thinking, text = thinking + rest[0], text + rest[1]
+        return self._text_line(text, thinking) if text or thinking else None
 
     def keepalive(self) -> dict[str, Any]:
         """A line with no text, `done: false`: what a silent stream sends so clients see it alive."""
         return self._text_line("")
 
-    def _text_line(self, text: str) -> dict[str, Any]:
-        return {"model": self.name, "created_at": now_iso(), "response": text, "done": False}
+    def _text_line(self, text: str, thinking: str = "") -> dict[str, Any]:
+        return {"model": self.name, "created_at": now_iso(), "response": text, **_thinking(thinking), "done": False}
 
     def final(self, event: GenerationEvent) -> list[dict[str, Any]]:
         return [self.call.final_line(self.name, self.clock, event, self.engine, response="",
                                      context=self.prompt + self._generated)]
 
     def whole(self, choice: Choice) -> dict[str, Any]:
-        return self.call.final_line(self.name, self.clock, choice, self.engine, response=choice.text,
+        thinking, text = self._thoughts.whole(choice.text)
+        return self.call.final_line(self.name, self.clock, choice, self.engine, response=text, **_thinking(thinking),
                                     context=self.prompt + choice.token_ids)
+
+
+def _thinking(text: str) -> dict[str, str]:
+    return {"thinking": text} if text else {}
 
 
 # --- /api/chat -----------------------------------------------------------------------------------
@@ -176,10 +206,12 @@ class ChatCall(OllamaCall):
         images = self.images.for_model(engine)
         images_of: dict[int, list[ImageInput]] = {}  # messages kept -> their images
 
+        prompts: list[str] = []
+
         async def tokens_of(messages: list[dict[str, Any]]) -> list[int]:
-            prompt = await template.render_async(messages, tools=self.tools or None)
+            prompts.append(await template.render_async(messages, tools=self.tools or None, **self.template_args))
             images_of[len(messages)] = kept_images(messages, self.messages, images)
-            return await tokenize_async(engine, prompt, template, images=images_of[len(messages)])
+            return await tokenize_async(engine, prompts[-1], template, images=images_of[len(messages)])
 
         options = request_options(self.body)
         n_ctx, _, _ = request_context(options, engine)
@@ -191,6 +223,7 @@ class ChatCall(OllamaCall):
         if self.forced:
             request.sampling.json_schema = forced_call_schema(self.forced)
             request.sampling.constraint_param = "tools"
+        self.thinking(request, engine, template, prompts[-1])  # every try ends alike: its tail is the one read
         return [request]
 
     def final_line(self, name: str, clock: Clock, event: GenerationEvent | Choice, engine: ModelEngine,
@@ -226,12 +259,17 @@ class ChatAnswer:
     def __init__(self, call: ChatCall, name: str, engine: ModelEngine, clock: Clock):
         self.call, self.name, self.engine, self.clock = call, name, engine, clock
         self._calls = ToolCallStream(call.tools) if call.tools else None
+        self._thoughts = Thoughts(call.think_inside)
 
     def line(self, event: GenerationEvent) -> dict[str, Any] | None:
-        text = self._calls.feed(event.text) if self._calls else event.text
-        if not text:
+        thinking, text = self._thoughts.feed(event.text)
+        if event.finish_reason is not None:
+            rest = self._thoughts.finish()
+            thinking, text = thinking + rest[0], text + rest[1]
+        text = self._calls.feed(text) if self._calls else text
+        if not (text or thinking):
             return None
-        return self._message_line(text)
+        return self._message_line(text, thinking=thinking)
 
     def final(self, event: GenerationEvent) -> list[dict[str, Any]]:
         lines = []
@@ -244,8 +282,9 @@ class ChatAnswer:
         return lines
 
     def whole(self, choice: Choice) -> dict[str, Any]:
-        content, calls = parse_tool_calls(choice.text, self.call.tools) if self.call.tools else (choice.text, [])
-        message: dict[str, Any] = {"role": "assistant", "content": content}
+        thinking, text = self._thoughts.whole(choice.text)
+        content, calls = parse_tool_calls(text, self.call.tools) if self.call.tools else (text, [])
+        message: dict[str, Any] = {"role": "assistant", "content": content, **_thinking(thinking)}
         if calls:
             message["tool_calls"] = [c.ollama() for c in calls]
         return self.call.final_line(self.name, self.clock, choice, self.engine, message=message)
@@ -254,8 +293,9 @@ class ChatAnswer:
         """A line with no text, `done: false`: what a silent stream sends so clients see it alive."""
         return self._message_line("")
 
-    def _message_line(self, text: str, tool_calls: list[dict[str, Any]] | None = None) -> dict[str, Any]:
-        message: dict[str, Any] = {"role": "assistant", "content": text}
+    def _message_line(self, text: str, tool_calls: list[dict[str, Any]] | None = None,
+                      thinking: str = "") -> dict[str, Any]:
+        message: dict[str, Any] = {"role": "assistant", "content": text, **_thinking(thinking)}
         if tool_calls:
             message["tool_calls"] = tool_calls
         return {"model": self.name, "created_at": now_iso(), "message": message, "done": False}

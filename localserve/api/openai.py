@@ -44,6 +44,7 @@ from .images import ImageParts
 from .fim import fim_prompt_async, prompt_budget
 from .metrics import Metrics
 from .templates import ChatTemplate
+from .think_budget import chat_reasoning, engine_thinking
 from .tools import forced_call_schema, parse_tool_calls, tool_choice_plan
 from .validation import (
     MAX_EMBED_INPUTS,
@@ -249,6 +250,7 @@ class ChatCall:
     continuation: str = ""
     prompt: str = ""
     images: ImageParts = field(default_factory=ImageParts)  # the messages' images, in prompt order
+    think_budget: int | None = None  # thinking tokens before the engine closes the block (think_budget.py)
 
     async def render(self, engine: ModelEngine, template: ChatTemplate | None = None) -> str:
         """The prompt the model's chat template makes of the conversation (kept in `prompt`)."""
@@ -279,6 +281,8 @@ class ChatCall:
         if self.forced:
             base.sampling.json_schema = forced_call_schema(self.forced)
             base.sampling.constraint_param = "tools"
+        if base.sampling.json_schema is None and base.sampling.grammar is None:  # a grammar shapes all of it
+            base.thinking = engine_thinking(engine, chat_template(engine), self.prompt, self.think_budget)
         return [with_seed_offset(base, i) for i in range(self.opts.n)]
 
 
@@ -291,7 +295,9 @@ def parse_chat(body: Body, env: ApiEnv, images: ImageParts | None = None) -> Cha
     images.check_markers((m["content"] for m in messages), "messages")
     tools = parse_tools(body.raw("tools"))
     served, forced = tool_choice_plan(body.raw("tool_choice"), tools, opts.json_schema, "response_format")
-    return ChatCall(body, opts, messages, served, forced, images=images)
+    budget, template_args = chat_reasoning(body)
+    return ChatCall(body, opts, messages, served, forced, images=images, template_args=template_args,
+                    think_budget=budget)
 
 
 def chat_response(call: ChatCall, head: Head, choices: Sequence[Choice]) -> dict[str, Any]:

@@ -45,7 +45,8 @@ from .validation import Body, invalid
 PASSED = ("model", "temperature", "top_p", "stream", "priority", "keep_alive", "seed", "top_k", "min_p",
           "frequency_penalty", "presence_penalty", "repeat_penalty", "penalty_last_n", "logit_bias", "stop")
 # The chat path's param names in its errors -> this dialect's.
-RENAMED = {"messages": "input", "max_completion_tokens": "max_output_tokens", "response_format": "text.format"}
+RENAMED = {"messages": "input", "max_completion_tokens": "max_output_tokens", "response_format": "text.format",
+           "reasoning_effort": "reasoning.effort"}
 UNSUPPORTED = {
     "background": "background responses are not supported; send the request without it (or stream it)",
     "conversation": "conversations are not supported; continue a stored response with 'previous_response_id'",
@@ -94,6 +95,8 @@ def _chat_body(body: Body, instructions: str | None, items: list[dict[str, Any]]
     data["tools"] = tools.chat or None
     data["tool_choice"] = chat_tool_choice(body.raw("tool_choice"))
     data["max_completion_tokens"] = body.raw("max_output_tokens")
+    reasoning = body.raw("reasoning")
+    data["reasoning_effort"] = reasoning.get("effort") if isinstance(reasoning, dict) else None
     text = body.get_object("text")
     data["response_format"] = _response_format(text.raw("format")) if text is not None else None
     return Body({k: v for k, v in data.items() if v is not None})
@@ -256,7 +259,9 @@ def usage_object(usage: Usage | None, reasoning_tokens: int = 0) -> dict[str, An
         "input_tokens": prompt,
         "input_tokens_details": {"cached_tokens": usage.cached_tokens if usage else 0},
         "output_tokens": completion,
-        "output_tokens_details": {"reasoning_tokens": reasoning_tokens},
+        # The engine's count where it kept one (the think block's own tokens), else the text's.
+        "output_tokens_details": {"reasoning_tokens": (usage.reasoning_tokens if usage and usage.reasoning_tokens
+                                                       else reasoning_tokens)},
         "total_tokens": prompt + completion,
     }
 

@@ -26,6 +26,8 @@ def add_drafts(policy: DraftPolicy, pool: KVPool, feeds: list[tuple[Sequence, in
     candidates = []
     for seq, _ in feeds:
         room = min(K_MAX, seq.request.max_tokens - seq.num_generated - 1, seq.n_ctx_seq - len(seq.tokens) - 1)
+        if seq.think is not None and seq.think.spec.budget is not None and seq.think.state == "think":
+            room = min(room, seq.think.spec.budget - seq.think.tokens)  # drafts past it are thrown away
         if room < 1 or not seq.request.speculative:
             continue
         seq.spec = seq.spec or DraftState()
@@ -66,9 +68,12 @@ def take_verified(policy: DraftPolicy, pool: KVPool, seq: Sequence, samples: lis
     kept up to what they confirmed; returns why the sequence finishes, if it does."""
     reason, emitted = None, 0
     for token in samples:
-        emitted += 1
+        # A spent thinking budget puts the end-of-think tokens where this sample was: the drafts
+        # verified after it were checked against a token the sequence no longer has.
+        forced = seq.closing_thought
+        emitted += not forced
         reason = seq.append(token)
-        if reason:
+        if reason or forced:
             break
     policy.record(seq.request.lane, seq.spec, len(seq.draft), len(samples) - 1)
     keep_verified(pool, seq, len(samples) - 1, emitted)

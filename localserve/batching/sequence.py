@@ -19,6 +19,7 @@ from ..errors import LocalserveError
 from ..protocol.requests import LANE_RANK, FinishReason, GenerationEvent, GenerationRequest, TokenLogprob, Usage
 from .speculation import DraftState
 from .text import Detokenizer
+from .thinking import ThinkCounter
 
 _order = itertools.count()
 
@@ -35,7 +36,7 @@ class Sequence:
         "num_computed", "seq_id", "cells", "status", "cancelled", "queued", "num_generated",
         "cached_tokens", "num_preemptions", "finish_reason", "error", "n_ctx_seq", "t_submit",
         "t_scheduled", "t_first_token", "t_finish", "_detok", "_is_eog", "_text", "_token_ids",
-        "_logprobs", "_stop_hit", "stream", "draft", "spec",
+        "_logprobs", "_stop_hit", "stream", "draft", "spec", "think",
     )
 
     def __init__(
@@ -79,6 +80,7 @@ class Sequence:
         self.stream = None  # the engine's RequestStream, for delivery
         self.draft: list[int] = []  # this step's draft tokens, fed after the pending one (speculation.py)
         self.spec: DraftState | None = None  # its prompt-lookup index and acceptance, once it drafts
+        self.think = ThinkCounter(request.thinking) if request.thinking is not None else None
 
     @property
     def request_id(self) -> str:
@@ -97,21 +99,39 @@ class Sequence:
         """Whether `token` ends generation for this model (whatever ignore_eos says)."""
         return self._is_eog(token)
 
+    @property
+    def closing_thought(self) -> bool:
+        """Its thinking budget is spent: the next sample gives way to the end-of-think tokens."""
+        return self.think is not None and self.think.due
+
     def append(self, sampled: SampledToken) -> FinishReason | None:
-        """Take one sampled token; returns why the sequence should finish, if it should."""
-        token = sampled.token
+        """Take one sampled token (or, once its thinking budget is spent, the model's end-of-think
+        tokens in its place); returns why the sequence should finish, if it should."""
+        if self.think is not None and self.think.due:
+            for token in self.think.close():
+                reason = self._take(token, None, forced=True)
+                if reason:
+                    return reason
+            return None
+        return self._take(sampled.token, sampled.logprob)
+
+    def _take(self, token: int, logprob: TokenLogprob | None, forced: bool = False) -> FinishReason | None:
         self.tokens.append(token)
         self.num_generated += 1
         if not self.t_first_token:
             self.t_first_token = time.monotonic()
-        if self._is_eog(token) and not self.request.ignore_eos:
+        if self.think is not None:
+            self.think.see(token)
+        # A forced end tag may hold an end-of-generation token (gpt-oss closes its analysis with
+        # <|end|>): there it ends the thinking, not the answer.
+        if self._is_eog(token) and not (self.request.ignore_eos or forced):
             return "stop"
         delta, stopped = self._detok.add(token)
         if delta:
             self._text.append(delta)
         self._token_ids.append(token)
-        if sampled.logprob is not None:
-            self._logprobs.append(sampled.logprob)
+        if logprob is not None:
+            self._logprobs.append(logprob)
         if stopped:
             self._stop_hit = True
             return "stop"
@@ -154,6 +174,7 @@ class Sequence:
             prompt_tokens=self.num_prompt,
             completion_tokens=self.num_generated,
             cached_tokens=self.cached_tokens,
+            reasoning_tokens=self.think.tokens if self.think is not None else 0,
             queue_s=(self.t_scheduled or end) - self.t_submit,
             ttft_s=(self.t_first_token - self.t_submit) if self.t_first_token else 0.0,
             total_s=end - self.t_submit,

@@ -106,6 +106,19 @@ class TextPrompt:
 
 
 @dataclass
+class Thinking:
+    """A reasoning template's think block as the engine sees it (issue 45): the engine counts the
+    tokens inside it (Usage.reasoning_tokens) and, once `budget` of them are spent, closes it itself
+    with `end`, the model's own end-of-think tokens (`</think>`), in place of the next sampled token;
+    the answer follows. `start` empty: the prompt opened the block (DeepSeek-R1 distills end it
+    with `<think>`); else the answer's first tokens must be `start` (Qwen3 opens it itself)."""
+
+    end: list[int]
+    start: list[int] = field(default_factory=list)
+    budget: int | None = None  # None: as long as the model thinks; 0: closed before it thinks at all
+
+
+@dataclass
 class GenerationRequest:
     prompt_tokens: list[int]
     sampling: SamplingParams = field(default_factory=SamplingParams)
@@ -119,6 +132,7 @@ class GenerationRequest:
     # The prompt's images in order, one per MEDIA_MARKER the prompt text held (protocol/media.py);
     # only a model whose ModelInfo.vision is true takes any.
     images: list[ImageInput] = field(default_factory=list)
+    thinking: Thinking | None = None  # set where the chat template reasons (api/think_budget.py)
 
 
 @dataclass
@@ -134,6 +148,7 @@ class Usage:
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int  # prompt tokens served from the prefix cache
+    reasoning_tokens: int = 0  # completion tokens inside the think block (GenerationRequest.thinking)
     queue_s: float = 0.0  # submit -> first scheduled
     ttft_s: float = 0.0  # submit -> first token
     total_s: float = 0.0
@@ -175,6 +190,18 @@ def check_request(request: GenerationRequest, n_ctx_per_seq: int, n_vocab: int) 
         raise InvalidRequestError("the prompt contains token ids outside the vocabulary", param="prompt")
     if request.lane not in LANES:
         raise InvalidRequestError(f"unknown priority lane {request.lane!r}", param="priority")
+    if request.thinking is not None:
+        _check_thinking(request.thinking, n_vocab)
     # The bounds every entry point shares; the server checked them before loading the model, a
     # direct caller (a benchmark, a batch runner) gets the same refusal here.
     request.sampling.validate(n_vocab or None)
+
+
+def _check_thinking(thinking: Thinking, n_vocab: int) -> None:
+    if thinking.budget is not None and thinking.budget < 0:
+        raise InvalidRequestError(f"the reasoning budget must not be negative (got {thinking.budget})",
+                                  param="reasoning_budget")
+    ids = thinking.end + thinking.start
+    if not thinking.end or (n_vocab and any(t < 0 or t >= n_vocab for t in ids)):
+        raise InvalidRequestError("the end-of-think tokens are missing or outside the vocabulary",
+                                  param="reasoning_budget")

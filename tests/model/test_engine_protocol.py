@@ -218,7 +218,8 @@ def test_openai_routes_serve_a_non_backend_engine(echo):
     assert [c["message"]["content"] for c in answer["choices"]] == ["hello", "hello"]
     assert [c["finish_reason"] for c in answer["choices"]] == ["length", "length"]
     assert answer["usage"] == {"prompt_tokens": 11, "completion_tokens": 10, "total_tokens": 21,
-                               "prompt_tokens_details": {"cached_tokens": 0}}
+                               "prompt_tokens_details": {"cached_tokens": 0},
+                               "completion_tokens_details": {"reasoning_tokens": 0}}
 
     status, _, raw = echo.request("POST", "/v1/chat/completions", {
         "model": MODEL, "messages": [{"role": "user", "content": "stream me"}], "stream": True})
