@@ -135,14 +135,14 @@ AGENTS: dict[str, Agent] = {
     agent.name: agent
     for agent in (
         Agent("claude", "Claude Code", "claude", "npm install -g @anthropic-ai/claude-code",
-              prompt_tokens=20249, measured_with="2.1.197",
+              prompt_tokens=20249, measured_with="measured with 2.1.197",
               environment=_claude_environment, arguments=lambda t: ["--settings", t.path(CLAUDE_SETTINGS)],
               files=lambda t: {CLAUDE_SETTINGS: json.dumps(_claude_settings(t))}, overrides=claude_managed_overrides),
         Agent("codex", "Codex CLI", "codex", "npm install -g @openai/codex",
-              prompt_tokens=9127, measured_with="0.171.0",
+              prompt_tokens=9127, measured_with="measured with 0.171.0",
               environment=lambda t: {CODEX_TOKEN_VAR: t.token}, arguments=_codex_arguments),
         Agent("copilot", "Copilot CLI", "copilot", "npm install -g @github/copilot",
-              prompt_tokens=12275, measured_with="1.0.102",
+              prompt_tokens=12275, measured_with="measured with 1.0.102",
               environment=_copilot_environment, owned_prefixes=("COPILOT_PROVIDER_",)),
         *CHAT_AGENTS,
     )
@@ -154,7 +154,7 @@ def context_warning(agent: Agent, target: Target) -> str | None:
     if not agent.prompt_tokens or target.context > agent.prompt_tokens:
         return None
     return (f"{agent.title} sends about {agent.prompt_tokens} tokens before your first message "
-            f"(measured with {agent.measured_with}); {target.model} is served with {target.context}, "
+            f"({agent.measured_with}); {target.model} is served with {target.context}, "
             "so it will refuse to start or every request will be. Raise the context_length setting "
             "(LOCALSERVE_CONTEXT_LENGTH; at most the model's trained context) or pick a model with a "
             "longer context.")
