@@ -28,7 +28,10 @@ from localserve.desktop.agents import (AGENTS, CLAUDE_PROVIDER_SWITCHES, CODEX_T
                                        claude_managed_overrides, context_warning)
 
 AGENTS_DIR = REPO / ".test-cache" / "agents"
-PACKAGES = {"copilot": "@github/copilot@1", "codex": "@openai/codex@0", "claude": "@anthropic-ai/claude-code@2"}
+PACKAGES = {"copilot": "@github/copilot@1", "codex": "@openai/codex@0", "claude": "@anthropic-ai/claude-code@2",
+            # Kilo 7.8.1's platform binaries are not published; Qwen Code 0.16+ needs Node 22.
+            "opencode": "opencode-ai@1", "kilo": "@kilocode/cli@7.7.7", "cline": "cline@3",
+            "qwen": "@qwen-code/qwen-code@0.15", "cn": "@continuedev/cli@1"}
 TARGET = Target("http://127.0.0.1:5555", "tok", "smollm2-135m:Q4_1", 8192)
 
 
