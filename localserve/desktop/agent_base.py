@@ -63,7 +63,6 @@ class Agent:
     files: Callable[[Target], dict[str, str]] | None = None
     # Inherited variables that name the agent's provider: dropped, so only ours name it.
     owned_prefixes: tuple[str, ...] = ()
-    owned_names: tuple[str, ...] = ()
     # `where: what` for each setting of the agent's that outranks every switch of ours.
     overrides: Callable[[], list[str]] = list
 
@@ -72,8 +71,7 @@ class Agent:
 
     def environ(self, target: Target, inherited: Mapping[str, str]) -> dict[str, str]:
         """The agent's whole environment: the user's, less what names a provider, plus ours."""
-        kept = {k: v for k, v in inherited.items()
-                if k not in self.owned_names and not (self.owned_prefixes and k.startswith(self.owned_prefixes))}
+        kept = {k: v for k, v in inherited.items() if not (self.owned_prefixes and k.startswith(self.owned_prefixes))}
         return {**kept, **self.environment(target)}
 
     def find(self, environ: Mapping[str, str] | None = None) -> str | None:

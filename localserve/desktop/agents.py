@@ -1,5 +1,9 @@
 """The coding agents `localserve launch` starts against the daemon: what each one needs to talk to us.
 
+Claude Code, Codex and Copilot are here; the seven that read an OpenAI-compatible provider from
+their own config (opencode, Kilo, Cline, Qwen Code, cn, aider, Mistral Vibe) are in chat_agents.py,
+and what all of them are made of (`Agent`, `Target`) in agent_base.py.
+
 Each agent is pointed at localhost by its own documented switches, read from the agent itself
 (`copilot help providers`, `codex --help`, the variables Claude Code's binary reads), never by
 editing the user's config files: a launch changes that one run of the agent and nothing else, and
