@@ -27,7 +27,7 @@ configuration is neither read for the provider nor written:
 from __future__ import annotations
 
 import json
-from typing import Any
+from typing import Any, Callable
 
 from .agent_base import TOKEN_VAR, Agent, Target
 
@@ -52,7 +52,7 @@ def _opencode_config(t: Target) -> dict[str, Any]:
     return {"provider": {PROVIDER: provider}, "model": chosen, "small_model": chosen}
 
 
-def _opencode_like(prefix: str):
+def _opencode_like(prefix: str) -> Callable[[Target], dict[str, str]]:
     def environment(t: Target) -> dict[str, str]:
         return {f"{prefix}_CONFIG_CONTENT": json.dumps(_opencode_config(t)),
                 **{f"{prefix}_{switch}": "1" for switch in OPENCODE_QUIET}}
@@ -130,7 +130,7 @@ def _vibe_environment(t: Target) -> dict[str, str]:
             "VIBE_ACTIVE_MODEL": PROVIDER, TOKEN_VAR: t.token}
 
 
-def _json_file(name: str, build) -> Any:
+def _json_file(name: str, build: Callable[[Target], dict[str, Any]]) -> Callable[[Target], dict[str, str]]:
     return lambda t: {name: json.dumps(build(t))}
 
 
