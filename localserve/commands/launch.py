@@ -1,20 +1,22 @@
-"""`launch`: run a coding agent (Claude Code, Codex CLI, Copilot CLI) on a local model.
+"""`launch`: run a coding agent (Claude Code, Codex, opencode, aider and the rest) on a local model.
 
 Pulls the model when it is not installed, starts the daemon when it is not running, asks the
 daemon for the context the model is served with, and runs the agent with the switches that point
 it here (desktop/agents.py). Arguments after `--` go to the agent unchanged.
 
-Claude Code's switches go in a settings file of its own (`--settings FILE`), which holds the
-token: the file is made 0600 and removed when the agent exits, so launch waits for the agent
-instead of becoming it, ignoring the terminal's Ctrl-C and Ctrl-\\ as a shell does for its child.
+An agent that reads its provider from a file (Claude Code's `--settings FILE`, opencode's,
+Continue's, ...) gets it in a folder made for the run: the files hold the token, so they are 0600
+in a 0700 folder, removed when the agent exits. So launch waits for the agent instead of becoming
+it, ignoring the terminal's Ctrl-C and Ctrl-\\ as a shell does for its child.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
-import json
+import dataclasses
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -39,7 +41,7 @@ class AgentOverriddenError(LocalserveError):
 
 def register(subparsers: argparse._SubParsersAction, common: argparse.ArgumentParser) -> None:
     p = subparsers.add_parser(
-        "launch", parents=[common], help="run a coding agent (claude, codex, copilot) on a local model",
+        "launch", parents=[common], help="run a coding agent (claude, codex, opencode, aider, ...) on a local model",
         description="Run a coding agent on a local model. Arguments after `--` are passed to the agent, "
                     "e.g. `localserve launch claude -- -p 'explain main.py'`.")
     p.add_argument("agent", choices=sorted(AGENTS), help="the agent to run")
@@ -82,25 +84,29 @@ def refuse_overrides(agent: Agent) -> None:
 
 
 @contextlib.contextmanager
-def settings_file(agent: Agent, target: Target) -> Iterator[str | None]:
-    """The agent's settings for this run in a file only this user can read, gone afterwards."""
-    if agent.settings is None:
-        yield None
+def run_files(agent: Agent, target: Target) -> Iterator[Target]:
+    """The agent's files for this run in a folder only this user can read (they hold the token),
+    gone when the agent exits; the target names the folder."""
+    if agent.files is None:
+        yield target
         return
-    fd, path = tempfile.mkstemp(prefix=f"localserve-{agent.name}-", suffix=".json")  # 0600, O_EXCL
+    folder = tempfile.mkdtemp(prefix=f"localserve-{agent.name}-")  # 0700
     try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            json.dump(agent.settings(target), f)
-        yield path
+        run_target = dataclasses.replace(target, workdir=folder)
+        for name, text in agent.files(run_target).items():
+            path = os.path.join(folder, name)
+            os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)  # Cline's settings/
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            with os.fdopen(fd, "w", encoding="utf-8") as f:
+                f.write(text)
+        yield run_target
     finally:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(path)
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 def run_agent(agent: Agent, executable: str, target: Target, extra: list[str]) -> int:
-    environ = agent.environ(target, os.environ)
-    with settings_file(agent, target) as path:
-        return _wait_for(agent.command(executable, target, extra, path), environ)
+    with run_files(agent, target) as run_target:
+        return _wait_for(agent.command(executable, run_target, extra), agent.environ(run_target, os.environ))
 
 
 def _wait_for(command: list[str], environ: dict[str, str]) -> int:

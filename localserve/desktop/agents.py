@@ -1,5 +1,9 @@
 """The coding agents `localserve launch` starts against the daemon: what each one needs to talk to us.
 
+Claude Code, Codex and Copilot are here; the seven that read an OpenAI-compatible provider from
+their own config (opencode, Kilo, Cline, Qwen Code, cn, aider, Mistral Vibe) are in chat_agents.py,
+and what all of them are made of (`Agent`, `Target`) in agent_base.py.
+
 Each agent is pointed at localhost by its own documented switches, read from the agent itself
 (`copilot help providers`, `codex --help`, the variables Claude Code's binary reads), never by
 editing the user's config files: a launch changes that one run of the agent and nothing else, and
@@ -27,73 +31,16 @@ the same agent started by hand still talks to its own cloud.
 from __future__ import annotations
 
 import json
-import os
-import shutil
 import sys
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any
 
-# The variable Codex reads the token from (its provider's `env_key`). Not LOCALSERVE_API_KEY: that
-# one is our own setting, and a `localserve` command the agent runs would take it as such.
-CODEX_TOKEN_VAR = "LOCALSERVE_AGENT_TOKEN"
-NO_KEY_TOKEN = "localserve"  # agents refuse an empty token; the daemon ignores it without api_key
+from .agent_base import NO_KEY_TOKEN, TOKEN_VAR, Agent, Target
+from .chat_agents import CHAT_AGENTS
 
+__all__ = ["AGENTS", "NO_KEY_TOKEN", "Agent", "Target", "context_warning"]
 
-@dataclass(frozen=True)
-class Target:
-    """Where the agent is sent: the daemon, the token it checks, the model and its served context."""
-
-    base_url: str  # http://127.0.0.1:PORT, no trailing slash
-    token: str
-    model: str
-    context: int  # tokens of prompt and answer each request gets (/api/show's context_length)
-
-
-@dataclass(frozen=True)
-class Agent:
-    name: str  # what `localserve launch NAME` takes
-    title: str
-    executable: str
-    install: str  # the command that installs it, for the message when it is missing
-    # The prompt the agent sends before the user's first word (its system prompt and tool
-    # schemas), measured with the version named, in SmolLM2's tokens: with a smaller served
-    # context every request is refused, so launch says so before starting the agent.
-    prompt_tokens: int
-    measured_with: str
-    environment: Callable[[Target], dict[str, str]]
-    arguments: Callable[[Target], list[str]]
-    # Inherited variables that name the agent's provider: dropped, so only ours name it.
-    owned_prefixes: tuple[str, ...] = ()
-    # What goes in the agent's own settings layer that outranks the user's files (Claude Code's
-    # `--settings FILE`), written by launch to a private file for the run; None for the others.
-    settings: Callable[[Target], dict[str, Any]] | None = None
-    settings_flag: str = ""
-    # `where: what` for each setting of the agent's that outranks every switch of ours.
-    overrides: Callable[[], list[str]] = list
-
-    def command(self, executable: str, target: Target, extra: Sequence[str],
-                settings_file: str | None = None) -> list[str]:
-        settings = [self.settings_flag, settings_file] if settings_file else []
-        return [executable, *settings, *self.arguments(target), *extra]
-
-    def environ(self, target: Target, inherited: Mapping[str, str]) -> dict[str, str]:
-        """The agent's whole environment: the user's, less what names a provider, plus ours."""
-        kept = {k: v for k, v in inherited.items() if not (self.owned_prefixes and k.startswith(self.owned_prefixes))}
-        return {**kept, **self.environment(target)}
-
-    def find(self, environ: Mapping[str, str] | None = None) -> str | None:
-        """The agent's executable on PATH (or, for Claude Code, its own per-user install)."""
-        path = (environ if environ is not None else os.environ).get("PATH")
-        found = shutil.which(self.executable, path=path)
-        if found:
-            return found
-        if self.name == "claude":
-            # Claude Code's own installer puts it here without touching PATH.
-            local = Path.home() / ".claude" / "local" / ("claude.exe" if sys.platform == "win32" else "claude")
-            if local.is_file():
-                return str(local)
-        return None
+CODEX_TOKEN_VAR = TOKEN_VAR  # Codex reads the token from the variable its provider's `env_key` names
 
 
 # Claude Code's switches to a cloud provider (2.1.197's getAPIProvider): any one set by a settings
@@ -128,8 +75,11 @@ def _claude_environment(t: Target) -> dict[str, str]:
 def _claude_settings(t: Target) -> dict[str, Any]:
     """Claude Code's command-line settings layer: the same variables, where a user's settings
     file cannot override them. It holds the token (a user's env.ANTHROPIC_AUTH_TOKEN would win
-    over ours otherwise), so launch writes it to a 0600 file, never to argv."""
+    over ours otherwise), so launch writes it to the run's 0600 file, never to argv."""
     return {"env": _claude_environment(t)}
+
+
+CLAUDE_SETTINGS = "settings.json"
 
 
 def claude_managed_dir() -> Path:
@@ -163,7 +113,7 @@ def claude_managed_overrides(directory: Path | None = None) -> list[str]:
 def _codex_arguments(t: Target) -> list[str]:
     provider = {
         "name": "localserve",
-        "base_url": f"{t.base_url}/v1",
+        "base_url": t.openai_url,
         "wire_api": "responses",
         "env_key": CODEX_TOKEN_VAR,
     }
@@ -174,7 +124,7 @@ def _codex_arguments(t: Target) -> list[str]:
 
 def _copilot_environment(t: Target) -> dict[str, str]:
     return {
-        "COPILOT_PROVIDER_BASE_URL": f"{t.base_url}/v1",
+        "COPILOT_PROVIDER_BASE_URL": t.openai_url,
         "COPILOT_PROVIDER_TYPE": "openai",
         "COPILOT_PROVIDER_WIRE_API": "completions",
         "COPILOT_PROVIDER_API_KEY": t.token,
@@ -189,16 +139,16 @@ AGENTS: dict[str, Agent] = {
     agent.name: agent
     for agent in (
         Agent("claude", "Claude Code", "claude", "npm install -g @anthropic-ai/claude-code",
-              prompt_tokens=20249, measured_with="2.1.197",
-              environment=_claude_environment, arguments=lambda t: [],
-              settings=_claude_settings, settings_flag="--settings", overrides=claude_managed_overrides),
+              prompt_tokens=20249, measured_with="measured with 2.1.197",
+              environment=_claude_environment, arguments=lambda t: ["--settings", t.path(CLAUDE_SETTINGS)],
+              files=lambda t: {CLAUDE_SETTINGS: json.dumps(_claude_settings(t))}, overrides=claude_managed_overrides),
         Agent("codex", "Codex CLI", "codex", "npm install -g @openai/codex",
-              prompt_tokens=9127, measured_with="0.171.0",
+              prompt_tokens=9127, measured_with="measured with 0.171.0",
               environment=lambda t: {CODEX_TOKEN_VAR: t.token}, arguments=_codex_arguments),
         Agent("copilot", "Copilot CLI", "copilot", "npm install -g @github/copilot",
-              prompt_tokens=12275, measured_with="1.0.102",
-              environment=_copilot_environment, arguments=lambda t: [],
-              owned_prefixes=("COPILOT_PROVIDER_",)),
+              prompt_tokens=12275, measured_with="measured with 1.0.102",
+              environment=_copilot_environment, owned_prefixes=("COPILOT_PROVIDER_",)),
+        *CHAT_AGENTS,
     )
 }
 
@@ -208,7 +158,7 @@ def context_warning(agent: Agent, target: Target) -> str | None:
     if not agent.prompt_tokens or target.context > agent.prompt_tokens:
         return None
     return (f"{agent.title} sends about {agent.prompt_tokens} tokens before your first message "
-            f"(measured with {agent.measured_with}); {target.model} is served with {target.context}, "
+            f"({agent.measured_with}); {target.model} is served with {target.context}, "
             "so it will refuse to start or every request will be. Raise the context_length setting "
             "(LOCALSERVE_CONTEXT_LENGTH; at most the model's trained context) or pick a model with a "
             "longer context.")

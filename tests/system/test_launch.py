@@ -23,12 +23,15 @@ from pathlib import Path
 import pytest
 
 from daemon_util import REPO, cli, cli_env, free_port, register_model, stop_quietly, wait_published, start_serve
-from localserve.commands.launch import AgentOverriddenError, refuse_overrides, run_agent, settings_file
+from localserve.commands.launch import AgentOverriddenError, refuse_overrides, run_agent, run_files
 from localserve.desktop.agents import (AGENTS, CLAUDE_PROVIDER_SWITCHES, CODEX_TOKEN_VAR, Target,
                                        claude_managed_overrides, context_warning)
 
 AGENTS_DIR = REPO / ".test-cache" / "agents"
-PACKAGES = {"copilot": "@github/copilot@1", "codex": "@openai/codex@0", "claude": "@anthropic-ai/claude-code@2"}
+PACKAGES = {"copilot": "@github/copilot@1", "codex": "@openai/codex@0", "claude": "@anthropic-ai/claude-code@2",
+            # Kilo 7.8.1's platform binaries are not published; Qwen Code 0.16+ needs Node 22.
+            "opencode": "opencode-ai@1", "kilo": "@kilocode/cli@7.7.7", "cline": "cline@3",
+            "qwen": "@qwen-code/qwen-code@0.15", "cn": "@continuedev/cli@1"}
 TARGET = Target("http://127.0.0.1:5555", "tok", "smollm2-135m:Q4_1", 8192)
 
 
@@ -42,23 +45,24 @@ def test_claude_gets_every_tier_and_our_token() -> None:
     assert env["CLAUDE_CODE_AUTO_COMPACT_WINDOW"] == "8192"
     assert env["CLAUDE_CODE_ATTRIBUTION_HEADER"] == "0"
     assert all(env[switch] == "" for switch in CLAUDE_PROVIDER_SWITCHES)  # no Bedrock, Vertex, ... from a file
-    assert AGENTS["claude"].arguments(TARGET) == []
+    assert AGENTS["claude"].arguments(TARGET)[0] == "--settings"  # its file: the next test
 
 
 def test_claude_gets_the_same_in_its_command_line_settings_layer_by_a_private_file() -> None:
     """`--settings` outranks the user's settings files; the token rides in a 0600 file, not argv."""
     agent = AGENTS["claude"]
-    assert agent.settings is not None and agent.settings(TARGET) == {"env": agent.environment(TARGET)}
-    with settings_file(agent, TARGET) as path:
-        assert path is not None
+    with run_files(agent, TARGET) as target:
+        path = target.path("settings.json")
+        assert stat.S_IMODE(os.stat(target.workdir).st_mode) == 0o700
         assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
+        assert json.loads(Path(path).read_text()) == {"env": agent.environment(TARGET)}
         assert json.loads(Path(path).read_text())["env"]["ANTHROPIC_AUTH_TOKEN"] == "tok"
-        command = agent.command("/bin/claude", TARGET, ["-p", "hi"], path)
+        command = agent.command("/bin/claude", target, ["-p", "hi"])
         assert command == ["/bin/claude", "--settings", path, "-p", "hi"]
         assert not any("tok" in arg for arg in command)
-    assert not os.path.exists(path)
-    with settings_file(AGENTS["codex"], TARGET) as none:
-        assert none is None
+    assert not os.path.exists(target.workdir)
+    with run_files(AGENTS["codex"], TARGET) as same:
+        assert same is TARGET  # nothing to write
 
 
 def test_managed_claude_settings_that_route_requests_are_refused(tmp_path: Path) -> None:
@@ -295,7 +299,7 @@ def test_claude_code_comes_to_us_past_the_users_own_gateway_settings(tight_daemo
     log = (Path(tight_daemon["LOCALSERVE_HOME"]) / "logs" / "localserve.log").read_text()
     assert '"POST /v1/messages?beta=true HTTP/1.1" 400' in log and '" 401 ' not in log
     assert json.loads(settings.read_text())["env"]["ANTHROPIC_BASE_URL"] == capture.url  # theirs, untouched
-    assert not list(Path(os.environ.get("TMPDIR", "/tmp")).glob("localserve-claude-*.json"))  # ours, gone
+    assert not list(Path(os.environ.get("TMPDIR", "/tmp")).glob("localserve-claude-*"))  # ours, gone
 
 
 # Codex's default tools and instructions are 9127 tokens (0.171.0); without its sub-agent, goal and
