@@ -23,7 +23,7 @@ from typing import Generator, Literal, Sequence
 
 from ..protocol.engine import ModelInfo
 from ..protocol.requests import SamplingParams, TokenLogprob
-from ..errors import BackendError
+from ..errors import BackendError, InvalidRequestError
 
 
 class KVFullError(BackendError):
@@ -243,6 +243,12 @@ class Backend(ABC):
         vectors = self.embed(inputs)
         yield True
         return vectors
+
+    def rank_steps(self, inputs: Sequence[Sequence[int]]) -> Generator[bool, None, list[float]]:
+        """A reranker's score of each token list, in `embed_steps`' pieces. Only a backend that
+        reads a GGUF's rank pooling (llama.cpp's) has one."""
+        raise InvalidRequestError("this model's backend does not rerank", param="model")
+        yield True  # a generator, like every embed_steps
 
     # --- KV cache, per sequence ----------------------------------------------------------
     @abstractmethod

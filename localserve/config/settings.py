@@ -132,6 +132,11 @@ class Settings:
     # the embeddings context holds one group of inputs at a time); time is: it runs between
     # generation steps, so a big request slows chats a little but for long.
     max_embed_tokens: int = 300_000
+    # Documents of one rerank request (/v1/rerank; Cohere recommends at most 1,000), and the tokens
+    # of all its query + document pairs together, as ranked (the query is counted once per pair).
+    # As with embeddings, time bounds them: the pairs are scored between generation steps.
+    max_rerank_documents: int = 1000
+    max_rerank_tokens: int = 300_000
     # /v1/embeddings `input` as token ids: refused unless on. langchain-openai's OpenAIEmbeddings sends
     # ids of OpenAI's cl100k tokenizer by default; read as this model's ids they are other text, and the
     # vectors came back 200 and wrong. On: the ids are taken as the served model's own.

@@ -34,6 +34,7 @@ from .batch import PackedBatch, stream_groups
 from ..common.grammar import GRAMMAR_CONSTRAINTS
 from ..common.threads import default_threads
 from .embed import EmbeddingContext
+from .rank import RankContext
 from .info import read_model_info
 from .interrupt import InterruptFlag, available as interrupt_available
 from .offload import OffloadFacts, parse_load_log
@@ -48,10 +49,11 @@ log = logging.getLogger(__name__)
 _KV_TYPES = {"f16": llama_cpp.GGML_TYPE_F16, "q8_0": llama_cpp.GGML_TYPE_Q8_0}
 
 
-def _free_native(model, ctx, embedder_box: list) -> None:
+def _free_native(model, ctx, pooled_box: list) -> None:
     # Order matters: contexts reference the model.
-    if embedder_box and embedder_box[0] is not None:
-        embedder_box[0].close()
+    for pooled in pooled_box:
+        if pooled is not None:
+            pooled.close()
     if ctx:
         llama_cpp.llama_free(ctx)
     if model:
@@ -92,7 +94,8 @@ class LlamaCppBackend(LlamaTokenizer, Backend):
         self._held: dict[int, np.ndarray] = {}
         self._interrupt = InterruptFlag(ctx)
         self._pieces: dict[tuple[int, bool], bytes] = {}
-        self._embedder_box: list[EmbeddingContext | None] = [None]
+        # The embeddings context and the rerank context, each made on first use.
+        self._embedder_box: list[EmbeddingContext | RankContext | None] = [None, None]
         self._embedder_lock = threading.Lock()
         self._closed = False
         self._finalizer = weakref.finalize(self, _free_native, model, ctx, self._embedder_box)
@@ -250,8 +253,9 @@ class LlamaCppBackend(LlamaTokenizer, Backend):
         llama_cpp.llama_set_n_threads(self.ctx, n, n)
         with self._embedder_lock:
             self._threads_now = n
-            if self._embedder_box[0] is not None:
-                self._embedder_box[0].set_threads(n)
+            for pooled in self._embedder_box:
+                if pooled is not None:
+                    pooled.set_threads(n)
 
     def interrupt(self) -> None:
         self._interrupt.set()
@@ -363,6 +367,20 @@ class LlamaCppBackend(LlamaTokenizer, Backend):
         if not inputs:
             return []
         return (yield from self._embedder().embed_steps(inputs))
+
+    def rank_steps(self, inputs: Sequence[Sequence[int]]) -> Generator[bool, None, list[float]]:
+        self._check_open()
+        if not inputs:
+            return []
+        return (yield from self._ranker().score_steps(inputs))
+
+    def _ranker(self) -> RankContext:
+        with self._embedder_lock:
+            if self._embedder_box[1] is None:
+                self._embedder_box[1] = RankContext(self.model, n_ctx_seq=self.n_ctx_seq,
+                                                    n_seq_max=min(self.n_seq_max, 64),
+                                                    n_threads=self._threads_now, n_vocab=self.n_vocab)
+            return self._embedder_box[1]
 
     def _embedder(self) -> EmbeddingContext:
         with self._embedder_lock:

@@ -14,23 +14,34 @@ from ..common.embed_pooling import Piece, PooledEmbedder
 from .batch import PackedBatch
 
 
+def pooled_context(model, *, n_ctx: int, n_batch: int, n_ubatch: int, n_seq_max: int, n_threads: int,
+                   what: str, pooling: int | None = None):
+    """A llama.cpp context that outputs embeddings (`pooling`: llama.cpp's pooling type, None for
+    the model's own), its inputs of any length sharing one pool of n_ctx cells."""
+    params = llama_cpp.llama_context_default_params()
+    params.n_ctx = n_ctx
+    params.n_batch = n_batch
+    params.n_ubatch = n_ubatch
+    params.n_seq_max = n_seq_max
+    params.n_threads = n_threads
+    params.n_threads_batch = n_threads
+    params.embeddings = True
+    params.kv_unified = True
+    if pooling is not None:
+        params.pooling_type = pooling
+    ctx = llama_cpp.llama_init_from_model(model, params)
+    if not ctx:
+        raise BackendError(f"could not create the {what} context (see log)")
+    return ctx
+
+
 class EmbeddingContext(PooledEmbedder):
     def __init__(self, model, *, n_ctx: int, n_batch: int, n_seq_max: int, n_threads: int,
                  n_embd: int, n_vocab: int) -> None:
-        params = llama_cpp.llama_context_default_params()
-        params.n_ctx = n_ctx
-        params.n_batch = n_batch
-        params.n_ubatch = min(n_batch, 512)
-        params.n_seq_max = n_seq_max
-        params.n_threads = n_threads
-        params.n_threads_batch = n_threads
-        params.embeddings = True
-        params.kv_unified = True  # inputs of any length share one pool of n_ctx cells
         # Pooling left to the model's default (NONE for decoder LLMs; forcing NONE explicitly makes
         # llama.cpp log a warning on every load).
-        self.ctx = llama_cpp.llama_init_from_model(model, params)
-        if not self.ctx:
-            raise BackendError("could not create the embeddings context (see log)")
+        self.ctx = pooled_context(model, n_ctx=n_ctx, n_batch=n_batch, n_ubatch=min(n_batch, 512),
+                                  n_seq_max=n_seq_max, n_threads=n_threads, what="embeddings")
         if llama_cpp.llama_pooling_type(self.ctx) != llama_cpp.LLAMA_POOLING_TYPE_NONE:
             # Encoder embedding models (BERT-style: CLS/MEAN pooling, non-causal attention) need whole
             # inputs per micro-batch and their own pooling; averaging chunks here would be wrong.
