@@ -51,10 +51,11 @@ def parse_rerank(body: Body, env: ApiEnv) -> RerankCall:
     query = body.get_str("query", None)
     if query is None:
         raise invalid("'query' must be provided, a string", "query")
-    documents = body.get_list(name, max_items=env.settings.max_rerank_documents)
-    if not documents:
-        raise body.error(name, "must be a non-empty array of strings or of objects with 'text' "
-                               f"(at most {env.settings.max_rerank_documents}: setting max_rerank_documents)")
+    documents = body.get_list(name, max_items=1 << 31)
+    most = env.settings.max_rerank_documents
+    if not documents or len(documents) > most:
+        raise body.error(name, "must be a non-empty array of strings or of objects with 'text', "
+                               f"at most {most} (setting max_rerank_documents)")
     rank_fields = body.get_list("rank_fields", max_items=64) or []
     if not all(isinstance(f, str) for f in rank_fields):
         raise invalid("'rank_fields' must be an array of strings", "rank_fields")
