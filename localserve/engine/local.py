@@ -214,10 +214,10 @@ class Engine:
     def _check_pooled(self, inputs: list[list[int]], param: str, what: str, verb: str) -> None:
         if not inputs or any(not tokens for tokens in inputs):
             raise InvalidRequestError(f"every {what} needs at least one token", param=param)
-        for tokens in inputs:
+        for i, tokens in enumerate(inputs):
             if len(tokens) > self.n_ctx_per_seq:
                 raise ContextLengthExceededError(
-                    f"one {what} has {len(tokens)} tokens; this model {verb} at most {self.n_ctx_per_seq}",
+                    f"{what} {i} has {len(tokens)} tokens; this model {verb} at most {self.n_ctx_per_seq}",
                     param=param,
                 )
 

@@ -242,3 +242,22 @@ def test_jina_and_tei_bodies(server, direct):
     assert status == 200 and [r["index"] for r in body] == best
     assert [r["text"] for r in body] == [DOCUMENTS[i] for i in best] and body[0]["score"] == expected[best[0]]
 
+
+
+def test_a_batch_line_ranks_as_the_request_alone(server, direct):
+    """/v1/rerank as a Batch API endpoint: each line runs the route's own code on the batch lane."""
+    import openai
+    from test_batches import by_id, contents, line, submit, wait
+
+    expected, _ = direct[RERANKER].scores(QUERY, DOCUMENTS)
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+    bodies = {"ok": {"model": RERANKER, "query": QUERY, "documents": DOCUMENTS, "top_n": 2},
+              "not-a-reranker": {"model": MODEL, "query": QUERY, "documents": DOCUMENTS}}
+    batch = submit(client, [line(cid, "/v1/rerank", body) for cid, body in bodies.items()], "/v1/rerank")
+    done = wait(client, batch.id)
+    assert (done.request_counts.completed, done.request_counts.failed) == (1, 1)
+    answer = by_id(contents(client, done.output_file_id))["ok"]["response"]["body"]
+    assert [(r["index"], r["relevance_score"]) for r in answer["results"]] == \
+        [(i, expected[i]) for i in _ranked(expected)[:2]]
+    refused = by_id(contents(client, done.error_file_id))["not-a-reranker"]["response"]
+    assert refused["status_code"] == 400 and refused["body"]["error"]["param"] == "model"
