@@ -14,10 +14,9 @@ from ..common.embed_pooling import Piece, PooledEmbedder
 from .batch import PackedBatch
 
 
-def pooled_context(model, *, n_ctx: int, n_batch: int, n_ubatch: int, n_seq_max: int, n_threads: int,
-                   what: str, pooling: int | None = None):
-    """A llama.cpp context that outputs embeddings (`pooling`: llama.cpp's pooling type, None for
-    the model's own), its inputs of any length sharing one pool of n_ctx cells."""
+def pooled_context(model, *, n_ctx: int, n_batch: int, n_ubatch: int, n_seq_max: int, n_threads: int, what: str):
+    """A llama.cpp context that outputs embeddings, pooled as the model says (`what` names it in
+    errors), its inputs of any length sharing one pool of n_ctx cells."""
     params = llama_cpp.llama_context_default_params()
     params.n_ctx = n_ctx
     params.n_batch = n_batch
@@ -27,8 +26,6 @@ def pooled_context(model, *, n_ctx: int, n_batch: int, n_ubatch: int, n_seq_max:
     params.n_threads_batch = n_threads
     params.embeddings = True
     params.kv_unified = True
-    if pooling is not None:
-        params.pooling_type = pooling
     ctx = llama_cpp.llama_init_from_model(model, params)
     if not ctx:
         raise BackendError(f"could not create the {what} context (see log)")

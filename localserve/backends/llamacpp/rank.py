@@ -55,8 +55,10 @@ class RankContext:
     def _context(self, model, n_cells: int, n_batch: int, n_threads: int):
         # Every decode is one micro-batch (n_ubatch = n_batch): an encoder's must be, and a causal
         # model's pieces are sized to one already.
+        # The model's own pooling (forcing rank would run any model's hidden state as a "score"):
+        # the check after this refuses a GGUF whose pooling is not rank.
         return pooled_context(model, n_ctx=n_cells, n_batch=n_batch, n_ubatch=n_batch, n_seq_max=self.n_seq_max,
-                              n_threads=n_threads, what="rerank", pooling=llama_cpp.LLAMA_POOLING_TYPE_RANK)
+                              n_threads=n_threads, what="rerank")
 
     def close(self) -> None:
         if self.ctx:
