@@ -190,6 +190,9 @@ def test_a_model_that_is_not_a_reranker_is_a_400_naming_it(server):
     status, body = server.json("POST", "/v1/rerank", {"model": MODEL, "query": QUERY, "documents": DOCUMENTS})
     assert status == 400 and body["error"]["param"] == "model"
     assert f"{MODEL}:Q4_1 is not a reranker" in body["error"]["message"]
+    # and the other way round: a reranker's embeddings are a 400 pointing at /v1/rerank, not a 500
+    status, body = server.json("POST", "/v1/embeddings", {"model": RERANKER, "input": "hello"})
+    assert status == 400 and body["error"]["param"] == "model" and "/v1/rerank" in body["error"]["message"]
 
 
 def test_bounds(server, direct):

@@ -9,7 +9,7 @@ from __future__ import annotations
 import llama_cpp
 import numpy as np
 
-from ...errors import BackendError
+from ...errors import BackendError, InvalidRequestError
 from ..common.embed_pooling import Piece, PooledEmbedder
 from .batch import PackedBatch
 
@@ -42,9 +42,14 @@ class EmbeddingContext(PooledEmbedder):
         if llama_cpp.llama_pooling_type(self.ctx) != llama_cpp.LLAMA_POOLING_TYPE_NONE:
             # Encoder embedding models (BERT-style: CLS/MEAN pooling, non-causal attention) need whole
             # inputs per micro-batch and their own pooling; averaging chunks here would be wrong.
+            # A reranker (rank pooling) lands here too: its answer is /v1/rerank. The caller's 400,
+            # not a 500: nothing failed, the model is not one this call can use.
+            rank = llama_cpp.llama_pooling_type(self.ctx) == llama_cpp.LLAMA_POOLING_TYPE_RANK
             llama_cpp.llama_free(self.ctx)
             self.ctx = None
-            raise BackendError("embedding models with their own pooling are not supported by this backend yet")
+            raise InvalidRequestError("this model is a reranker: use /v1/rerank" if rank else
+                                      "embedding models with their own pooling are not supported by this backend yet",
+                                      param="model")
         super().__init__(n_ctx=llama_cpp.llama_n_ctx(self.ctx), n_batch=llama_cpp.llama_n_batch(self.ctx),
                          n_seq_max=n_seq_max, n_embd=n_embd, n_vocab=n_vocab)
         self._mem = llama_cpp.llama_get_memory(self.ctx)
