@@ -19,7 +19,7 @@ from __future__ import annotations
 import math
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Generator, Literal, Sequence
+from typing import Callable, Generator, Literal, Sequence
 
 from ..protocol.engine import ModelInfo
 from ..protocol.requests import SamplingParams, TokenLogprob
@@ -244,9 +244,11 @@ class Backend(ABC):
         yield True
         return vectors
 
-    def rank_steps(self, inputs: Sequence[Sequence[int]]) -> Generator[bool, None, list[float]]:
-        """A reranker's score of each token list, in `embed_steps`' pieces. Only a backend that
-        reads a GGUF's rank pooling (llama.cpp's) has one."""
+    def rank_steps(self, inputs: Sequence[Sequence[int]],
+                   room: Callable[[int], int] | None = None) -> Generator[bool, None, list[float]]:
+        """A reranker's score of each token list, in `embed_steps`' pieces, each decode at most
+        `room(most)` tokens where given (the engine's share beside running chats). Only a backend
+        that reads a GGUF's rank pooling (llama.cpp's) has one."""
         raise InvalidRequestError("this model's backend does not rerank", param="model")
         yield True  # a generator, like every embed_steps
 

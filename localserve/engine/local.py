@@ -209,7 +209,16 @@ class Engine:
         if self.info.rerank is None:
             raise InvalidRequestError(f"model {self.name} is not a reranker", param="model")
         self._check_pooled(inputs, "documents", "query and document pair", "ranks")
-        return await self._pooled_job(self._backend.rank_steps, inputs, lane)
+        return await self._pooled_job(lambda pairs: self._backend.rank_steps(pairs, self._pooled_room), inputs, lane)
+
+    def _pooled_room(self, most: int) -> int:
+        """(Engine thread.) Tokens one rerank decode may take: all it could with nothing decoding,
+        else what the step clock lets a batch-lane prompt chunk add to a step (as long as the
+        running decodes' own step, or the target), so the chats beside it keep about half their
+        pace; a rerank decode of 512 tokens between their steps cut two chats from 16.8 to
+        0.2 tokens/s on a busy 2-core machine (benchmarks/rerank.py)."""
+        decoders = len(self.scheduler.running)
+        return self.scheduler.clock.prompt_tokens_within(most, decoders) if decoders else most
 
     def _check_pooled(self, inputs: list[list[int]], param: str, what: str, verb: str) -> None:
         if not inputs or any(not tokens for tokens in inputs):

@@ -51,17 +51,18 @@ def server(smollm2_gguf, models, tmp_path_factory):
 
 class DirectReranker:
     """The GGUF in llama.cpp through llama-cpp-python's own bindings, no localserve code: a rank
-    pooling context as llama-server makes one, the pairs laid out as its format_prompt_rerank does,
-    all pairs in one decode (as the server groups them: 4 short pairs are one group, one decode),
-    the score being the first output of each sequence (its send_rerank)."""
+    pooling context as llama-server makes one (flash attention off, as localserve runs it), the
+    pairs laid out as its format_prompt_rerank does, each pair decoded whole and alone, the score
+    being the first output of its sequence (send_rerank)."""
 
     def __init__(self, path) -> None:
         llama_cpp.llama_backend_init()
         self.model = llama_cpp.llama_model_load_from_file(str(path).encode(), llama_cpp.llama_model_default_params())
         self.vocab = llama_cpp.llama_model_get_vocab(self.model)
         params = llama_cpp.llama_context_default_params()
-        params.n_ctx, params.n_batch, params.n_ubatch, params.n_seq_max = CONTEXT, 512, 512, 8
+        params.n_ctx, params.n_batch, params.n_ubatch, params.n_seq_max = CONTEXT, CONTEXT, CONTEXT, 1
         params.embeddings, params.kv_unified = True, True
+        params.flash_attn_type = llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED
         params.pooling_type = llama_cpp.LLAMA_POOLING_TYPE_RANK
         params.n_threads = params.n_threads_batch = 2
         self.ctx = llama_cpp.llama_init_from_model(self.model, params)
@@ -92,20 +93,18 @@ class DirectReranker:
 
     def scores(self, query: str, documents: list[str]) -> tuple[list[float], int]:
         pairs = [self.pair(query, d) for d in documents]
-        n = sum(map(len, pairs))
-        assert n <= 512  # one decode
-        batch = llama_cpp.llama_batch_init(n, 0, 1)
-        k = 0
-        for seq, tokens in enumerate(pairs):
-            for pos, token in enumerate(tokens):
-                batch.token[k], batch.pos[k], batch.n_seq_id[k], batch.logits[k] = token, pos, 1, 1
-                batch.seq_id[k][0] = seq
-                k += 1
-        batch.n_tokens = n
+        return [self.score(tokens) for tokens in pairs], sum(map(len, pairs))
+
+    def score(self, tokens: list[int]) -> float:
+        batch = llama_cpp.llama_batch_init(len(tokens), 0, 1)
+        for pos, token in enumerate(tokens):
+            batch.token[pos], batch.pos[pos], batch.n_seq_id[pos], batch.logits[pos] = token, pos, 1, 1
+            batch.seq_id[pos][0] = 0
+        batch.n_tokens = len(tokens)
         try:
             llama_cpp.llama_memory_clear(llama_cpp.llama_get_memory(self.ctx), True)
             assert llama_cpp.llama_decode(self.ctx, batch) == 0
-            return [float(llama_cpp.llama_get_embeddings_seq(self.ctx, s)[0]) for s in range(len(pairs))], n
+            return float(llama_cpp.llama_get_embeddings_seq(self.ctx, 0)[0])
         finally:
             llama_cpp.llama_batch_free(batch)
 
@@ -141,7 +140,8 @@ def test_the_rerank_template_is_the_ggufs(direct):
 
 def test_scores_beside_running_chats_are_the_same(server, direct):
     """Two chats stream on the reranker's own engine while it ranks: the pairs take turns with the
-    chat steps on the engine thread, on a context of their own, so the scores are unchanged."""
+    chat steps on the engine thread, on a context of their own, in pieces the running chats size,
+    and the scores are unchanged to the last bit."""
     expected, _ = direct[RERANKER].scores(QUERY, DOCUMENTS)
     started = threading.Barrier(3, timeout=120)
     finished: list[bool] = []

@@ -21,7 +21,7 @@ import os
 import re
 import weakref
 from pathlib import Path
-from typing import Any, Generator, Sequence
+from typing import Any, Callable, Generator, Sequence
 
 import llama_cpp
 import numpy as np
@@ -358,11 +358,12 @@ class LlamaCppBackend(LlamaTokenizer, Backend):
             return []
         return (yield from self._pooled.embedder().embed_steps(inputs))
 
-    def rank_steps(self, inputs: Sequence[Sequence[int]]) -> Generator[bool, None, list[float]]:
+    def rank_steps(self, inputs: Sequence[Sequence[int]],
+                   room: Callable[[int], int] | None = None) -> Generator[bool, None, list[float]]:
         self._check_open()
         if not inputs:
             return []
-        return (yield from self._pooled.ranker().score_steps(inputs))
+        return (yield from self._pooled.ranker().score_steps(inputs, room))
 
     # --- KV cache -------------------------------------------------------------------------
     def _check_seq(self, seq_id: int) -> None:

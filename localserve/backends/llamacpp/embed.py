@@ -14,9 +14,11 @@ from ..common.embed_pooling import Piece, PooledEmbedder
 from .batch import PackedBatch
 
 
-def pooled_context(model, *, n_ctx: int, n_batch: int, n_ubatch: int, n_seq_max: int, n_threads: int, what: str):
+def pooled_context(model, *, n_ctx: int, n_batch: int, n_ubatch: int, n_seq_max: int, n_threads: int, what: str,
+                   flash_attn: int | None = None):
     """A llama.cpp context that outputs embeddings, pooled as the model says (`what` names it in
-    errors), its inputs of any length sharing one pool of n_ctx cells."""
+    errors), its inputs of any length sharing one pool of n_ctx cells; `flash_attn`: llama.cpp's
+    flash_attn_type, None for its default."""
     params = llama_cpp.llama_context_default_params()
     params.n_ctx = n_ctx
     params.n_batch = n_batch
@@ -26,6 +28,8 @@ def pooled_context(model, *, n_ctx: int, n_batch: int, n_ubatch: int, n_seq_max:
     params.n_threads_batch = n_threads
     params.embeddings = True
     params.kv_unified = True
+    if flash_attn is not None:
+        params.flash_attn_type = flash_attn
     ctx = llama_cpp.llama_init_from_model(model, params)
     if not ctx:
         raise BackendError(f"could not create the {what} context (see log)")

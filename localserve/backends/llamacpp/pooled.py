@@ -13,7 +13,7 @@ import threading
 from .embed import EmbeddingContext
 from .rank import RankContext
 
-_MAX_SEQS = 64  # inputs (pairs) one group may hold
+_MAX_SEQS = 64  # embeddings inputs one group may hold
 
 
 class PooledContexts:
@@ -38,8 +38,8 @@ class PooledContexts:
     def ranker(self) -> RankContext:
         with self._lock:
             if self.contexts[1] is None:
-                self.contexts[1] = RankContext(self.model, n_ctx_seq=self.n_ctx_seq, n_seq_max=self.n_seq_max,
-                                               n_threads=self.threads, n_vocab=self.n_vocab)
+                self.contexts[1] = RankContext(self.model, n_ctx_seq=self.n_ctx_seq, n_threads=self.threads,
+                                               n_vocab=self.n_vocab)
             return self.contexts[1]  # type: ignore[return-value]
 
     def set_threads(self, n: int) -> None:
