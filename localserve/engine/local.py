@@ -214,9 +214,10 @@ class Engine:
     def _pooled_room(self, most: int) -> int:
         """(Engine thread.) Tokens one rerank decode may take: all it could with nothing decoding,
         else what the step clock lets a batch-lane prompt chunk add to a step (as long as the
-        running decodes' own step, or the target), so the chats beside it keep about half their
-        pace; a rerank decode of 512 tokens between their steps cut two chats from 16.8 to
-        0.2 tokens/s on a busy 2-core machine (benchmarks/rerank.py)."""
+        running decodes' own step, or the target), so the chats beside it keep a share of their
+        pace. benchmarks/rerank.py on a busy 2-core machine (other work beside, so the two runs'
+        loads differ): with 512-token rerank decodes between their steps two chats fell from 16.8
+        to 0.2 tokens/s; sized so, from 57.0 to 15.2."""
         decoders = len(self.scheduler.running)
         return self.scheduler.clock.prompt_tokens_within(most, decoders) if decoders else most
 
