@@ -58,6 +58,7 @@ FIM = Dialect("fim", _openai)  # llama.cpp's routes: OpenAI-shaped errors, as ll
 # The routes that generate, each with its dialect.
 ROUTES: dict[str, Dialect] = {
     "/v1/chat/completions": OPENAI, "/v1/completions": OPENAI, "/v1/embeddings": OPENAI,
+    **dict.fromkeys(("/v1/rerank", "/rerank", "/v1/reranking", "/reranking", "/v2/rerank"), OPENAI),
     "/api/generate": OLLAMA, "/api/chat": OLLAMA, "/api/embed": OLLAMA, "/api/embeddings": OLLAMA,
     "/v1/messages": ANTHROPIC, "/v1/responses": RESPONSES,
     "/infill": FIM, "/completion": FIM, "/v1/fim/completions": FIM, "/fim/completions": FIM,

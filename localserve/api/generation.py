@@ -98,13 +98,20 @@ async def embed_inputs(engine: ModelEngine, inputs: Sequence[str | list[int]], *
     (400) as soon as their running total passes `max_tokens` (settings.max_embed_tokens): the
     texts after that point are never tokenized and nothing is embedded. Long texts are tokenized
     in a worker thread so the event loop keeps serving."""
-    if sum(len(item) for item in inputs if isinstance(item, str)) <= LONG_PROMPT_CHARS:
-        return _embed_tokens(engine, inputs, truncate, param, max_tokens, None)
+    chars = sum(len(item) for item in inputs if isinstance(item, str))
+    return await off_loop_stoppable(chars, _embed_tokens, engine, inputs, truncate, param, max_tokens)
+
+
+async def off_loop_stoppable(chars: int, work: Callable[..., T], *args: Any) -> T:
+    """`work(*args, stop)` as off_loop_if_long runs it, `stop` a threading.Event (None inline) that
+    is set when the caller is cancelled (client gone), for `work` to check between its items."""
+    if chars <= LONG_PROMPT_CHARS:
+        return work(*args, None)
     stop = threading.Event()
     try:
-        return await asyncio.to_thread(_embed_tokens, engine, inputs, truncate, param, max_tokens, stop)
+        return await asyncio.to_thread(work, *args, stop)
     finally:
-        stop.set()  # a cancelled request (client gone) stops the thread before its next input
+        stop.set()  # a cancelled request (client gone) stops the thread before its next item
 
 
 async def embed_texts(engine: ModelEngine, inputs: Sequence[str | list[int]], *, truncate: bool, param: str,

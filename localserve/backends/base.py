@@ -19,7 +19,7 @@ from __future__ import annotations
 import math
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Generator, Literal, Sequence
+from typing import Callable, Generator, Literal, Sequence
 
 from ..config.kv_cache import kv_element_bytes
 from ..protocol.engine import ModelInfo
@@ -242,6 +242,14 @@ class Backend(ABC):
         vectors = self.embed(inputs)
         yield True
         return vectors
+
+    def rank_steps(self, inputs: Sequence[Sequence[int]],
+                   room: Callable[[int], int] | None = None) -> Generator[bool, None, list[float]]:
+        """A reranker's score of each token list, in `embed_steps`' pieces, each decode at most
+        `room(most)` tokens where given (the engine's share beside running chats). Only a backend
+        that reads a GGUF's rank pooling (llama.cpp's) has one."""
+        raise InvalidRequestError("this model's backend does not rerank", param="model")
+        yield True  # a generator, like every embed_steps
 
     # --- KV cache, per sequence ----------------------------------------------------------
     @abstractmethod

@@ -33,6 +33,7 @@ from ..api.openai import (
     parse_completion,
     parse_embeddings,
 )
+from ..api.rerank import parse_rerank, rerank
 from ..api.responses import create_response, parse_responses
 from ..api.validation import THREAD_PARSE_BYTES, Body
 
@@ -52,6 +53,7 @@ ENDPOINTS: dict[str, Endpoint] = {
     "/v1/chat/completions": Endpoint(parse_chat, chat_completion, lambda call: call.opts.model),
     "/v1/completions": Endpoint(parse_completion, completion, lambda call: call.opts.model),
     "/v1/embeddings": Endpoint(parse_embeddings, embeddings, lambda call: call.model),
+    "/v1/rerank": Endpoint(parse_rerank, rerank, lambda call: call.model),
     "/v1/messages": Endpoint(parse_messages, create_message, lambda call: call.chat.opts.model),
     "/v1/responses": Endpoint(parse_responses, create_response, lambda call: call.chat.opts.model),
 }

@@ -9,12 +9,13 @@ rows at finalize. So create asks for the input plus twice the worst-case output,
 The worst case of one line is what its own fields allow, not a typical answer: a refused create
 costs a user one retry, a batch that cannot be written costs them its wait. Chat, completions and
 Responses may generate `max_tokens` (`max_output_tokens`; left out, the whole context) per choice;
-embeddings one vector per input. A finalize that still finds too little room keeps its results
+embeddings one vector per input; rerank one result per document, each echoing its document. A finalize that still finds too little room keeps its results
 (runner.py), so this is the early answer, not the only guard.
 """
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 LINE_OVERHEAD = 1024  # ids, usage, finish reason and the object's other fields, as JSON
@@ -22,6 +23,7 @@ TOKEN_BYTES = 16  # one generated token as JSON text: long tokens and \\uXXXX es
 LOGPROB_BYTES = 64  # one {"token", "logprob", "bytes": [...]} entry per token and alternative
 EMBED_DIMS = 4096  # dimensions assumed when a line does not ask for fewer (a 7B model's width)
 FLOAT_BYTES = 22  # one float as JSON text ("-0.012345678901234567,")
+RESULT_BYTES = 96  # one rerank result without its document: {"index", "relevance_score"} as JSON
 DEFAULT_CONTEXT = 8192  # what context_length = 0 gives at most (config.py)
 
 
@@ -32,6 +34,8 @@ def worst_output(line: dict[str, Any], context_length: int) -> int:
         return LINE_OVERHEAD  # answered with an error body
     if line.get("url") == "/v1/embeddings":
         return LINE_OVERHEAD + _embeddings(body)
+    if line.get("url") == "/v1/rerank":
+        return LINE_OVERHEAD + _rerank(body)
     return LINE_OVERHEAD + _generated(body, context_length or DEFAULT_CONTEXT)
 
 
@@ -56,3 +60,10 @@ def _embeddings(body: dict[str, Any]) -> int:
     inputs = body.get("input")
     count = len(inputs) if isinstance(inputs, list) and inputs and not isinstance(inputs[0], int) else 1
     return count * _count(body.get("dimensions"), EMBED_DIMS, EMBED_DIMS) * FLOAT_BYTES
+
+
+def _rerank(body: dict[str, Any]) -> int:
+    documents = body.get("documents", body.get("texts"))
+    if not isinstance(documents, list):
+        return 0  # refused: an error line
+    return len(json.dumps(documents, ensure_ascii=False)) + len(documents) * RESULT_BYTES

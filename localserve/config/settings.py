@@ -147,6 +147,11 @@ class Settings:
     max_image_bytes: int = 20 * 1024 * 1024
     max_image_pixels: int = 25_000_000
     image_fetch_timeout: float = 20.0
+    # Documents of one rerank request (/v1/rerank; Cohere recommends at most 1,000), and the tokens
+    # of all its query + document pairs together, as ranked (the query is counted once per pair).
+    # As with embeddings, time bounds them: the pairs are scored between generation steps.
+    max_rerank_documents: int = 1000
+    max_rerank_tokens: int = 300_000
     # /v1/embeddings `input` as token ids: refused unless on. langchain-openai's OpenAIEmbeddings sends
     # ids of OpenAI's cl100k tokenizer by default; read as this model's ids they are other text, and the
     # vectors came back 200 and wrong. On: the ids are taken as the served model's own.

@@ -20,7 +20,7 @@ import logging
 import threading
 import time
 from dataclasses import dataclass
-from typing import Generator
+from typing import Any, Callable, Generator
 
 from ..backends.common import sampler_thread
 from ..backends.base import Backend, Sampler, declared_capabilities
@@ -80,7 +80,9 @@ class _Rates:
 
 @dataclass
 class _EmbedJob:
-    steps: Generator[bool, None, list[list[float]]]
+    """An embeddings or rerank request's decodes (Backend.embed_steps, rank_steps), run in turns."""
+
+    steps: Generator[bool, None, Any]
     future: concurrent.futures.Future
     started: bool = False
     cancelled: bool = False  # set from the event loop when the caller goes away
@@ -211,18 +213,43 @@ class Engine:
             # A backend without embeddings (an ONNX graph converted before it had the embeddings
             # output, the static flavour) would fail on the engine thread: a 500.
             raise InvalidRequestError("this model's backend does not compute embeddings", param="model")
+        self._check_pooled(inputs, "input", "embedding input", "embeds")
+        return await self._pooled_job(self._backend.embed_steps, inputs, lane)
+
+    async def rank(self, inputs: list[list[int]], lane: Lane = "default") -> list[float]:
+        """A reranker's scores of the pairs, computed as `embed` computes vectors: in turns with
+        the embeddings jobs, between generation steps."""
+        if self.info.rerank is None:
+            raise InvalidRequestError(f"model {self.name} is not a reranker", param="model")
+        self._check_pooled(inputs, "documents", "query and document pair", "ranks")
+        return await self._pooled_job(lambda pairs: self._backend.rank_steps(pairs, self._pooled_room), inputs, lane)
+
+    def _pooled_room(self, most: int) -> int:
+        """(Engine thread.) Tokens one rerank decode may take: all it could with nothing decoding,
+        else what the step clock lets a batch-lane prompt chunk add to a step (as long as the
+        running decodes' own step, or the target), so the chats beside it keep a share of their
+        pace. benchmarks/rerank.py on a busy 2-core machine (other work beside, so the two runs'
+        loads differ): with 512-token rerank decodes between their steps two chats fell from 16.8
+        to 0.2 tokens/s; sized so, from 57.0 to 15.2."""
+        decoders = len(self.scheduler.running)
+        return self.scheduler.clock.prompt_tokens_within(most, decoders) if decoders else most
+
+    def _check_pooled(self, inputs: list[list[int]], param: str, what: str, verb: str) -> None:
         if not inputs or any(not tokens for tokens in inputs):
-            raise InvalidRequestError("every embedding input needs at least one token", param="input")
-        for tokens in inputs:
+            raise InvalidRequestError(f"every {what} needs at least one token", param=param)
+        for i, tokens in enumerate(inputs):
             if len(tokens) > self.n_ctx_per_seq:
                 raise ContextLengthExceededError(
-                    f"an input has {len(tokens)} tokens; this model embeds at most {self.n_ctx_per_seq}",
-                    param="input",
+                    f"{what} {i} has {len(tokens)} tokens; this model {verb} at most {self.n_ctx_per_seq}",
+                    param=param,
                 )
+
+    async def _pooled_job(self, steps: Callable[[list[list[int]]], Generator[bool, None, Any]],
+                          inputs: list[list[int]], lane: Lane) -> Any:
         future: concurrent.futures.Future = concurrent.futures.Future()
         if self._stopping or self._thread is None:
             raise OverloadedError("the model is not running; retry shortly")
-        job = _EmbedJob(self._backend.embed_steps(inputs), future)
+        job = _EmbedJob(steps(inputs), future)
         self._embeds.append(job)
         if lane != "batch":  # the batch runner's embeddings lines must not keep stopping a chat batch
             self._backend.interrupt()

@@ -18,6 +18,20 @@ from typing import Any, AsyncIterator, Protocol, runtime_checkable
 from .requests import GenerationEvent, GenerationRequest, Lane
 
 
+@dataclass(frozen=True)
+class RerankFormat:
+    """How a reranker (llama.cpp's rank pooling: a classification head) wants a query and a
+    document laid out, as llama-server's format_prompt_rerank does: the GGUF's rerank template with
+    `{query}` and `{document}` filled in (special tokens parsed, none added), or else the token ids
+    `prefix` + query + `middle` + document + `suffix` (BOS, EOS and SEP where the vocabulary adds
+    them)."""
+
+    template: str | None = None
+    prefix: tuple[int, ...] = ()
+    middle: tuple[int, ...] = ()
+    suffix: tuple[int, ...] = ()
+
+
 @dataclass
 class ModelInfo:
     """What a loaded model is: sizes, tokenizer facts and its chat template."""
@@ -45,6 +59,8 @@ class ModelInfo:
     # both False for a model without one. /api/show's `vision` capability reads this.
     vision: bool = False
     audio: bool = False
+    # Set for a reranker only (/v1/rerank refuses any other model with a 400 naming it).
+    rerank: RerankFormat | None = None
 
 
 @dataclass
@@ -124,6 +140,11 @@ class ModelEngine(Protocol):
         """One pooled, normalised vector per token list. Cancelling the caller stops the work.
         `lane`: the request's priority lane; other than "batch" it may interrupt a step of batch
         work, as a generation request does."""
+
+    async def rank(self, inputs: list[list[int]], lane: Lane = "default") -> list[float]:
+        """A reranker's relevance score of each token list (a query and a document laid out by
+        `info.rerank`), computed as `embed` is; a model that is not a reranker raises
+        InvalidRequestError."""
 
     def tokenize(self, text: str, add_special: bool = True) -> list[int]: ...
 

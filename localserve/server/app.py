@@ -23,7 +23,7 @@ from ..config.settings import Settings
 from ..errors import ConfigError
 from ..store.cache import ModelStore
 from . import (anthropic_routes, batch_routes, dashboard_routes, llamacpp_routes, ollama_routes, openai_routes, pull_routes,
-               responses_routes)
+               rerank_routes, responses_routes)
 from .body import body_limits_middleware
 from .errors import error_middleware
 from ..api.dashboard_feed import DashboardFeed
@@ -82,6 +82,7 @@ def create_app(settings: Settings, manager: "ModelManager") -> web.Application:
     app.router.add_get("/metrics", handle_metrics)
     app.add_routes(openai_routes.routes)
     app.add_routes(responses_routes.routes)  # /v1/responses (api/responses.py)
+    app.add_routes(rerank_routes.routes)  # /v1/rerank and its other paths (api/rerank.py)
     app.add_routes(ollama_routes.routes)
     app.add_routes(llamacpp_routes.routes)  # /infill
     app.add_routes(anthropic_routes.routes)  # /v1/messages, /v1/messages/count_tokens

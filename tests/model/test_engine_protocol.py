@@ -109,6 +109,9 @@ class EchoEngine:
             vectors.append([x / norm for x in v])
         return vectors
 
+    async def rank(self, inputs: list[list[int]], lane: str = "default") -> list[float]:
+        raise InvalidRequestError(f"model {self.name} is not a reranker", param="model")
+
     def tokenize(self, text: str, add_special: bool = True) -> list[int]:
         return list(text.encode("utf-8"))
 

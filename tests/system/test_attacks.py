@@ -157,6 +157,10 @@ ATTACKS: list[tuple[str, str, bytes, int]] = [
      _json(responses_body(input=[{"role": "user", "content": "x"}] * 5000)), 400),
     ("embeddings past max_embed_tokens", "/v1/embeddings",
      _json({"model": "smol", "input": [" ".join(["word"] * 2000)] * 200}), 400),
+    ("rerank of 5,000 documents (past max_rerank_documents)", "/v1/rerank",
+     _json({"model": "smol", "query": "q", "documents": ["word"] * 5000}), 400),
+    ("rerank on a model that is not a reranker", "/rerank",
+     _json({"model": "smol", "query": "q", "documents": ["a", "b"]}), 400),
     # Anthropic's Messages route: the same bounds on its own field names.
     ("messages: forced tool maxItems 1e6", "/v1/messages",
      _json(message_body(tools=[{"name": "f", "input_schema": {"type": "object", "properties": {

@@ -27,6 +27,23 @@ from ...errors import BackendError, ContextLengthExceededError, InvalidRequestEr
 Piece = tuple[Sequence[int], int, int]
 
 
+def group_inputs(inputs: Sequence[Sequence[int]], n_cells: int, n_seqs: int) -> list[list[int]]:
+    """Input indices, in order, in groups that fit `n_cells` KV cells and `n_seqs` sequence ids
+    together (an input longer than n_cells alone is a group of its own: callers refuse it first)."""
+    groups: list[list[int]] = []
+    current: list[int] = []
+    cells = 0
+    for i, tokens in enumerate(inputs):
+        if current and (cells + len(tokens) > n_cells or len(current) == n_seqs):
+            groups.append(current)
+            current, cells = [], 0
+        current.append(i)
+        cells += len(tokens)
+    if current:
+        groups.append(current)
+    return groups
+
+
 class PooledEmbedder(ABC):
     def __init__(self, *, n_ctx: int, n_batch: int, n_seq_max: int, n_embd: int, n_vocab: int) -> None:
         self.n_ctx = n_ctx  # KV cells one group of inputs may use together
@@ -98,41 +115,38 @@ class PooledEmbedder(ABC):
                 raise InvalidRequestError(f"input {i} has a token id outside the vocabulary", param="input")
 
     def _groups(self, inputs: Sequence[Sequence[int]]) -> list[list[int]]:
-        """Input indices that fit the KV cells and sequence ids of the embedder together."""
-        groups: list[list[int]] = []
-        current: list[int] = []
-        cells = 0
-        for i, tokens in enumerate(inputs):
-            if current and (cells + len(tokens) > self.n_ctx or len(current) == self.n_seq_max):
-                groups.append(current)
-                current, cells = [], 0
-            current.append(i)
-            cells += len(tokens)
-        if current:
-            groups.append(current)
-        return groups
+        return group_inputs(inputs, self.n_ctx, self.n_seq_max)
 
     def _run_group(self, inputs: Sequence[Sequence[int]], group: list[int], sums: np.ndarray) -> Iterator[None]:
         """Stream the group's tokens through n_batch-sized decodes, summing each input's token rows;
         yields after each decode."""
-        # (input index, seq id, next position) of the inputs not fully decoded yet, in order.
-        pending = [(idx, seq, 0) for seq, idx in enumerate(group)]
-        while pending:
-            n = 0
-            pieces: list[Piece] = []
-            owners: list[tuple[int, int, int]] = []  # (input index, start row, end row)
-            still: list[tuple[int, int, int]] = []
-            for idx, seq, pos in pending:
-                tokens = inputs[idx]
-                take = min(len(tokens) - pos, self.n_batch - n)
-                if take > 0:
-                    pieces.append((tokens[pos:pos + take], seq, pos))
-                    owners.append((idx, n, n + take))
-                    n += take
-                if pos + take < len(tokens):
-                    still.append((idx, seq, pos + max(take, 0)))
+        for pieces, owners, n in decode_plan(inputs, group, self.n_batch):
             rows = self._decode(pieces, n)
             for idx, start, end in owners:
                 sums[idx] += rows[start:end].sum(axis=0, dtype=np.float64)
-            pending = still
             yield
+
+
+def decode_plan(inputs: Sequence[Sequence[int]], group: list[int],
+                n_batch: int) -> Iterator[tuple[list[Piece], list[tuple[int, int, int]], int]]:
+    """A group's tokens as decodes of at most n_batch tokens, inputs in order, each on sequence id
+    = its place in the group: per decode (pieces, owners as (input index, first row, end row),
+    token count)."""
+    # (input index, seq id, next position) of the inputs not fully decoded yet, in order.
+    pending = [(idx, seq, 0) for seq, idx in enumerate(group)]
+    while pending:
+        n = 0
+        pieces: list[Piece] = []
+        owners: list[tuple[int, int, int]] = []
+        still: list[tuple[int, int, int]] = []
+        for idx, seq, pos in pending:
+            tokens = inputs[idx]
+            take = min(len(tokens) - pos, n_batch - n)
+            if take > 0:
+                pieces.append((tokens[pos:pos + take], seq, pos))
+                owners.append((idx, n, n + take))
+                n += take
+            if pos + take < len(tokens):
+                still.append((idx, seq, pos + max(take, 0)))
+        yield pieces, owners, n
+        pending = still

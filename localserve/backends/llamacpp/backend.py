@@ -18,10 +18,9 @@ import ctypes
 import dataclasses
 import logging
 import os
-import threading
 import weakref
 from pathlib import Path
-from typing import TYPE_CHECKING, Generator, Sequence
+from typing import TYPE_CHECKING, Callable, Generator, Sequence
 
 import llama_cpp
 import numpy as np
@@ -33,7 +32,7 @@ from ..base import Backend, BatchToken, Capabilities, DecodeInterrupted, KVFullE
 from .batch import PackedBatch, media_calls, stream_groups
 from ..common.grammar import GRAMMAR_CONSTRAINTS
 from ..common.threads import default_threads
-from .embed import EmbeddingContext
+from .pooled import PooledContexts, close_all
 from .info import read_model_info
 from .interrupt import InterruptFlag, available as interrupt_available
 from .offload import OffloadFacts, parse_load_log
@@ -48,11 +47,11 @@ if TYPE_CHECKING:  # media.py loads libmtmd: only a model with a projector needs
 
 log = logging.getLogger(__name__)
 
-def _free_native(model, ctx, embedder_box: list, projector_box: list) -> None:
+def _free_native(model, ctx, pooled: list, projector_box: list) -> None:
     # Order matters: contexts (the projector's too) reference the model.
-    for box in (embedder_box, projector_box):
-        if box and box[0] is not None:
-            box[0].close()
+    close_all(pooled)
+    if projector_box and projector_box[0] is not None:
+        projector_box[0].close()
     if ctx:
         llama_cpp.llama_free(ctx)
     if model:
@@ -77,7 +76,6 @@ class LlamaCppBackend(LlamaTokenizer, Backend):
         self._cell_copy = seq_copy.cell_copy_possible(model)  # kv_copy across streams, cell by cell
         self._pages: kv_pages.StreamKeeper | None = None  # load() sets it where streams' pages can go back
         self.n_threads = n_threads
-        self._threads_now = n_threads  # set_threads' last count, which an embeddings context starts with
         self.n_vocab = llama_cpp.llama_vocab_n_tokens(self.vocab)
         self.n_embd = llama_cpp.llama_model_n_embd(model)
         self.token_ids = np.arange(self.n_vocab, dtype=np.int32)  # read-only helper for samplers
@@ -93,12 +91,12 @@ class LlamaCppBackend(LlamaTokenizer, Backend):
         self._held: dict[int, np.ndarray] = {}
         self._interrupt = InterruptFlag(ctx)
         self._pieces: dict[tuple[int, bool], bytes] = {}
-        self._embedder_box: list[EmbeddingContext | None] = [None]
-        self._embedder_lock = threading.Lock()
+        self._pooled = PooledContexts(model, n_ctx_seq=self.n_ctx_seq, n_batch=self.n_batch, n_seq_max=self.n_seq_max,
+                                      n_threads=n_threads, n_embd=self.n_embd, n_vocab=self.n_vocab)
         self._projector_box: list[Projector | None] = [None]  # load(mmproj=...) attaches one
         self._embd_part: PackedBatch | None = None  # a call's image rows, as embeddings
         self._closed = False
-        self._finalizer = weakref.finalize(self, _free_native, model, ctx, self._embedder_box, self._projector_box)
+        self._finalizer = weakref.finalize(self, _free_native, model, ctx, self._pooled.contexts, self._projector_box)
         self.info = read_model_info(model, self.vocab, path, n_vocab=self.n_vocab, n_embd=self.n_embd)
         self.offload = OffloadFacts()  # load() fills it in from the load's log lines
         self._capabilities = self._read_capabilities()
@@ -227,7 +225,7 @@ class LlamaCppBackend(LlamaTokenizer, Backend):
                 backend.close()
                 raise
         if embeddings:
-            backend._embedder()
+            backend._pooled.embedder()
         return backend
 
     def _attach_projector(self, projector: Projector) -> None:
@@ -269,10 +267,7 @@ class LlamaCppBackend(LlamaTokenizer, Backend):
         self._check_open()
         n = max(1, min(self.n_threads, n))
         llama_cpp.llama_set_n_threads(self.ctx, n, n)
-        with self._embedder_lock:
-            self._threads_now = n
-            if self._embedder_box[0] is not None:
-                self._embedder_box[0].set_threads(n)
+        self._pooled.set_threads(n)
 
     def interrupt(self) -> None:
         self._interrupt.set()
@@ -415,30 +410,20 @@ class LlamaCppBackend(LlamaTokenizer, Backend):
         self._check_open()
         if not inputs:
             return []
-        return self._embedder().embed(inputs)
+        return self._pooled.embedder().embed(inputs)
 
     def embed_steps(self, inputs: Sequence[Sequence[int]]) -> Generator[bool, None, list[list[float]]]:
         self._check_open()
         if not inputs:
             return []
-        return (yield from self._embedder().embed_steps(inputs))
+        return (yield from self._pooled.embedder().embed_steps(inputs))
 
-    def _embedder(self) -> EmbeddingContext:
-        with self._embedder_lock:
-            if self._embedder_box[0] is None:
-                self._embedder_box[0] = EmbeddingContext(
-                    self.model,
-                    # One request's worth of cells: with per-sequence streams n_ctx is streams x
-                    # n_ctx_seq, and a pool that size would double the model's KV memory on the
-                    # first embed call. No input may be longer than n_ctx_seq anyway.
-                    n_ctx=self.n_ctx_seq,
-                    n_batch=self.n_batch,
-                    n_seq_max=min(self.n_seq_max, 64),
-                    n_threads=self._threads_now,
-                    n_embd=self.n_embd,
-                    n_vocab=self.n_vocab,
-                )
-            return self._embedder_box[0]
+    def rank_steps(self, inputs: Sequence[Sequence[int]],
+                   room: Callable[[int], int] | None = None) -> Generator[bool, None, list[float]]:
+        self._check_open()
+        if not inputs:
+            return []
+        return (yield from self._pooled.ranker().score_steps(inputs, room))
 
     # --- KV cache -------------------------------------------------------------------------
     def _check_seq(self, seq_id: int) -> None:

@@ -10,6 +10,7 @@ from typing import Any
 
 import llama_cpp
 
+from ...protocol.engine import RerankFormat
 from ..base import ModelInfo
 
 _META_VALUE_MAX = 4096  # longer metadata values (token lists, merges) are not worth carrying around
@@ -30,6 +31,30 @@ def read_model_info(model, vocab, path: Path, *, n_vocab: int, n_embd: int) -> M
         eos_token=_special_text(vocab, llama_cpp.llama_vocab_eos(vocab)),
         metadata=meta,
         fim_tokens=fim_tokens(vocab),
+        rerank=rerank_format(model, vocab, meta),
+    )
+
+
+def rerank_format(model, vocab, meta: dict[str, Any]) -> RerankFormat | None:
+    """How a reranker lays out a pair, as llama-server's format_prompt_rerank reads the model;
+    None unless the GGUF's pooling is rank (a classification head on the last or first token)."""
+    arch = meta.get("general.architecture", "")
+    if meta.get(f"{arch}.pooling_type") != str(llama_cpp.LLAMA_POOLING_TYPE_RANK):
+        return None
+    template = llama_cpp.llama_model_chat_template(model, b"rerank")
+    if template:
+        return RerankFormat(template=template.decode("utf-8", errors="replace"))
+    eos = llama_cpp.llama_vocab_eos(vocab)
+    sep = llama_cpp.llama_vocab_sep(vocab)
+    if eos < 0:
+        eos = sep  # llama-server: SEP stands in for a missing EOS
+    add_bos = llama_cpp.llama_vocab_get_add_bos(vocab) and llama_cpp.llama_vocab_bos(vocab) >= 0
+    add_eos = llama_cpp.llama_vocab_get_add_eos(vocab) and eos >= 0
+    add_sep = llama_cpp.llama_vocab_get_add_sep(vocab) and sep >= 0
+    return RerankFormat(
+        prefix=(llama_cpp.llama_vocab_bos(vocab),) if add_bos else (),
+        middle=((eos,) if add_eos else ()) + ((sep,) if add_sep else ()),
+        suffix=(eos,) if add_eos else (),
     )
 
 

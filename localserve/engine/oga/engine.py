@@ -108,6 +108,10 @@ class OgaEngine:
         raise InvalidRequestError("this model's backend does not compute embeddings "
                                   "(onnxruntime-genai folders generate text only)", param="model")
 
+    async def rank(self, inputs: list[list[int]], lane: Lane = "default") -> list[float]:
+        raise InvalidRequestError(f"model {self.name} is not a reranker (onnxruntime-genai folders generate text only)",
+                                  param="model")
+
     def tokenize(self, text: str, add_special: bool = True) -> list[int]:
         tokens = self._vocab.encode(text)
         bos = self._vocab.bos_added

@@ -73,6 +73,10 @@ class RemoteEngine:
     async def embed(self, inputs: list[list[int]], lane: Lane = "default") -> list[list[float]]:
         return (await self.embed_text(list(inputs)))[0]
 
+    async def rank(self, inputs: list[list[int]], lane: Lane = "default") -> list[float]:
+        raise InvalidRequestError(f"model {self.name} is served by upstream {', '.join(self.upstream_names())}, "
+                                  "which this server does not rerank with", param="model")
+
     async def embed_text(self, inputs: list[str | list[int]],
                          dimensions: int | None = None) -> tuple[list[list[float]], int]:
         body: dict[str, Any] = {"input": inputs, "encoding_format": "float"}

@@ -10,6 +10,7 @@ daemon -> worker                            worker -> daemon
   ("generate", call, GenerationRequest)       ("ready", ModelInfo, n_ctx_per_seq, backend name, pid, RSS before the load)
   ("cancel", request_id)                      ("load_failed", error)
   ("embed", call, inputs, lane)               ("reply", call, value) / ("fail", call, error)
+  ("rank", call, inputs, lane)                ("reply", call, value) / ("fail", call, error)
   ("abandon", call)  (its caller left)        ("events", [(request_id, GenerationEvent), ...])
   ("call", call, method, args)                ("beat", progress, longest recent step in s)
                                               (progress: the engine's turns, its backend's count

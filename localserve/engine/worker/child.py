@@ -105,8 +105,8 @@ class Worker:
                 stream.cancel()
             else:
                 self.cancelled_early.add(message[1])
-        elif kind == "embed":
-            self._spawn(message[1], self._reply(message[1], self.engine.embed(*message[2:])))
+        elif kind in ("embed", "rank"):
+            self._spawn(message[1], self._reply(message[1], getattr(self.engine, kind)(*message[2:])))
         elif kind == "abandon":
             task = self.tasks.get(message[1])
             if task is not None:

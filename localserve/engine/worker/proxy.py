@@ -194,8 +194,14 @@ class WorkerEngine(VocabCalls):
         return stream
 
     async def embed(self, inputs: list[list[int]], lane: Lane = "default") -> list[list[float]]:
+        return await self._pooled("embed", inputs, lane)
+
+    async def rank(self, inputs: list[list[int]], lane: Lane = "default") -> list[float]:
+        return await self._pooled("rank", inputs, lane)
+
+    async def _pooled(self, kind: str, inputs: list[list[int]], lane: Lane) -> Any:
         call, future = self._new_call()
-        self._send(call, "embed", call, inputs, lane)
+        self._send(call, kind, call, inputs, lane)
         try:
             return await asyncio.wrap_future(future)
         except asyncio.CancelledError:
