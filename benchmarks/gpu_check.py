@@ -93,10 +93,18 @@ def gpu_facts() -> dict[str, object]:
     out = subprocess.run(["nvidia-smi", "--query-gpu=name,memory.total,compute_cap,driver_version",
                           "--format=csv,noheader,nounits"], capture_output=True, text=True, check=True).stdout
     name, total, cap, driver = [c.strip() for c in out.splitlines()[0].split(",")]
-    bandwidth = 4.8e12 if "H200" in name else 2.0e12 if "H100" in name and "PCIe" in name \
-        else 3.35e12 if "H100" in name else None
     return {"gpu": name, "memory_total_mib": float(total), "compute_cap": cap, "driver": driver,
-            "bandwidth_bytes_per_s": bandwidth}
+            "bandwidth_bytes_per_s": card_bandwidth(name)}
+
+
+def card_bandwidth(name: str) -> float | None:
+    """Datasheet memory bandwidth (bytes/s) of the cards this check is written for, by nvidia-smi's
+    name ("NVIDIA H100 80GB HBM3" is the SXM card, "NVIDIA H100 PCIe" the PCIe one)."""
+    if "H200" in name:
+        return 4.8e12
+    if "H100" in name:
+        return 2.0e12 if "PCIe" in name else 3.35e12
+    return None
 
 
 def gpu_memory_used_mib() -> float:
@@ -137,12 +145,21 @@ def built_tool(name: str) -> Path | None:
 # --- the model ---------------------------------------------------------------------------------
 
 
-def make_model(work: Path, shape: str, threads: int, figures: dict) -> Path:
+def tokenizer_json(args: argparse.Namespace, work: Path) -> Path:
+    """The prepared tokenizer, or one read now from --tokenizer-gguf (the twin: CI has no .gpu-check/)."""
+    from gpu_check_model import extract_tokenizer
+
+    if args.tokenizer_gguf:
+        return extract_tokenizer(Path(args.tokenizer_gguf), work / "tokenizer.json")
+    return PREPARED / "tokenizer.json"
+
+
+def make_model(work: Path, shape: str, tokenizer: Path, threads: int, figures: dict) -> Path:
     from gpu_check_model import LLAMA_FTYPE_MOSTLY_Q4_K_M, file_type, quantize_with_binding, weight_bytes, \
         write_f16_model
 
     f16, q4 = work / f"{shape}-f16.gguf", work / f"{shape}-Q4_K_M.gguf"
-    write_f16_model(f16, shape, PREPARED / "tokenizer.json")
+    write_f16_model(f16, shape, tokenizer)
     if tool := built_tool("llama-quantize"):
         subprocess.run([str(tool), str(f16), str(q4), "Q4_K_M", str(threads)], check=True,
                        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -181,7 +198,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"configured in {figures['configure_s']:.0f} s, built in {figures['build_s']:.0f} s")
         stage(f"model: {args.shape}, Q4_K_M")
         t = time.monotonic()
-        model = make_model(work, args.shape, args.threads, figures)
+        model = make_model(work, args.shape, tokenizer_json(args, work), args.threads, figures)
         figures["model_s"] = time.monotonic() - t
         print(f"{model.name}: {figures['weight_bytes'] / 2**20:.1f} MiB of weights, "
               f"quantized by {figures['quantized_by']} in {figures['model_s']:.0f} s")
@@ -201,6 +218,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--shape", default="1b", choices=("1b", "3b", "8b"), help="the model's shape (default 1b)")
     p.add_argument("--out", default=os.environ.get("OUT") or "gpu-check-out", help="where the JSON and table go")
     p.add_argument("--work", default="/tmp/gpu-check", help="build, site and model folder")
+    p.add_argument("--tokenizer-gguf", help="read the tokenizer from this GGUF (default: the prepared JSON)")
     p.add_argument("--threads", type=int, default=os.cpu_count() or 2)
     p.add_argument("--budget-s", type=float, default=570, help="the whole run's time (the device allows 600)")
     args = p.parse_args(argv)
