@@ -50,6 +50,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -90,8 +91,11 @@ def prepare(dest: Path) -> None:
 def gpu_facts() -> dict[str, object]:
     """The card: name, memory, compute capability and its memory bandwidth by name (datasheet
     figures: the bandwidth bound is what a decode step reading every weight once can reach)."""
-    out = subprocess.run(["nvidia-smi", "--query-gpu=name,memory.total,compute_cap,driver_version",
-                          "--format=csv,noheader,nounits"], capture_output=True, text=True, check=True).stdout
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=name,memory.total,compute_cap,driver_version",
+                              "--format=csv,noheader,nounits"], capture_output=True, text=True, check=True).stdout
+    except (OSError, subprocess.CalledProcessError) as e:
+        raise SystemExit(f"no NVIDIA GPU here ({e}): this is the device check; `run --cpu --tiny` is its CPU twin")
     name, total, cap, driver = [c.strip() for c in out.splitlines()[0].split(",")]
     return {"gpu": name, "memory_total_mib": float(total), "compute_cap": cap, "driver": driver,
             "bandwidth_bytes_per_s": card_bandwidth(name)}
@@ -204,10 +208,22 @@ def main(argv: list[str] | None = None) -> int:
               f"quantized by {figures['quantized_by']} in {figures['model_s']:.0f} s")
         deadline = started + args.budget_s
         figures["servers"] = serve_all(model, args, deadline, stage)
+    except BaseException as e:
+        figures["failed"] = f"{type(e).__name__}: {e}"
+        raise
     finally:
         figures["total_s"] = time.monotonic() - started
         write_report(figures, out)
+        keep_logs(work, out)
     return 0
+
+
+def keep_logs(work: Path, out: Path) -> None:
+    """The build's and the servers' logs beside the figures: on the device only $OUT comes back
+    (at most 8 files; these make 6 with the JSON, the table and the tee'd output)."""
+    for log in (work / "build.log", work / "localserve" / "localserve.out", work / "llama-server" / "llama_server.out"):
+        if log.is_file():
+            shutil.copy(log, out / log.name)
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:

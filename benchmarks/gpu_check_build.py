@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from llama_server_build import LLAMA_CPP_PYTHON, _sdist_sources  # noqa: E402
+from llama_server_build import LLAMA_CPP_PYTHON, NO_AMX, _sdist_sources  # noqa: E402
 
 SDIST_DIR = f"llama_cpp_python-{LLAMA_CPP_PYTHON}"
 TARGETS = ("llama", "llama-server", "llama-batched-bench", "llama-quantize")
@@ -96,20 +96,24 @@ def build_cuda(sdist_root: Path, build: Path, log: Path) -> dict[str, float]:
     arch = cuda_architecture()
     src = sdist_root / "vendor" / "llama.cpp"
     started = time.perf_counter()
+    # The device is a Firecracker VM like CI's: its CPU may advertise AMX and trap the tile
+    # instructions, and llama.cpp's CPU part (-march=native) still runs the embedding lookup.
+    env = dict(os.environ, CFLAGS=NO_AMX, CXXFLAGS=NO_AMX)
     with open(log, "ab") as out:
         # Shared libraries: libllama.so is what llama-cpp-python loads. UI off and no prebuilt UI:
         # the device has no network, and the prebuilt-UI step would try to download it. No
         # flash-attention kernels: localserve runs without them (llama-server gets -fa off), and
-        # their template instances are a third of the CUDA compile. No NCCL: one card.
+        # their 37 template instances then compile to empty kernels (GGML_CUDA_NO_FA) instead of
+        # the heaviest device code of the build. No NCCL: one card.
         subprocess.run(["cmake", "-S", str(src), "-B", str(build), "-G", "Ninja", "-DCMAKE_BUILD_TYPE=Release",
                         "-DBUILD_SHARED_LIBS=ON", "-DGGML_CUDA=ON", f"-DCMAKE_CUDA_ARCHITECTURES={arch}",
                         "-DLLAMA_CURL=OFF", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF",
                         "-DLLAMA_BUILD_SERVER=ON", "-DLLAMA_BUILD_TOOLS=ON", "-DLLAMA_BUILD_UI=OFF",
                         "-DLLAMA_USE_PREBUILT_UI=OFF", "-DGGML_CUDA_NCCL=OFF", "-DGGML_CUDA_FA=OFF"],
-                       check=True, stdout=out, stderr=subprocess.STDOUT)
+                       check=True, env=env, stdout=out, stderr=subprocess.STDOUT)
         configured = time.perf_counter()
         subprocess.run(["cmake", "--build", str(build), "-j", str(os.cpu_count() or 1), "--target", *TARGETS],
-                       check=True, stdout=out, stderr=subprocess.STDOUT)
+                       check=True, env=env, stdout=out, stderr=subprocess.STDOUT)
     return {"cuda_arch": float(arch), "configure_s": configured - started,
             "build_s": time.perf_counter() - configured}
 

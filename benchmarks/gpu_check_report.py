@@ -58,6 +58,8 @@ def table(figures: dict[str, Any]) -> str:
                      f"localserve reaches {100 * decode / bound:.0f}%")
     else:
         lines.append("bandwidth bound: not computed (no card of known bandwidth)")
+    if "failed" in figures:
+        lines.append(f"FAILED: {figures['failed']} (see log.txt, build.log and the servers' logs)")
     lines.append(f"total {figures.get('total_s', math.nan):.0f} s")
     return "\n".join(lines)
 
