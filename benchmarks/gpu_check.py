@@ -9,14 +9,17 @@ prepared folder; nothing else is needed there: the machine has nvcc, CMake, ninj
 numpy, aiohttp, jinja2, rich and psutil, and .gpu-check/ brings the trimmed llama.cpp sources, the
 tokenizer and the wheels of gguf, platformdirs and diskcache):
 
-    run(command="PYTHONUNBUFFERED=1 python3 benchmarks/gpu_check.py run --out $OUT 2>&1 | tee $OUT/log.txt",
+    run(command="set -o pipefail; PYTHONUNBUFFERED=1 python3 benchmarks/gpu_check.py run --out $OUT 2>&1 | tee $OUT/log.txt",
         carry=[".gpu-check"], timeout_s=600)
 
-then `give_back`. Its files come back under the reply's files_at: gpu_check.txt (the table, also
+then `give_back` (a second call would start from nothing: the build is not kept). The run keeps
+to --budget-s (570 s): serving stages are cut or skipped, never the table, when the build is slow. Its files come back under the reply's files_at: gpu_check.txt (the table, also
 the end of output_tail), gpu_check.json (every figure) and log.txt / build.log (for a failure).
 Put the table in the issue's note with the card's name, and say that llama-server ran on the same
-build, card and GGUF. If the build stage alone ran past ~7 minutes (the JSON's build_s), the
-serving stages were cut to fit (the table says which); a second call would rebuild from nothing.
+build, card and GGUF. Check first: "layers on the GPU" equals the model's layers + 1 for localserve
+(else its placement kept layers on the CPU: localserve.out says why), no errors in loads A and B.
+If the build ran past ~6 minutes (the table's build line), the serving stages were cut to fit and
+the table says which: report that, and the next session can rerun with --shape 1b as is.
 
 What one run does, on the card found:
 1. builds llama.cpp once with CUDA for that card only (CMAKE_CUDA_ARCHITECTURES from nvidia-smi's

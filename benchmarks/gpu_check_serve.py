@@ -32,7 +32,7 @@ def _decode_tps(results: list[Any], sequences: int) -> float:
 async def _measure(url: str, model: str, args: argparse.Namespace, bias: dict[str, float],
                    requests_per_load: int) -> dict[str, float]:
     extra = {"logit_bias": bias}
-    figures: dict[str, float] = {}
+    figures: dict[str, float] = {"requests_per_load": requests_per_load}
     await run_load(url, model, ["Hello"], concurrency=1, request_rate=math.inf, max_tokens=4, seed=0,
                    api_key=None, extra={})  # localserve loads on first use: keep the load out of the figures
     decode_tokens = 32 if args.tiny else 128
@@ -67,14 +67,15 @@ def _gpu_memory_mib() -> float:
 
 
 def _requests_per_load(args: argparse.Namespace, left_s: float) -> int:
-    """Requests of each of loads A and B: 32 as serve.py's default, fewer when the build left
-    little of the budget (a cut run still gives decode figures), 8 for the CPU twin."""
+    """Requests of each of loads A and B, the same for both servers: 32 as serve.py's default,
+    fewer when the build left little of the budget (a cut run still gives decode figures), 8 for
+    the CPU twin."""
     if args.tiny:
         return 8
-    return 32 if left_s > 240 else 16 if left_s > 120 else 0
+    return 32 if left_s > 300 else 16 if left_s > 150 else 0
 
 
-def serve_one(name: str, model: Path, args: argparse.Namespace, work: Path, left_s: float) -> dict[str, Any]:
+def serve_one(name: str, model: Path, args: argparse.Namespace, work: Path, requests: int) -> dict[str, Any]:
     gpu = not args.cpu
     before = _gpu_memory_mib() if gpu else 0.0
     if name == "localserve":
@@ -85,7 +86,6 @@ def serve_one(name: str, model: Path, args: argparse.Namespace, work: Path, left
                                                extra_args=["-fa", "off", *(["-ngl", "999"] if gpu else [])])
     try:
         asyncio.run(wait_ready(url, "/health", proc))
-        requests = _requests_per_load(args, left_s)
         figures: dict[str, Any] = asyncio.run(_measure(url, served, args, eog_bias(model), requests))
         if not requests:
             figures["note"] = "loads A and B skipped: too little of the time budget left"
@@ -103,6 +103,7 @@ def serve_all(model: Path, args: argparse.Namespace, deadline: float, stage: Cal
 
     servers: dict[str, Any] = {}
     work = Path(args.work).resolve()
+    requests = _requests_per_load(args, deadline - time.monotonic())
     for name in ("localserve", "llama-server"):
         stage(f"serve with {name}")
         if name == "llama-server" and built_tool("llama-server") is None:
@@ -110,9 +111,13 @@ def serve_all(model: Path, args: argparse.Namespace, deadline: float, stage: Cal
                   "the CPU twin never compiles one)")
             servers[name] = {"skipped": "no llama-server build"}
             continue
+        if deadline - time.monotonic() < 45:  # a start, a model load and the decode runs: keep the budget
+            print(f"{name}: skipped (no time left in the budget)")
+            servers[name] = {"skipped": "no time left in the budget"}
+            continue
         (work / name).mkdir(exist_ok=True)
         t = time.monotonic()
-        servers[name] = serve_one(name, model, args, work / name, deadline - t)
+        servers[name] = serve_one(name, model, args, work / name, requests)
         servers[name]["stage_s"] = time.monotonic() - t
         print(f"{name}: " + ", ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}"
                                       for k, v in servers[name].items()))
