@@ -13,13 +13,16 @@ tokenizer and the wheels of gguf, platformdirs and diskcache):
         carry=[".gpu-check"], timeout_s=600)
 
 then `give_back` (a second call would start from nothing: the build is not kept). The run keeps
-to --budget-s (570 s): serving stages are cut or skipped, never the table, when the build is slow. Its files come back under the reply's files_at: gpu_check.txt (the table, also
-the end of output_tail), gpu_check.json (every figure) and log.txt / build.log (for a failure).
-Put the table in the issue's note with the card's name, and say that llama-server ran on the same
-build, card and GGUF. Check first: "layers on the GPU" equals the model's layers + 1 for localserve
-(else its placement kept layers on the CPU: localserve.out says why), no errors in loads A and B.
-If the build ran past ~6 minutes (the table's build line), the serving stages were cut to fit and
-the table says which: report that, and the next session can rerun with --shape 1b as is.
+to --budget-s (570 s of the 600): when the build is slow, the serving stages are cut (loads A and B
+with fewer requests, then none) or skipped, and the table says so; it is always written. The files
+come back under the reply's files_at: gpu_check.txt (the table, also the end of output_tail),
+gpu_check.json (every figure), log.txt, build.log, localserve.out and llama_server.out.
+
+Before reporting, check in the table: localserve's "layers on the GPU" equals "layers offloadable"
+(the model's 16 layers + the output: 17 for 1b; else its placement kept layers on the CPU and
+localserve.out says why), and loads A and B had no errors. Then put the table in the issue's note
+with the card's name, saying that both servers ran the same build, card and GGUF, one after the
+other, in one run (no alternating passes: one run is what the device time allows).
 
 What one run does, on the card found:
 1. builds llama.cpp once with CUDA for that card only (CMAKE_CUDA_ARCHITECTURES from nvidia-smi's
@@ -34,13 +37,15 @@ What one run does, on the card found:
    the server holds (nvidia-smi); then llama-batched-bench's generation at 1 and 8 sequences and
    the bandwidth bound (weight bytes read per token against the card's memory bandwidth).
 
-Time: the CUDA build is the long pole. Estimate: llama.cpp's own figures (PR 13135, 2025) put a
-whole CUDA build for several virtual architectures at 406 s on 16 cores/32 threads; one real
-architecture compiles each of the ~125 CUDA units once instead of ~4 times (nvcc's time is per
-architecture), and flash-attention kernels are not built (GGML_CUDA_FA=OFF: localserve runs
-without them, so llama-server runs -fa off too, and ~40 of the units go), so about 3-5 minutes on
-the device's 16 cores, then ~1 minute for the 1B model and ~2-3 for the serving stages. Each stage
-prints its time; the serving stages shrink when less than their share of --budget-s is left.
+Time: the CUDA build is the long pole. `ninja -n` on the trimmed sources (configured here with
+nvcc 13.0, the device's version) lists 340 objects for the four targets, 144 of them CUDA units:
+69 kernels files, 22 mmq and 16 mmf instances, and 37 flash-attention instances that compile to
+empty kernels with GGML_CUDA_FA=OFF. llama.cpp's own figure for a whole CUDA build (PR 13135, 2025:
+406 s on 16 cores/32 threads, for several architectures) and nvcc's cost growing with each
+architecture give about 3-5 minutes for one architecture on the device's 16 cores (this machine
+has no cuBLAS headers, so no CUDA unit could be timed here: the build line of the table is the
+first measurement). Then ~1 minute for the 1B model (writing 2.1 GB of F16, quantizing on 16
+threads) and ~2-3 for the serving stages. Each stage prints its start time.
 
 The CPU twin, `run --cpu --tiny` (tests/system/test_gpu_check.py), runs the same stages here with
 no CUDA and no compile: a 2-layer model, the installed llama-cpp-python (its llama_model_quantize

@@ -22,6 +22,7 @@ ROWS = [
     ("B_errors", "load B errors", "{:.0f}"),
     ("gpu_memory_mib", "GPU memory held (MiB)", "{:.0f}"),
     ("gpu_layers", "layers on the GPU", "{:.0f}"),
+    ("offloadable_layers", "layers offloadable", "{:.0f}"),
 ]
 
 
