@@ -18,6 +18,8 @@ ROWS = [
     ("B_tps", "load B output tok/s", "{:.1f}"),
     ("B_ttft_p50_ms", "load B TTFT p50 (ms)", "{:.1f}"),
     ("B_ttft_p95_ms", "load B TTFT p95 (ms)", "{:.1f}"),
+    ("decode_1_errors", "decode errors, 1 sequence", "{:.0f}"),
+    ("decode_8_errors", "decode errors, 8 sequences", "{:.0f}"),
     ("A_errors", "load A errors", "{:.0f}"),
     ("B_errors", "load B errors", "{:.0f}"),
     ("gpu_memory_mib", "GPU memory held (MiB)", "{:.0f}"),

@@ -16,8 +16,8 @@ import urllib.request
 from pathlib import Path
 from typing import Any, Callable
 
-from serve import (LOADS, batched_ceiling, eog_bias, make_chats, run_load, start_llama_server, start_localserve,
-                   stop, summarize, wait_ready)
+from serve import (LOADS, batched_ceiling, eog_bias, make_chats, report_errors, run_load, start_llama_server,
+                   start_localserve, stop, summarize, wait_ready)
 
 SEQUENCES = 8  # llama-server -np 8 as issue 8 anchors it; localserve's LOCALSERVE_MAX_SEQUENCES the same
 
@@ -40,12 +40,15 @@ async def _measure(url: str, model: str, args: argparse.Namespace, bias: dict[st
         chats = make_chats(sequences * (2 if sequences == 1 else 1), seed=7, lo=5, hi=20)
         results, _ = await run_load(url, model, chats, concurrency=sequences, request_rate=math.inf,
                                     max_tokens=decode_tokens, seed=7, api_key=None, extra=extra)
+        report_errors(f"decode at {sequences}", results)
         figures[f"decode_tps_{sequences}"] = _decode_tps(results, sequences)
+        figures[f"decode_{sequences}_errors"] = sum(not r.ok for r in results)
     for load in ("A", "B") if requests_per_load else ():
         lo, hi, max_tokens, system_words = LOADS[load]
         chats = make_chats(requests_per_load, 0, lo, hi, system_words)
         results, duration = await run_load(url, model, chats, concurrency=SEQUENCES, request_rate=math.inf,
                                            max_tokens=max_tokens, seed=0, api_key=None, extra=extra)
+        report_errors(f"load {load}", results)
         summary = summarize(results, duration)
         figures |= {f"{load}_tps": summary["output_tokens_per_s"], f"{load}_ttft_p50_ms": summary["ttft_ms_p50"],
                     f"{load}_ttft_p95_ms": summary["ttft_ms_p95"], f"{load}_errors": summary["errors"]}
