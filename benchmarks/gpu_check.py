@@ -39,13 +39,18 @@ What one run does, on the card found:
 
 Time: the CUDA build is the long pole. `ninja -n` on the trimmed sources (configured here with
 nvcc 13.0, the device's version) lists 340 objects for the four targets, 144 of them CUDA units:
-69 kernels files, 22 mmq and 16 mmf instances, and 37 flash-attention instances that compile to
-empty kernels with GGML_CUDA_FA=OFF. llama.cpp's own figure for a whole CUDA build (PR 13135, 2025:
-406 s on 16 cores/32 threads, for several architectures) and nvcc's cost growing with each
-architecture give about 3-5 minutes for one architecture on the device's 16 cores (this machine
-has no cuBLAS headers, so no CUDA unit could be timed here: the build line of the table is the
-first measurement). Then ~1 minute for the 1B model (writing 2.1 GB of F16, quantizing on 16
-threads) and ~2-3 for the serving stages. Each stage prints its start time.
+69 kernel files, 22 mmq and 16 mmf instances, and 37 flash-attention instances that compile to
+empty kernels with GGML_CUDA_FA=OFF. Timed here for sm_90 (CPU seconds, with a stub cuBLAS header:
+this machine's toolkit has none): an mmq instance 59, an mmf instance 32, mmvq.cu (the heaviest
+kernel file) 96, norm.cu (a light one) 9. So about 3,100 CPU-s of nvcc plus ~600 of C++, which is
+4-5 minutes on the device's 16 cores at this machine's per-core speed (no unit is longer than
+~100 s, so the cores stay busy to the end). Then ~1 minute for the 1B model (2.1 GB of F16
+written, quantized on 16 threads; here it took under a minute of CPU to write) and ~2-3 for the
+serving stages. Each stage prints its start time; the table gives the build's.
+
+If the toolkit lacks cuBLAS or the driver stub (this dev machine's lacks both), the configure is
+retried with the cuBLAS of the NVIDIA wheels in python3's site-packages (the device's PyTorch
+brings them) and without CUDA VMM; the table's JSON says which (cmake_fallbacks).
 
 The CPU twin, `run --cpu --tiny` (tests/system/test_gpu_check.py), runs the same stages here with
 no CUDA and no compile: a 2-layer model, the installed llama-cpp-python (its llama_model_quantize

@@ -91,31 +91,72 @@ def cuda_architecture() -> str:
     return out.splitlines()[0].strip().replace(".", "")
 
 
+CMAKE_OPTIONS = [
+    # Shared libraries: libllama.so is what llama-cpp-python loads. UI off and no prebuilt UI: the
+    # device has no network, and the prebuilt-UI step would try to download it. No flash-attention
+    # kernels: localserve runs without them (llama-server gets -fa off), and their 37 template
+    # instances then compile to empty kernels (GGML_CUDA_NO_FA) instead of the heaviest device code
+    # of the build. No NCCL: one card.
+    "-G", "Ninja", "-DCMAKE_BUILD_TYPE=Release", "-DBUILD_SHARED_LIBS=ON", "-DGGML_CUDA=ON",
+    "-DLLAMA_CURL=OFF", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF", "-DLLAMA_BUILD_SERVER=ON",
+    "-DLLAMA_BUILD_TOOLS=ON", "-DLLAMA_BUILD_UI=OFF", "-DLLAMA_USE_PREBUILT_UI=OFF", "-DGGML_CUDA_NCCL=OFF",
+    "-DGGML_CUDA_FA=OFF",
+]
+
+
+def _found(pattern: str) -> Path | None:
+    """A file of the NVIDIA wheels in this Python's site-packages (nvidia/**/pattern)."""
+    import site
+
+    for root in site.getsitepackages():
+        if hit := sorted((Path(root) / "nvidia").glob(f"**/{pattern}")):
+            return hit[-1]
+    return None
+
+
+def _toolkit_fallbacks(configure_log: str) -> list[str]:
+    """CMake options for what the configure missed in the CUDA toolkit: a toolkit without cuBLAS
+    (seen on this project's dev machine: nvcc and cudart only) takes the cuBLAS of the NVIDIA
+    wheels PyTorch brought; one without the driver library's stub builds without CUDA VMM."""
+    options = []
+    cublas, cublas_lt, header = _found("libcublas.so*"), _found("libcublasLt.so*"), _found("cublas_v2.h")
+    if "CUDA::cublas" in configure_log and cublas and cublas_lt and header:
+        options += [f"-DCUDA_cublas_LIBRARY={cublas}", f"-DCUDA_cublasLt_LIBRARY={cublas_lt}",
+                    f"-DCMAKE_CUDA_FLAGS=-I{header.parent}"]
+    if "CUDA::cuda_driver" in configure_log:
+        options.append("-DGGML_CUDA_NO_VMM=ON")
+    return options
+
+
 def build_cuda(sdist_root: Path, build: Path, log: Path) -> dict[str, float]:
     """Configure and build TARGETS with CUDA into `build`; returns the stage's timings."""
     arch = cuda_architecture()
-    src = sdist_root / "vendor" / "llama.cpp"
+    configure = ["cmake", "-S", str(sdist_root / "vendor" / "llama.cpp"), "-B", str(build), *CMAKE_OPTIONS,
+                 f"-DCMAKE_CUDA_ARCHITECTURES={arch}"]
     started = time.perf_counter()
     # The device is a Firecracker VM like CI's: its CPU may advertise AMX and trap the tile
     # instructions, and llama.cpp's CPU part (-march=native) still runs the embedding lookup.
     env = dict(os.environ, CFLAGS=NO_AMX, CXXFLAGS=NO_AMX)
-    with open(log, "ab") as out:
-        # Shared libraries: libllama.so is what llama-cpp-python loads. UI off and no prebuilt UI:
-        # the device has no network, and the prebuilt-UI step would try to download it. No
-        # flash-attention kernels: localserve runs without them (llama-server gets -fa off), and
-        # their 37 template instances then compile to empty kernels (GGML_CUDA_NO_FA) instead of
-        # the heaviest device code of the build. No NCCL: one card.
-        subprocess.run(["cmake", "-S", str(src), "-B", str(build), "-G", "Ninja", "-DCMAKE_BUILD_TYPE=Release",
-                        "-DBUILD_SHARED_LIBS=ON", "-DGGML_CUDA=ON", f"-DCMAKE_CUDA_ARCHITECTURES={arch}",
-                        "-DLLAMA_CURL=OFF", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF",
-                        "-DLLAMA_BUILD_SERVER=ON", "-DLLAMA_BUILD_TOOLS=ON", "-DLLAMA_BUILD_UI=OFF",
-                        "-DLLAMA_USE_PREBUILT_UI=OFF", "-DGGML_CUDA_NCCL=OFF", "-DGGML_CUDA_FA=OFF"],
-                       check=True, env=env, stdout=out, stderr=subprocess.STDOUT)
+    with open(log, "a") as out:
+        # CMake names one missing toolkit part per try: add its fallback and configure again.
+        fallbacks: list[str] = []
+        for _ in range(3):
+            tried = subprocess.run(configure + fallbacks, env=env, capture_output=True, text=True)
+            out.write(tried.stdout + tried.stderr)
+            more = [o for o in _toolkit_fallbacks(tried.stdout + tried.stderr) if o not in fallbacks]
+            if tried.returncode == 0 or not more:
+                break
+            out.write(f"\nconfigure again with {more}\n")
+            fallbacks += more
+            (build / "CMakeCache.txt").unlink(missing_ok=True)
+        if tried.returncode:
+            raise SystemExit(f"cmake configure failed (build.log): {tried.stderr.strip()[-400:]}")
         configured = time.perf_counter()
+        out.flush()
         subprocess.run(["cmake", "--build", str(build), "-j", str(os.cpu_count() or 1), "--target", *TARGETS],
                        check=True, env=env, stdout=out, stderr=subprocess.STDOUT)
     return {"cuda_arch": float(arch), "configure_s": configured - started,
-            "build_s": time.perf_counter() - configured}
+            "build_s": time.perf_counter() - configured, "cmake_fallbacks": " ".join(fallbacks)}
 
 
 def install_python_package(sdist_root: Path, site: Path, lib_dir: Path, log: Path) -> None:
