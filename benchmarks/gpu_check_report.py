@@ -44,6 +44,8 @@ def table(figures: dict[str, Any]) -> str:
     if "build_s" in figures:
         lines.append(f"CUDA build for sm_{figures['cuda_arch']:.0f}: configure {figures['configure_s']:.0f} s, "
                      f"build {figures['build_s']:.0f} s; model made in {figures.get('model_s', math.nan):.0f} s")
+        if figures.get("cmake_fallbacks"):
+            lines.append(f"(the toolkit lacked parts; configured with {figures['cmake_fallbacks']})")
     width = max(len(label) for _, label, _ in ROWS) + 2
     lines.append("".ljust(width) + "".join(name.rjust(16) for name in servers))
     for key, label, fmt in ROWS:
@@ -57,10 +59,10 @@ def table(figures: dict[str, Any]) -> str:
         lines.append("llama-batched-bench (128-token prompts, 128 out): "
                      + ", ".join(f"{k} {v:.1f}" for k, v in ceiling.items()))
     if bound := bandwidth_bound(figures):
-        decode = servers.get("localserve", {}).get("decode_tps_1", math.nan)
+        reached = ", ".join(f"{name} reaches {100 * f['decode_tps_1'] / bound:.0f}%"
+                            for name, f in servers.items() if "decode_tps_1" in f)
         lines.append(f"bandwidth bound at 1 sequence: {figures['bandwidth_bytes_per_s'] / 1e12:.2f} TB/s / "
-                     f"{figures['weight_bytes'] / 1e6:.0f} MB per token = {bound:.0f} tok/s; "
-                     f"localserve reaches {100 * decode / bound:.0f}%")
+                     f"{figures['weight_bytes'] / 1e6:.0f} MB per token = {bound:.0f} tok/s; {reached}")
     else:
         lines.append("bandwidth bound: not computed (no card of known bandwidth)")
     if "failed" in figures:
