@@ -432,16 +432,18 @@ def median_of(summaries: list[dict[str, float]]) -> dict[str, float]:
     return {key: statistics.median(s[key] for s in summaries) for key in summaries[0]}
 
 
-def batched_ceiling(model_path: Path, threads: int) -> dict[str, float]:
+def batched_ceiling(model_path: Path, threads: int, npl: str = "1,8,16",
+                    extra: tuple[str, ...] = ()) -> dict[str, float]:
     """llama.cpp's own llama-batched-bench on the same GGUF and threads: prompt tok/s (128-token
     prompts) and generation tok/s at 1, 8 and 16 sequences, the most this machine can do. Flash
     attention off, as localserve runs: on, its CPU kernel gives 145.9 tok/s at 8 sequences where
-    off gives 175.7 (2026-12-05), so "auto" (on) understated the ceiling."""
+    off gives 175.7 (2026-12-05), so "auto" (on) understated the ceiling. `extra`: more arguments
+    (gpu_check.py's "-ngl 999")."""
     from llama_server_build import tool_binary
 
     out = subprocess.run([str(tool_binary("llama-batched-bench")), "-m", str(model_path), "-c", "8192",
-                          "-b", "2048", "-ub", "512", "-npp", "128", "-ntg", "128", "-npl", "1,8,16",
-                          "-t", str(threads), "-fa", "off", "--load-mode", "none"],  # the vendored build has no --no-mmap
+                          "-b", "2048", "-ub", "512", "-npp", "128", "-ntg", "128", "-npl", npl,
+                          "-t", str(threads), "-fa", "off", "--load-mode", "none", *extra],  # the vendored build has no --no-mmap
                          capture_output=True, text=True, check=True, cwd=REPO).stdout
     ceiling = {}
     for line in out.splitlines():
