@@ -330,7 +330,7 @@ class LlamaCppBackend(LlamaTokenizer, Backend):
         """call index -> the embeddings of its image rows, encoding what is not yet (media.py)."""
         projector = self._projector_box[0]
         if projector is None:
-            raise ValueError("image positions in a batch for a model without a projector")
+            raise ValueError("negative token ids (image positions) in a batch for a model without a projector")
         if self._embd_part is None:
             self._embd_part = PackedBatch(self.n_batch, self.n_embd)
         return {k: projector.embeddings(packed.ids[rows]) for k, rows in enumerate(calls) if packed.ids[rows[0]] < 0}
