@@ -73,7 +73,7 @@ def _provider(decoder: dict[str, Any]) -> str:
 
 def build_oga_engine(folder: Path, name: str = "", *, max_length: int = MAX_LENGTH, threads: int | None = None,
                      queue_size: int = 64) -> OgaEngine:
-    """A started OgaEngine for the OGA folder `folder` (what benchmarks/onnx.py calls).
+    """A started OgaEngine for the OGA folder `folder` (what benchmarks/onnx_backends.py calls).
     BackendError when onnxruntime-genai cannot load it, with no host path in the message."""
     import onnxruntime_genai as og
 

@@ -1,7 +1,7 @@
 """Decode throughput of the ONNX Runtime backend vs the llama.cpp backend and onnxruntime-genai's
 own engine (OGA) on the same weights.
 
-    python benchmarks/onnx.py [--model PATH] [--threads N] [--steps N] [--weights fp32,int8] [--no-oga]
+    python benchmarks/onnx_backends.py [--model PATH] [--threads N] [--steps N] [--weights fp32,int8] [--no-oga]
 
 Both backends load the test model (SmolLM2-135M Q4_1 by default; the ONNX side converts it first
 into a temporary folder, once per --weights form: int4 MatMulNBits blocks and/or fp32 dequantized
