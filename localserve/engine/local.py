@@ -34,6 +34,7 @@ from . import step
 from ..protocol.engine import EngineStats, ModelInfo
 from ..errors import ContextLengthExceededError, InvalidRequestError, OverloadedError, QueueFullError
 from .live import SequenceProgress, cells_of, progress_rows
+from .rates import Rates
 from .prompt_disk import PromptDisk
 from .streams import STREAM_BUFFER_EVENTS, RequestStream, post_events
 from . import core_share
@@ -41,43 +42,8 @@ from .threads import ThreadGovernor
 
 log = logging.getLogger(__name__)
 
-_RATE_WINDOW_S = 10.0  # tokens/s and completions/s are measured over this much recent time
 # Seconds an unload waits for the prompt cache's last writes (a worker is given 5 s to stop).
 _UNLOAD_WRITE_S = 4.0
-class _Rates:
-    """Recent per-step figures -> rates, over a sliding time window (engine thread writes,
-    any thread reads a consistent-enough snapshot)."""
-
-    def __init__(self) -> None:
-        self._steps: collections.deque[tuple[float, float, int, int]] = collections.deque()
-        self._finishes: collections.deque[float] = collections.deque()
-
-    def step(self, end: float, busy_s: float, decode_tokens: int, prompt_tokens: int) -> None:
-        self._steps.append((end, busy_s, decode_tokens, prompt_tokens))
-        while self._steps and self._steps[0][0] < end - _RATE_WINDOW_S:
-            self._steps.popleft()
-
-    def finished(self, n: int) -> None:
-        now = time.monotonic()
-        self._finishes.extend([now] * n)
-        while self._finishes and self._finishes[0] < now - _RATE_WINDOW_S:
-            self._finishes.popleft()
-
-    def steps_since(self, since: float) -> list[tuple[float, float, int, int]]:
-        """(end, busy seconds, decode rows, prompt rows) of the window's steps that ended after `since`."""
-        return [s for s in self._steps.copy() if s[0] > since]
-
-    def tokens_per_s(self) -> tuple[float, float]:
-        steps = list(self._steps)
-        busy = sum(s[1] for s in steps)
-        if busy <= 0:
-            return 0.0, 0.0
-        return sum(s[2] for s in steps) / busy, sum(s[3] for s in steps) / busy
-
-    def finishes_per_s(self) -> float:
-        return len(self._finishes) / _RATE_WINDOW_S
-
-
 @dataclass
 class _EmbedJob:
     """An embeddings or rerank request's decodes (Backend.embed_steps, rank_steps), run in turns."""
@@ -112,7 +78,7 @@ class Engine:
         self._active: dict[str, Sequence] = {}
         self._media_held: dict[str, object] = {}  # request id -> what the backend keeps of its images
         self._token_bytes_cache: dict[int, bytes] = {}
-        self._rates = _Rates()
+        self._rates = Rates()
         self._thread: threading.Thread | None = None
         self._stopping = False
         self._stopped = threading.Event()

@@ -30,7 +30,7 @@ import numpy as np
 
 from ...backends.base import SampledToken
 from ...batching.sequence import Sequence
-from ..local import _Rates
+from ..rates import Rates
 from ..streams import STREAM_BUFFER_EVENTS, RequestStream, post_events
 from ...protocol.engine import EngineStats, ModelInfo
 from ...errors import GenerationError, InvalidRequestError, LocalserveError, OverloadedError, QueueFullError, redact_paths
@@ -60,7 +60,7 @@ class OgaEngine:
         self._inbox: collections.deque[Sequence] = collections.deque()
         self._live: dict[int, tuple[Sequence, Any, int]] = {}  # id(og request) -> (seq, og request, turn)
         self._updates: list[Sequence] = []
-        self._rates = _Rates()
+        self._rates = Rates()
         self._stopping = False
         self._busy = False
         self._steps = 0
