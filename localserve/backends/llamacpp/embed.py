@@ -36,7 +36,23 @@ def pooled_context(model, *, n_ctx: int, n_batch: int, n_ubatch: int, n_seq_max:
     return ctx
 
 
-class EmbeddingContext(PooledEmbedder):
+class OwnedContext:
+    """A llama.cpp context of its own beside the model's generation context (embeddings, rank):
+    freed once, and following the thread count the engine sets."""
+
+    ctx: object
+
+    def close(self) -> None:
+        if self.ctx:
+            llama_cpp.llama_free(self.ctx)
+            self.ctx = None
+
+    def set_threads(self, n: int) -> None:
+        if self.ctx:
+            llama_cpp.llama_set_n_threads(self.ctx, n, n)
+
+
+class EmbeddingContext(OwnedContext, PooledEmbedder):
     def __init__(self, model, *, n_ctx: int, n_batch: int, n_seq_max: int, n_threads: int,
                  n_embd: int, n_vocab: int) -> None:
         # Pooling left to the model's default (NONE for decoder LLMs; forcing NONE explicitly makes
@@ -58,15 +74,6 @@ class EmbeddingContext(PooledEmbedder):
                          n_seq_max=n_seq_max, n_embd=n_embd, n_vocab=n_vocab)
         self._mem = llama_cpp.llama_get_memory(self.ctx)
         self._batch = PackedBatch(self.n_batch)
-
-    def close(self) -> None:
-        if self.ctx:
-            llama_cpp.llama_free(self.ctx)
-            self.ctx = None
-
-    def set_threads(self, n: int) -> None:
-        if self.ctx:
-            llama_cpp.llama_set_n_threads(self.ctx, n, n)
 
     def _is_open(self) -> bool:
         return bool(self.ctx)

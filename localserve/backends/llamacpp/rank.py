@@ -31,7 +31,7 @@ import llama_cpp
 
 from ...errors import BackendError, ContextLengthExceededError, InvalidRequestError
 from .batch import PackedBatch
-from .embed import pooled_context
+from .embed import OwnedContext, pooled_context
 
 DECODE_TOKENS = 512  # a causal model's micro-batch, and so its most tokens a decode
 ENCODER_PAIR_TOKENS = 2048  # a non-causal model's longest pair (its whole micro-batch)
@@ -39,7 +39,7 @@ ENCODER_PAIR_TOKENS = 2048  # a non-causal model's longest pair (its whole micro
 Room = Callable[[int], int]  # tokens the next decode may take, given the most it could
 
 
-class RankContext:
+class RankContext(OwnedContext):
     def __init__(self, model, *, n_ctx_seq: int, n_threads: int, n_vocab: int) -> None:
         self.n_vocab = n_vocab
         self.ctx = self._context(model, n_ctx_seq, min(n_ctx_seq, DECODE_TOKENS), n_threads)
@@ -62,15 +62,6 @@ class RankContext:
         # the caller refuses a GGUF whose pooling is not rank. Every decode is one micro-batch.
         return pooled_context(model, n_ctx=n_cells, n_batch=n_batch, n_ubatch=n_batch, n_seq_max=1,
                               n_threads=n_threads, what="rerank", flash_attn=llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED)
-
-    def close(self) -> None:
-        if self.ctx:
-            llama_cpp.llama_free(self.ctx)
-            self.ctx = None
-
-    def set_threads(self, n: int) -> None:
-        if self.ctx:
-            llama_cpp.llama_set_n_threads(self.ctx, n, n)
 
     def score_steps(self, inputs: Sequence[Sequence[int]], room: Room | None = None) -> Generator[bool, None, list[float]]:
         """Each input's score, one decode per `next()` (PooledEmbedder.embed_steps' protocol: True
