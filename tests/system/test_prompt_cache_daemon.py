@@ -12,10 +12,9 @@ import stat
 import time
 from pathlib import Path
 
-import psutil
-
 from conftest import SMOLLM2_SHA256
 from daemon_util import cli_env, free_port, http_post, register_model, serving, stop_quietly, wait_published
+from test_engine_workers import _workers  # the fork server is the daemon's child, each worker its child
 
 # A system prompt of a few hundred tokens, as an agent's is (shorter ones are not worth a file:
 # engine/prompt_disk.MIN_TOKENS).
@@ -46,10 +45,6 @@ def wait_for_files(home: Path, timeout: float = 30) -> list[Path]:
     return files
 
 
-def engine_workers(daemon_pid: int) -> list[psutil.Process]:
-    return [w for fork_server in psutil.Process(daemon_pid).children() for w in fork_server.children()]
-
-
 def test_a_conversation_comes_back_from_disk_after_a_restart_and_after_a_killed_worker(tmp_path, smollm2_gguf):
     home = tmp_path / "home"
     env = cli_env(home, free_port())
@@ -77,7 +72,7 @@ def test_a_conversation_comes_back_from_disk_after_a_restart_and_after_a_killed_
             before = {p.name for p in parked_files(home)}
             time.sleep(3.5)  # the longer conversation parked long enough to be written too
             assert {p.name for p in parked_files(home)} - before, "the second conversation was not written"
-            (worker,) = engine_workers(proc.pid)
+            (worker,) = _workers(proc.pid)
             os.kill(worker.pid, signal.SIGKILL)
             worker.wait(10)
             # The next request loads the model in a new worker, which finds the files the killed
