@@ -1,0 +1,70 @@
+"""A seeded LoRA adapter for SmolLM2-135M's attention matrices, for tests/model/test_lora.py (issue 45,
+item 5).
+
+No LoRA adapter GGUF can be fetched on these machines. This writes what llama.cpp's
+convert_lora_to_gguf.py writes for a PEFT adapter: `general.type = adapter`, `adapter.type = lora`,
+`adapter.lora.alpha`, and for each adapted weight `NAME.lora_a` (rank x in) and `NAME.lora_b`
+(out x rank) in F32, here for every block's attn_q/k/v/output with seeded random values, shaped from
+the base GGUF's own tensors. The values are large enough that greedy answers change (a trained
+adapter's delta is smaller; what it says is beside the point, only that it is deterministic and
+differs from the base model and from another seed's).
+
+    python tests/lora_model.py OUT_DIR    # OUT_DIR/smollm2-lora-a.gguf, smollm2-lora-b.gguf (seeds 1, 2)
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import numpy as np
+
+ADAPTER_NAMES = ("smollm2-lora-a.gguf", "smollm2-lora-b.gguf")
+RANK = 8
+ALPHA = 16.0  # llama.cpp scales the delta B @ A by alpha / rank (and the request's scale)
+ADAPTED = ("attn_q", "attn_k", "attn_v", "attn_output")
+STD = 0.1
+
+
+def write_adapter(base: Path, out: Path, seed: int) -> Path:
+    """`out`: a LoRA adapter GGUF for the model `base`, from `seed`."""
+    import gguf
+
+    reader = gguf.GGUFReader(base, "r")
+    arch = reader.get_field(gguf.Keys.General.ARCHITECTURE).contents()
+    writer = gguf.GGUFWriter(out, arch=arch)
+    writer.add_string(gguf.Keys.General.TYPE, gguf.GGUFType.ADAPTER)
+    writer.add_string(gguf.Keys.Adapter.TYPE, "lora")
+    writer.add_float32(gguf.Keys.Adapter.LORA_ALPHA, ALPHA)
+    rng = np.random.default_rng(seed)
+    for tensor in reader.tensors:
+        name = tensor.name.removesuffix(".weight")
+        if name.rsplit(".", 1)[-1] not in ADAPTED:
+            continue
+        n_in, n_out = (int(x) for x in tensor.shape[:2])  # ggml order: ne0 is the input width
+        writer.add_tensor(f"{name}.weight.lora_a", rng.normal(0, STD, (RANK, n_in)).astype(np.float32))
+        writer.add_tensor(f"{name}.weight.lora_b", rng.normal(0, STD, (n_out, RANK)).astype(np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return out
+
+
+def main(argv: list[str]) -> int:
+    if len(argv) != 2:
+        print(__doc__.strip().splitlines()[-1].strip(), file=sys.stderr)
+        return 2
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from conftest import SMOLLM2_SHA256, pulled
+
+    out_dir = Path(argv[1])
+    out_dir.mkdir(parents=True, exist_ok=True)
+    base = pulled("smollm2-135m:Q4_1", SMOLLM2_SHA256)
+    for seed, name in enumerate(ADAPTER_NAMES, start=1):
+        print(write_adapter(base, out_dir / name, seed))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main(sys.argv))
