@@ -109,10 +109,11 @@ class Harness:
         return sum(self.backend.kv_pos_max(i) + 1 for i in self.foreign)
 
     def submit(self, prompt: list[int], max_tokens: int = 16, lane="default", stop=(), temperature=0.0, seed=None,
-               ignore_eos=False, thinking=None) -> Result:
+               ignore_eos=False, thinking=None, lora=()) -> Result:
         request = GenerationRequest(
             prompt_tokens=list(prompt), max_tokens=max_tokens, lane=lane, stop=list(stop),
             sampling=SamplingParams(temperature=temperature, seed=seed), ignore_eos=ignore_eos, thinking=thinking,
+            lora=lora,
         )
         seq = Sequence(request, self.backend.new_sampler(request.sampling, request.prompt_tokens),
                        self.backend.token_to_bytes, self.backend.is_eog, self.sched.n_ctx_seq)

@@ -23,7 +23,7 @@ from typing import Callable, Generator, Literal, Sequence
 
 from ..config.kv_cache import kv_element_bytes
 from ..protocol.engine import ModelInfo
-from ..protocol.requests import SamplingParams, TokenLogprob
+from ..protocol.requests import LoraSet, SamplingParams, TokenLogprob
 from ..errors import BackendError, InvalidRequestError
 from ..protocol.media import ImageInput
 
@@ -297,6 +297,14 @@ class Backend(ABC):
 
     def release_media(self, held: object) -> None:
         """Give back what hold_media kept."""
+
+    # --- LoRA adapters (llamacpp/lora.py) ------------------------------------------------------
+    def set_adapters(self, adapters: LoraSet) -> None:
+        """Compute the next decodes with these (adapter id, scale) pairs applied, and no others
+        (`info.loras` are the ids); the engine calls it before a step whose set differs. A backend
+        without adapters has nothing to apply for the empty set."""
+        if adapters:
+            raise InvalidRequestError(f"{self.info.name} has no LoRA adapters", param="lora")
 
     def close(self) -> None:
         """Free the model and context."""

@@ -19,6 +19,7 @@ from .sequence import Sequence, Status
 
 if TYPE_CHECKING:
     from ..backends.base import Capabilities
+    from .adapter_turns import AdapterTurns
     from .kvpool import KVPool
     from .lanes import LaneQueues
     from .prefix_cache import PrefixCache
@@ -33,6 +34,7 @@ class Admission:
     pool: "KVPool"
     cache: "PrefixCache"
     lanes: "LaneQueues"
+    turns: "AdapterTurns"
     running: list[Sequence]
     max_running: int
     n_ctx_seq: int
@@ -53,7 +55,7 @@ class Admission:
             return
         demand = sum(s.pending for s in prefillers)
         while len(self.running) < self.max_running:
-            seq = self.lanes.peek(self.prompt_key)
+            seq = self.lanes.peek(self.prompt_key, self.turns.current)  # only this step's LoRA set
             if seq is None:
                 break
             key = self.prompt_key(seq)
@@ -66,8 +68,8 @@ class Admission:
 
     def _start(self, seq: Sequence, reserved: int) -> bool:
         """Give seq a sequence id and its cached prefix; False if its prompt cannot fit yet."""
-        source, n_hit = self.cache.lookup(seq.tokens, self.running)
-        on_disk, n_disk = self.cache.disk_lookup(seq.tokens, n_hit, self.n_ctx_seq)
+        source, n_hit = self.cache.lookup(seq.tokens, self.running, seq.adapters)
+        on_disk, n_disk = self.cache.disk_lookup(seq.tokens, n_hit, self.n_ctx_seq, seq.adapters)
         if on_disk is not None:
             started = self._start_from_disk(seq, on_disk, n_disk, reserved)
             if started is not None:

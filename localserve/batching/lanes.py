@@ -20,7 +20,7 @@ from __future__ import annotations
 from collections import deque
 from typing import TYPE_CHECKING, Callable, Iterator
 
-from ..protocol.requests import LANES
+from ..protocol.requests import LANES, LoraSet
 
 if TYPE_CHECKING:
     from .sequence import Sequence
@@ -61,10 +61,12 @@ class LaneQueues:
     def push_front(self, seq: "Sequence") -> None:
         self._queues[seq.request.lane].appendleft(seq)
 
-    def peek(self, key: Callable[["Sequence"], tuple[int, ...]]) -> "Sequence | None":
+    def peek(self, key: Callable[["Sequence"], tuple[int, ...]],
+             adapters: LoraSet | None = None) -> "Sequence | None":
         """The best waiting sequence by `key` (the scheduler's prompt_key: a short prompt that
-        arrived last in its lane may start before the long ones ahead of it)."""
-        return min(self, key=key, default=None)
+        arrived last in its lane may start before the long ones ahead of it); of those with the
+        LoRA set `adapters` only, where given (adapter_turns.py)."""
+        return min((s for s in self if adapters is None or s.adapters == adapters), key=key, default=None)
 
     def remove(self, seq: "Sequence") -> None:
         queue = self._queues[seq.request.lane]

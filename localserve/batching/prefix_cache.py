@@ -32,6 +32,7 @@ import time
 from collections import OrderedDict
 from typing import Iterable, Sequence as Seq
 
+from ..protocol.requests import LoraSet
 from .kv_ops import DiskEntryLike, DiskTier, KVRestore, KVSave
 from .kvpool import KVHolder, KVPool
 
@@ -51,17 +52,21 @@ DISK_MIN_GAIN = 64
 class CachedPrefix:
     """A parked sequence id: its KV holds `tokens` at positions 0..len-1."""
 
-    __slots__ = ("seq_id", "cells", "tokens", "disposable", "parked_at", "saved")
+    __slots__ = ("seq_id", "cells", "tokens", "disposable", "parked_at", "saved", "adapters")
 
-    def __init__(self, seq_id: int, cells: list[int], tokens: list[int], disposable: bool = False):
+    def __init__(self, seq_id: int, cells: list[int], tokens: list[int], disposable: bool = False,
+                 adapters: LoraSet = ()):
         self.seq_id = seq_id
         self.cells = cells
         self.tokens = tokens
         self.disposable = disposable  # left by a cancelled request: a hit takes it over
+        # The LoRA set its cells were computed under: only a request with the same set may use them.
+        self.adapters = adapters
         self.parked_at = time.monotonic()
-        # Written to disk, or never to be: a cancelled request's is not worth it, and an image's
-        # cells stay in memory (their ids are no file's int32 tokens, and images are few and short).
-        self.saved = disposable or (bool(tokens) and min(tokens) < 0)
+        # Written to disk, or never to be: a cancelled request's is not worth it, an image's cells
+        # stay in memory (their ids are no file's int32 tokens, and images are few and short), and
+        # so do an adapter's (a file's key is the model's, not the adapters').
+        self.saved = disposable or bool(adapters) or (bool(tokens) and min(tokens) < 0)
 
     @property
     def num_computed(self) -> int:
@@ -102,7 +107,8 @@ class PrefixCache:
         the sequence holds nothing."""
         if not self.enabled or holder.seq_id < 0 or not holder.cells:
             return False
-        entry = CachedPrefix(holder.seq_id, holder.cells, tokens[: len(holder.cells)], disposable)
+        entry = CachedPrefix(holder.seq_id, holder.cells, tokens[: len(holder.cells)], disposable,
+                             getattr(holder, "adapters", ()))
         holder.seq_id, holder.cells = -1, []
         self.parked[entry.seq_id] = entry
         return True
@@ -144,7 +150,7 @@ class PrefixCache:
         place in the LRU order, so a new request can take the original's id over; False when no
         id is free up there even after dropping the oldest entry that holds one."""
         self._room_above(entry)
-        copy = CachedPrefix(-1, [], entry.tokens, entry.disposable)
+        copy = CachedPrefix(-1, [], entry.tokens, entry.disposable, entry.adapters)
         copy.saved = entry.saved
         if not self.pool.copy_to_parked(entry, copy):
             return False
@@ -185,12 +191,13 @@ class PrefixCache:
                 saved |= self._save(entry)
         return saved
 
-    def disk_lookup(self, tokens: list[int], resident: int, room: int) -> tuple[DiskEntryLike | None, int]:
+    def disk_lookup(self, tokens: list[int], resident: int, room: int,
+                    adapters: LoraSet = ()) -> tuple[DiskEntryLike | None, int]:
         """The file with the longest prefix of `tokens`, when it beats the `resident` hit by
         DISK_MIN_GAIN tokens, its state fits a sequence's `room` cells, and it may be cut where
-        the prefix ends; else (None, 0)."""
+        the prefix ends; else (None, 0). Files hold cells computed without adapters only."""
         disk = self.disk
-        if disk is None or not self.enabled:
+        if disk is None or not self.enabled or adapters:
             return None, 0
         limit = len(tokens) - self.min_recompute
         best, best_n = None, resident + DISK_MIN_GAIN - 1
@@ -224,8 +231,9 @@ class PrefixCache:
         """Upper bound of the cells eviction could free (shared cells may stay held)."""
         return sum(len(e.cells) for e in self.parked.values())
 
-    def lookup(self, tokens: list[int], running: Iterable) -> tuple[object | None, int]:
-        """The resident holder with the longest common prefix with `tokens`, and its length.
+    def lookup(self, tokens: list[int], running: Iterable, adapters: LoraSet = ()) -> tuple[object | None, int]:
+        """The resident holder computed under the LoRA set `adapters` with the longest common
+        prefix with `tokens`, and its length (cells computed under another set are other cells).
 
         At most all but the last `min_recompute` prompt tokens (Capabilities): the last one's logits
         are needed, and on llama.cpp (2) a prompt token computed as the only row of its sequence in
@@ -237,7 +245,7 @@ class PrefixCache:
         limit = len(tokens) - self.min_recompute
         best, best_n = None, MIN_HIT - 1
         for holder in (*self.parked.values(), *running):
-            if holder.seq_id < 0 or not holder.num_computed:
+            if holder.seq_id < 0 or not holder.num_computed or holder.adapters != adapters:
                 continue
             n = common_prefix(tokens, holder.tokens, min(limit, holder.num_computed))
             if n > best_n:

@@ -22,6 +22,7 @@ from typing import Callable
 
 from ..backends.base import BatchToken, Capabilities
 from ..errors import GenerationError, LocalserveError, OverloadedError
+from .adapter_turns import AdapterTurns
 from .admission import Admission
 from .drafting import add_drafts, feed_draft, keep_verified, take_verified
 from .encode_charge import before_encode, encode_charge
@@ -77,6 +78,7 @@ class Scheduler(Admission):
         speculate = caps.speculation and limits.speculative != "off"
         self.drafts = DraftPolicy(limits.speculative, caps.consecutive_ids) if speculate else None
         self.lanes = LaneQueues()
+        self.turns = AdapterTurns()
         self.aging_steps = limits.aging_steps
         self.queue_timeout = limits.queue_timeout
         self.running: list[Sequence] = []
@@ -102,7 +104,7 @@ class Scheduler(Admission):
         seq.arrival_step = self.step
         # Its work is what the prefix cache holds no copy of now (an agent's next turn needs only
         # its tail); the hit itself is taken when it starts, and may have grown or gone by then.
-        _, hit = self.cache.lookup(seq.tokens, self.running)
+        _, hit = self.cache.lookup(seq.tokens, self.running, seq.adapters)
         seq.due_step = due_step(self.step, len(seq.tokens) - hit, self.budget)
         self.lanes.push(seq)
 
@@ -121,22 +123,23 @@ class Scheduler(Admission):
         self.step += 1
         self._reap()  # 1. cancelled and timed-out requests leave
         self._make_room()  # 2. preempt worse lanes for a better waiting request
-        order = sorted(self.running, key=self.key)
+        adapters = self.turns.pick([*self.running, *self.lanes], self.step)  # 3. one LoRA set a step
+        order = sorted((s for s in self.running if s.adapters == adapters), key=self.key)
         fed = _Feeds(self.budget, set(map(id, order)))
-        decoders = self._feed_decoders(order, fed)  # 3. every decoder's next token first
+        decoders = self._feed_decoders(order, fed)  # 4. every decoder's next token first
         # (Decoders' reservations may have preempted some of these: only running ones remain.)
         prefillers = [s for s in order if s.pending > 1 and s.status is Status.RUNNING]
-        self._admit(prefillers, fed.budget)  # 4. waiting requests whose prompts fit
+        self._admit(prefillers, fed.budget)  # 5. waiting requests of the set whose prompts fit
         prefillers.sort(key=self.prompt_key)
         fed.unscheduled.update(map(id, prefillers))
-        self._feed_prompts(prefillers, fed)  # 5. prompt chunks in the rest of the budget
+        self._feed_prompts(prefillers, fed)  # 6. prompt chunks in the rest of the budget
         self._never_empty(prefillers, fed)
         feeds = fed.feeds
         if self.caps.consecutive_ids:
-            feeds = self._consecutive_ids(feeds, decoders)  # 6. one block of ids, sit-outs
+            feeds = self._consecutive_ids(feeds, decoders)  # 7. one block of ids, sit-outs
         if self.drafts is not None:
             feeds = add_drafts(self.drafts, self.pool, feeds, fed.budget, self.caps.consecutive_ids)
-        plan = StepPlan(kv_ops=self.pool.take_ops())
+        plan = StepPlan(kv_ops=self.pool.take_ops(), adapters=adapters)
         for seq, n in feeds:
             if seq.status is Status.RUNNING:
                 self._feed(plan, seq, n)

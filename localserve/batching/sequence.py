@@ -16,7 +16,7 @@ from typing import Callable
 
 from ..backends.base import SampledToken, Sampler
 from ..errors import LocalserveError
-from ..protocol.requests import LANE_RANK, FinishReason, GenerationEvent, GenerationRequest, TokenLogprob, Usage
+from ..protocol.requests import LANE_RANK, LoraSet, FinishReason, GenerationEvent, GenerationRequest, TokenLogprob, Usage
 from .speculation import DraftState
 from .text import Detokenizer
 from .thinking import ThinkCounter
@@ -35,7 +35,7 @@ class Sequence:
         "request", "sampler", "lane_rank", "order", "arrival_step", "due_step", "tokens", "num_prompt",
         "num_computed", "seq_id", "cells", "status", "cancelled", "queued", "num_generated",
         "cached_tokens", "num_preemptions", "finish_reason", "error", "n_ctx_seq", "t_submit",
-        "t_scheduled", "t_first_token", "t_finish", "_detok", "_is_eog", "_text", "_token_ids",
+        "t_scheduled", "t_first_token", "t_finish", "adapters", "_detok", "_is_eog", "_text", "_token_ids",
         "_logprobs", "_stop_hit", "stream", "draft", "spec", "think",
     )
 
@@ -56,6 +56,8 @@ class Sequence:
         self.tokens: list[int] = list(request.prompt_tokens)
         self.num_prompt = len(self.tokens)
         self.num_computed = 0
+        # Its LoRA adapters (the engine checked them at submit: lora_set): one step runs one set.
+        self.adapters: LoraSet = tuple(request.lora or ())
         self.seq_id = -1
         self.cells: list[int] = []  # KV cell ids this sequence holds (accounting; see kvpool.py)
         self.status = Status.WAITING

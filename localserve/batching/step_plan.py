@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Literal
 
 from ..backends.base import BatchToken, SampledToken
 from ..errors import LocalserveError
+from ..protocol.requests import LoraSet
 from .kv_ops import KVOp
 
 if TYPE_CHECKING:
@@ -32,6 +33,9 @@ class StepPlan:
     draft_tokens: int = 0  # rows verifying drafts (speculation.py), beside the decodes they ride on
     # Only batch-lane work: the backend may stop it for a better lane's arrival (Backend.interrupt).
     interruptible: bool = False
+    # The LoRA adapters every fed sequence runs with (adapter_turns.py): the backend runs the
+    # decode with them.
+    adapters: LoraSet = ()
 
 
 @dataclass(slots=True)

@@ -18,6 +18,7 @@ import platformdirs
 from ..errors import ConfigError
 from .aliases import parse_alias
 from .kv_cache import check_kv_types
+from .loras import check_model_loras
 from .upstreams import UpstreamConfig, parse_upstreams, resolve_keys
 
 try:  # Python 3.11+
@@ -102,6 +103,9 @@ class Settings:
     # `model_kv_cache_type` sets it per model: "NAME[:TAG]=K/V" items, like model_backends.
     kv_cache_type: str = "auto"
     model_kv_cache_type: tuple[str, ...] = ()
+    # LoRA adapters per model, "NAME[:TAG]=FILE" items (a GGUF adapter each; several per model):
+    # loaded with it after those `add --lora` stored with the tag (config/loras.py).
+    model_loras: tuple[str, ...] = ()
     # llama.cpp's CPU flash-attention kernel rounds differently for chunks of 64+ tokens, so with it
     # on a prompt's output depends on how its prefill was chunked beside other requests.
     flash_attention: bool = False
@@ -337,6 +341,7 @@ def load_settings(
 
     # Types and combinations llama.cpp refuses stop the start here, naming the entry, not a load.
     check_kv_types(settings.kv_cache_type, settings.model_kv_cache_type, settings.kv_layout, settings.flash_attention)
+    check_model_loras(settings.model_loras)
     settings.upstreams = resolve_keys(settings.upstreams, environ)
     if settings.hf_token is None and (fallback := _hf_token_fallback(environ)):
         settings.hf_token, sources["hf_token"] = fallback

@@ -26,7 +26,7 @@ from ..backends.common import sampler_thread
 from ..backends.base import Backend, Sampler, declared_capabilities
 from ..batching.limits import EngineLimits
 from ..protocol.media import ImageInput
-from ..protocol.requests import LANES, GenerationRequest, Lane, check_request
+from ..protocol.requests import LANES, GenerationRequest, Lane, check_request, lora_set
 from ..batching.scheduler import Scheduler
 from ..batching.sequence import Sequence
 from ..batching.step_plan import StepOutput
@@ -450,6 +450,7 @@ class Engine:
     # --- helpers ---------------------------------------------------------------------------
     def _validate(self, request: GenerationRequest) -> None:
         check_request(request, self.n_ctx_per_seq, self._backend.info.n_vocab)
+        request.lora = lora_set(request.lora, len(self._backend.info.loras), self.name)
 
     def _retry_after(self, queued: int) -> float:
         """Seconds until the queue has likely moved by this many requests, from recent completions."""

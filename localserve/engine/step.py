@@ -48,6 +48,7 @@ def run(backend: Backend, plan: StepPlan) -> StepResult:
         return StepResult("done")
     started = time.perf_counter()
     try:
+        backend.set_adapters(plan.adapters)  # a no-op where the set is the last step's
         backend.decode(plan.batch, interruptible=plan.interruptible)
     except KVFullError:
         return StepResult("kv_full")

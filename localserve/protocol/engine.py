@@ -61,6 +61,8 @@ class ModelInfo:
     audio: bool = False
     # Set for a reranker only (/v1/rerank refuses any other model with a 400 naming it).
     rerank: RerankFormat | None = None
+    # The LoRA adapters loaded with it (add --lora, model_loras), by id: their files' paths.
+    loras: list[str] = field(default_factory=list)
 
 
 @dataclass

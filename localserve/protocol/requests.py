@@ -118,6 +118,34 @@ class Thinking:
     budget: int | None = None  # None: as long as the model thinks; 0: closed before it thinks at all
 
 
+# A request's LoRA adapters (issue 45): (adapter id, scale) pairs, ids ascending, no zero scales. llama.cpp
+# applies adapters to a whole context, so only requests with equal sets share a decode
+# (batching/adapter_turns.py), and KV cells computed under one set are another set's cache never.
+LoraSet = tuple[tuple[int, float], ...]
+MAX_LORA_SCALE = 1e4  # far beyond any useful strength; a larger number is a client's mistake
+
+
+def lora_set(pairs: "list[tuple[int, float]] | LoraSet | None", n_adapters: int, model: str) -> LoraSet:
+    """The set a request runs with on a model of `n_adapters` adapters (llama-server's rule): None
+    (the request named none) is every adapter at scale 1; a list sets the scales of the ids it names
+    and leaves the others off. InvalidRequestError (param `lora`) naming `model` where it has no
+    adapters, an id is not one of its adapters, or a scale is not a finite number within bounds."""
+    if pairs is None:
+        return tuple((i, 1.0) for i in range(n_adapters))
+    if pairs and not n_adapters:
+        raise InvalidRequestError(f"the model {model} has no LoRA adapters ('lora' names one)", param="lora")
+    scales: dict[int, float] = {}
+    for adapter, scale in pairs:
+        if not isinstance(adapter, int) or isinstance(adapter, bool) or not 0 <= adapter < n_adapters:
+            raise InvalidRequestError(f"'lora' names adapter id {adapter!r}, but the model {model} has "
+                                      f"adapters 0..{n_adapters - 1}", param="lora")
+        if not (isinstance(scale, (int, float)) and math.isfinite(scale) and abs(scale) <= MAX_LORA_SCALE):
+            raise InvalidRequestError(f"'lora' scale of adapter {adapter} must be a finite number of at most "
+                                      f"{MAX_LORA_SCALE:g} in size (model {model})", param="lora")
+        scales[adapter] = float(scale)
+    return tuple(sorted((i, s) for i, s in scales.items() if s != 0.0))
+
+
 @dataclass
 class GenerationRequest:
     prompt_tokens: list[int]
@@ -133,6 +161,9 @@ class GenerationRequest:
     # only a model whose ModelInfo.vision is true takes any.
     images: list[ImageInput] = field(default_factory=list)
     thinking: Thinking | None = None  # set where the chat template reasons (api/think_budget.py)
+    # The LoRA adapters named, as (id, scale) pairs; None: the model's own (lora_set). The engine
+    # replaces it with the checked LoraSet at submit.
+    lora: "list[tuple[int, float]] | LoraSet | None" = None
 
 
 @dataclass

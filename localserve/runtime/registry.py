@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Callable
 from ..config.per_model import per_model_value
 from ..config.settings import Settings
 from ..errors import BackendError, ConfigError
+from .adapters import checked_lora_files, lora_files
 from .placement import BACKENDS, FORMAT_BACKEND, PREFERENCES, BackendChoice, Runtimes, choose_backend
 
 if TYPE_CHECKING:  # the engine pulls in llama.cpp; choosing a backend must import without it
@@ -65,6 +66,7 @@ def _load_llamacpp(installed: "InstalledModel", variant: "StoredVariant", plan: 
         kv_type=limits.kv_type,
         extra_buffers=extra_buffers_allowed(variant.path, cpu.model, cpu.features),
         mmproj=installed.mmproj,
+        loras=checked_lora_files(installed, settings),
     )
     engine = Engine(backend, limits, installed.ref, prompt_disk=_prompt_disk(backend, variant, plan, settings))
     engine.start()
@@ -100,6 +102,9 @@ def _onnx_missing() -> str | None:
 def _load_onnx(installed: "InstalledModel", variant: "StoredVariant", plan: "ModelPlan",
                settings: Settings) -> "ModelEngine":
     variant.verify(installed.ref)  # a corrupt folder is named as such, before any backend question
+    if lora_files(installed, settings):  # served without them, every request would answer unadapted
+        raise BackendError(f"{installed.ref}: LoRA adapters run on llama.cpp only; set model_backends "
+                           f"\"{installed.ref}=llamacpp\"")
     if (why_not := _onnx_missing()) is not None:
         raise BackendError(f"{installed.ref}: {why_not}")
     if variant.format == "oga":  # served by onnxruntime-genai's own engine, not our scheduler

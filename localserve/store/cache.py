@@ -35,6 +35,7 @@ from typing import Any, Iterator
 from ..config.settings import Settings
 from ..errors import LocalserveError, ModelNotFoundError, PullLockedError
 from . import prompt_cache
+from .lora import MANIFEST_KEY as LORA_KEY, adapter_paths, check_adapter, local_entries
 from .projector import MANIFEST_KEY as PROJECTOR_KEY, check_projector, local_entry, projector_path
 from .names import name_to_dir, safe_component  # noqa: F401  (callers take them from the cache too)
 
@@ -172,6 +173,8 @@ class InstalledModel:
     # The vision projector stored with the tag (store/projector.py), None without one: what the
     # engine's load takes as its `mmproj` path.
     mmproj: Path | None = None
+    # The LoRA adapters stored with the tag (store/lora.py), in id order.
+    loras: list[Path] = field(default_factory=list)
 
     @property
     def ref(self) -> str:
@@ -250,6 +253,7 @@ class ModelStore:
                 manifest=data,
                 variants=variants,
                 mmproj=projector_path(data, manifest_path.parent),
+                loras=adapter_paths(data),
             )
         except (OSError, ValueError, KeyError, TypeError, LocalserveError) as e:
             # One damaged manifest must not hide every other model.
@@ -337,9 +341,10 @@ class ModelStore:
         return model
 
     def register_local(self, path: Path | str, name: str, tag: str = "latest",
-                       mmproj: Path | str | None = None) -> InstalledModel:
+                       mmproj: Path | str | None = None, loras: list[Path | str] = ()) -> InstalledModel:
         """Register a GGUF file the user already has, in place (no copy), after validating it;
-        `mmproj`: its vision projector, registered in place with it (checked as a projector)."""
+        `mmproj`: its vision projector, `loras`: its LoRA adapters, registered in place with it
+        (each checked as what it is)."""
         from .verify import facts_to_manifest, read_facts, sha256_file
 
         name = safe_component(name, "name")
@@ -349,6 +354,9 @@ class ModelStore:
         projector = _local_file(mmproj) if mmproj is not None else None
         if projector is not None:
             check_projector(projector, projector.name)
+        adapters = [_local_file(p) for p in loras]
+        for adapter in adapters:
+            check_adapter(adapter, adapter.name, getattr(facts, "architecture", None))
         data = {
             "file": str(source),
             "in_place": True,
@@ -360,6 +368,8 @@ class ModelStore:
         }
         if projector is not None:
             data[PROJECTOR_KEY] = local_entry(projector, sha256_file(projector))
+        if adapters:
+            data[LORA_KEY] = local_entries(adapters, sha256_file)
         with self.lock(name, tag):
             return self.write_manifest(name, tag, data)
 

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Callable, Generator, Sequence
 import llama_cpp
 import numpy as np
 
-from ...protocol.requests import SamplingParams
+from ...protocol.requests import LoraSet, SamplingParams
 from ...errors import BackendError, InvalidRequestError
 from ...protocol.media import ImageInput
 from ..base import Backend, BatchToken, Capabilities, DecodeInterrupted, KVFullError, KVRequest, KVSizing
@@ -36,6 +36,7 @@ from .pooled import PooledContexts, close_all
 from .info import read_model_info
 from .interrupt import InterruptFlag, available as interrupt_available
 from .offload import OffloadFacts, parse_load_log
+from .lora import LoraAdapters
 from .loading import check_load_args, context_params, load_model
 from .runtime import captured_log, ensure_runtime, error_count, last_error_since
 from .sampling import LlamaCppSampler
@@ -95,6 +96,7 @@ class LlamaCppBackend(LlamaTokenizer, Backend):
                                       n_threads=n_threads, n_embd=self.n_embd, n_vocab=self.n_vocab)
         self._projector_box: list[Projector | None] = [None]  # load(mmproj=...) attaches one
         self._embd_part: PackedBatch | None = None  # a call's image rows, as embeddings
+        self._loras = LoraAdapters([], [])  # load(loras=...) loads them
         self._closed = False
         self._finalizer = weakref.finalize(self, _free_native, model, ctx, self._pooled.contexts, self._projector_box)
         self.info = read_model_info(model, self.vocab, path, n_vocab=self.n_vocab, n_embd=self.n_embd)
@@ -154,6 +156,7 @@ class LlamaCppBackend(LlamaTokenizer, Backend):
         kv_type: str = "f16",
         extra_buffers: bool | None = None,
         mmproj: str | os.PathLike[str] | None = None,
+        loras: Sequence[str | os.PathLike[str]] = (),
     ) -> LlamaCppBackend:
         """Load a GGUF model and create its batching context.
 
@@ -194,6 +197,7 @@ class LlamaCppBackend(LlamaTokenizer, Backend):
             this build's recorded probe verdict on this machine (no probe is run).
         mmproj: the model's projector file (llama.cpp's mtmd); with it the model takes images
             where mtmd says the projector sees (`info.vision`, `info.audio`; media.py).
+        loras: LoRA adapter files, ids 0, 1, ... (`info.loras`); set_adapters picks the decodes' set.
         """
         path = Path(path)
         check_load_args(path, n_ctx, n_seq_max, n_batch, kv_type)
@@ -215,6 +219,12 @@ class LlamaCppBackend(LlamaTokenizer, Backend):
         backend._pages = kv_pages.StreamKeeper(pages, backend.memory) if pages else None
         backend.set_offload(parse_load_log(load_lines + context_lines))
         backend.exact_attention = exact_attention
+        try:
+            backend._loras = LoraAdapters.load(model, loras)
+        except BaseException:
+            backend.close()
+            raise
+        backend.info.loras = backend._loras.paths
         if mmproj is not None:
             from .media import Projector
 
@@ -227,6 +237,9 @@ class LlamaCppBackend(LlamaTokenizer, Backend):
         if embeddings:
             backend._pooled.embedder()
         return backend
+
+    def set_adapters(self, adapters: LoraSet) -> None:
+        self._loras.apply(self.ctx, adapters)
 
     def _attach_projector(self, projector: Projector) -> None:
         self._projector_box[0] = projector
