@@ -5,7 +5,7 @@ No LoRA adapter GGUF can be fetched on these machines. This writes what llama.cp
 convert_lora_to_gguf.py writes for a PEFT adapter: `general.type = adapter`, `adapter.type = lora`,
 `adapter.lora.alpha`, and for each adapted weight `NAME.lora_a` (rank x in) and `NAME.lora_b`
 (out x rank) in F32, here for every block's attn_q/k/v/output with seeded random values, shaped from
-the base GGUF's own tensors. The values are large enough that greedy answers change (a trained
+the base GGUF's own sizes. The values are large enough that greedy answers change (a trained
 adapter's delta is smaller; what it says is beside the point, only that it is deterministic and
 differs from the base model and from another seed's).
 
@@ -22,28 +22,35 @@ import numpy as np
 ADAPTER_NAMES = ("smollm2-lora-a.gguf", "smollm2-lora-b.gguf")
 RANK = 8
 ALPHA = 16.0  # llama.cpp scales the delta B @ A by alpha / rank (and the request's scale)
-ADAPTED = ("attn_q", "attn_k", "attn_v", "attn_output")
 STD = 0.1
+
+
+def attention_shapes(base: Path) -> tuple[str, dict[str, tuple[int, int]]]:
+    """(the base GGUF's architecture, {tensor name: (in, out)} of its attention matrices), from its
+    header's sizes: gguf.GGUFReader would parse the whole 49k-token vocabulary first (6 s here)."""
+    from localserve.store.gguf_facts import read_gguf_facts
+
+    facts = read_gguf_facts(base)
+    head = facts.n_embd // facts.n_heads
+    kv = facts.n_kv_heads * head
+    widths = {"attn_q": facts.n_embd, "attn_k": kv, "attn_v": kv, "attn_output": facts.n_embd}
+    return facts.architecture, {f"blk.{layer}.{name}.weight": (facts.n_embd, out)
+                                for layer in range(facts.n_layers) for name, out in widths.items()}
 
 
 def write_adapter(base: Path, out: Path, seed: int) -> Path:
     """`out`: a LoRA adapter GGUF for the model `base`, from `seed`."""
     import gguf
 
-    reader = gguf.GGUFReader(base, "r")
-    arch = reader.get_field(gguf.Keys.General.ARCHITECTURE).contents()
+    arch, shapes = attention_shapes(base)
     writer = gguf.GGUFWriter(out, arch=arch)
     writer.add_string(gguf.Keys.General.TYPE, gguf.GGUFType.ADAPTER)
     writer.add_string(gguf.Keys.Adapter.TYPE, "lora")
     writer.add_float32(gguf.Keys.Adapter.LORA_ALPHA, ALPHA)
     rng = np.random.default_rng(seed)
-    for tensor in reader.tensors:
-        name = tensor.name.removesuffix(".weight")
-        if name.rsplit(".", 1)[-1] not in ADAPTED:
-            continue
-        n_in, n_out = (int(x) for x in tensor.shape[:2])  # ggml order: ne0 is the input width
-        writer.add_tensor(f"{name}.weight.lora_a", rng.normal(0, STD, (RANK, n_in)).astype(np.float32))
-        writer.add_tensor(f"{name}.weight.lora_b", rng.normal(0, STD, (n_out, RANK)).astype(np.float32))
+    for name, (n_in, n_out) in shapes.items():
+        writer.add_tensor(f"{name}.lora_a", rng.normal(0, STD, (RANK, n_in)).astype(np.float32))
+        writer.add_tensor(f"{name}.lora_b", rng.normal(0, STD, (n_out, RANK)).astype(np.float32))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -56,6 +63,7 @@ def main(argv: list[str]) -> int:
         print(__doc__.strip().splitlines()[-1].strip(), file=sys.stderr)
         return 2
     sys.path.insert(0, str(Path(__file__).resolve().parent))
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
     from conftest import SMOLLM2_SHA256, pulled
 
     out_dir = Path(argv[1])

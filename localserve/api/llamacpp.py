@@ -29,6 +29,7 @@ from .fim import fim_prompt_async, prompt_budget
 from ..protocol.media import MEDIA_MARKER
 from .generation import check_tokens, is_token_list, tokenize_async
 from .images import ImageParts
+from .lora import checked_lora, parse_lora
 from .validation import Body, check_schema, clamp_max_tokens, invalid, parse_lane, parse_seed, parse_stop, sampling_from
 
 # llama-server checks only input_extra's shape and takes what fits the context. llama.vscode sends
@@ -71,6 +72,7 @@ class NativeCall:
             lane=self.lane,
             ignore_eos=self.body.get_bool("ignore_eos", False),
             speculative=_speculative(self.body),
+            lora=checked_lora(parse_lora(self.body), engine),
         )
 
 
@@ -108,6 +110,7 @@ def _native_fields(body: Body, default_model: str, priority: str | None, default
     _speculative(body)
     parse_stop(body.raw("stop"))
     _json_schema(body)
+    parse_lora(body)
     return fields
 
 

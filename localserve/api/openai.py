@@ -42,6 +42,7 @@ from .generation import (
 )
 from .images import ImageParts
 from .fim import fim_prompt_async, prompt_budget
+from .lora import checked_lora, parse_lora, refuse_remote_lora
 from .metrics import Metrics
 from .templates import ChatTemplate
 from .think_budget import chat_reasoning, engine_thinking
@@ -101,6 +102,7 @@ class Options:
     keep_alive: float | None
     speculative: bool = True  # our extension: false turns speculative decoding off for this request
     default_max_tokens: int = 0  # where max_tokens is None, the setting default_max_tokens (0: no limit)
+    lora: list[tuple[int, float]] | None = None  # llama-server's `lora` (api/lora.py); None: the model's own
 
 
 def parse_options(body: Body, env: ApiEnv, *, chat: bool) -> Options:
@@ -136,6 +138,7 @@ def parse_options(body: Body, env: ApiEnv, *, chat: bool) -> Options:
         keep_alive=parse_keep_alive(body.raw("keep_alive")),
         speculative=body.get_bool("speculative", True),
         default_max_tokens=env.settings.default_max_tokens,
+        lora=parse_lora(body),
     )
     build_request(body, options, None, [1])  # sampling fields fail here, before any model load
     return options
@@ -155,6 +158,7 @@ def build_request(body: Body, opts: Options, engine: ModelEngine | None, tokens:
         stop=opts.stop,
         lane=opts.lane,
         speculative=opts.speculative,
+        lora=checked_lora(opts.lora, engine) if engine is not None else None,
     )
 
 
@@ -169,6 +173,7 @@ def text_request(body: Body, opts: Options, prompt: TextPrompt) -> GenerationReq
     ran in parse_*, the client's own fields travel on in `prompt.options`."""
     sampling = sampling_from(body, n_vocab=None, seed=opts.seed, logit_bias=parse_logit_bias(body.raw("logit_bias")),
                              json_schema=opts.json_schema, logprobs=opts.logprobs)
+    refuse_remote_lora(opts.lora, opts.model)
     prompt.options = {name: body.raw(name) for name in FORWARDED_FIELDS if body.has(name)}
     return GenerationRequest(prompt_tokens=[], sampling=sampling, max_tokens=opts.max_tokens or 0, stop=opts.stop,
                              lane=opts.lane, text=prompt)

@@ -59,6 +59,8 @@ def register(subparsers: argparse._SubParsersAction, common: argparse.ArgumentPa
     p.add_argument("--name", required=True, help="NAME[:TAG] to register it under")
     p.add_argument("--mmproj", metavar="FILE", default=None,
                    help="the model's vision projector (an mmproj .gguf), registered in place with it")
+    p.add_argument("--lora", metavar="FILE", action="append", default=[],
+                   help="a LoRA adapter (.gguf) for the model, registered in place with it; repeatable (ids 0, 1, ...)")
     p.set_defaults(func=run_add)
 
 
@@ -212,6 +214,7 @@ def run_show(args: argparse.Namespace, settings: Settings) -> int:
         ("sha256", str(model.sha256)),
         ("file", str(model.path) + ("  (registered in place)" if model.in_place else "")),
         ("vision", f"yes: projector {model.mmproj}" if model.mmproj is not None else "no (no projector)"),
+        ("LoRA adapters", "; ".join(f"{i}: {p}" for i, p in enumerate(info["loras"])) or "none"),
         ("source", str(info["source"] or "")),
         ("engine", _engine_line(info["engine"])),
         (f"memory @ {mem['n_ctx']} ctx" if info["ctx_given"] else "memory as loaded",
@@ -265,8 +268,8 @@ def run_add(args: argparse.Namespace, settings: Settings) -> int:
         raise InvalidRequestError("--name must be a plain NAME[:TAG] (no slashes)")
     store = ModelStore(settings)
     if Path(args.path).expanduser().is_dir():
-        if args.mmproj:
-            raise InvalidRequestError("--mmproj goes with a .gguf model file, not a folder")
+        if args.mmproj or args.lora:
+            raise InvalidRequestError("--mmproj and --lora go with a .gguf model file, not a folder")
         from ..store.model_dirs import detect_kind
 
         kind = detect_kind(Path(args.path).expanduser())
@@ -274,10 +277,12 @@ def run_add(args: argparse.Namespace, settings: Settings) -> int:
         v = model.variants[kind]
         print(f"added {model.ref}: {kind} variant ({len(v.files)} files, {_size(v.size)}, sha256 {(v.sha256 or '?')[:12]}…)")
         return 0
-    model = store.register_local(args.path, ref.name, ref.tag or "latest", mmproj=args.mmproj)
+    model = store.register_local(args.path, ref.name, ref.tag or "latest", mmproj=args.mmproj, loras=args.lora)
     print(f"added {model.ref} -> {model.path} ({_size(model.size)}, {model.quant or 'unknown quant'})")
     if model.mmproj is not None:
         print(f"  vision projector -> {model.mmproj}")
+    for i, adapter in enumerate(model.loras):
+        print(f"  LoRA adapter {i} -> {adapter}")
     return 0
 
 

@@ -13,6 +13,7 @@ from typing import Any
 from ..config.settings import Settings
 from ..errors import InvalidRequestError
 from ..store.cache import InstalledModel
+from .adapters import lora_files
 
 
 def summary(m: InstalledModel) -> dict[str, Any]:
@@ -62,6 +63,7 @@ def describe_model(model: InstalledModel, settings: Settings, n_ctx: int | None 
         estimate = estimate_memory(facts, n_ctx, kv_element_bytes(limits.kv_type))
     info: dict[str, Any] = {
         **summary(model),
+        "loras": [str(p) for p in lora_files(model, settings)],  # LoRA adapters by id (adapters.py)
         "architecture": facts.architecture,
         "parameters": facts.n_params,
         "context_length": facts.context_length,

@@ -1,6 +1,7 @@
 """llama.cpp server's native routes: POST /infill (llama.vscode, llama.vim), POST /completion
 (Continue's and Tabby's llama.cpp providers), streamed or not, GET /props, and the token routes
-POST /tokenize, /detokenize (both also in vLLM's shape) and /apply-template (api/tokenizing.py)."""
+POST /tokenize, /detokenize (both also in vLLM's shape) and /apply-template (api/tokenizing.py), and
+GET /lora-adapters (a model's LoRA adapters by id: api/lora.py)."""
 
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ from .body import read_json
 from .disconnect import guard_disconnect
 from .openai_routes import api_env
 from .streamed import run_stream
-from .served import served
+from .served import lora_adapters, served
 from .slots import Client, SlotClaim
 from .sse import open_sse, send_sse
 from .state import MANAGER_KEY, SETTINGS_KEY, SLOTS_KEY, STORE_KEY
@@ -48,6 +49,14 @@ async def props(request: web.Request) -> web.Response:
     return web.json_response(props_body(model.ref, limits.context, limits.slots, __version__,
                                         request.app[SETTINGS_KEY].default_max_tokens, vision=limits.vision),
                              dumps=json_dumps)
+
+
+@routes.get("/lora-adapters")
+async def list_lora_adapters(request: web.Request) -> web.Response:
+    """llama-server's adapter list (id, path, scale), for `?model=` or the default model, as /props."""
+    name = request.query.get("model") or request.app[SETTINGS_KEY].default_model
+    model = await asyncio.to_thread(request.app[STORE_KEY].find, name)
+    return web.json_response(lora_adapters(request, model), dumps=json_dumps)
 
 
 @routes.post("/tokenize")

@@ -37,7 +37,7 @@ from .ndjson import held_ndjson, line_bytes, send_line
 from .state import MANAGER_KEY, METRICS_KEY, SETTINGS_KEY, STORE_KEY
 from .streamed import run_stream
 from .body import read_json
-from .served import served
+from .served import lora_adapters, served
 
 routes = web.RouteTableDef()
 
@@ -207,7 +207,7 @@ async def show(request: web.Request) -> web.Response:
     limits = await served(request, model)
     fim = await asyncio.to_thread(fim_capable, model)
     show = show_body(model, limits.context, now_iso(created.modified if created else model.modified), fim,
-                     vision=limits.vision)
+                     vision=limits.vision, loras=lora_adapters(request, model))
     return web.json_response(show_overlay(show, created) if created else show, dumps=json_dumps)
 
 

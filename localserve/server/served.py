@@ -11,9 +11,12 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass
+from typing import Any
 
 from aiohttp import web
 
+from ..api.lora import adapters_body
+from ..runtime.adapters import lora_files
 from ..runtime.planning import plan_model
 from ..store.cache import InstalledModel
 from .state import MANAGER_KEY, SETTINGS_KEY
@@ -32,3 +35,9 @@ async def served(request: web.Request, model: InstalledModel) -> Served:
             return Served(int(row["context_length"]), int(row.get("max_sequences") or 1), bool(row.get("vision")))
     plan = await asyncio.to_thread(plan_model, model, request.app[SETTINGS_KEY])
     return Served(plan.limits.n_ctx_seq, plan.limits.max_sequences, model.mmproj is not None)
+
+
+def lora_adapters(request: web.Request, model: InstalledModel) -> list[dict[str, Any]]:
+    """The LoRA adapters `model` loads with (the tag's, then model_loras'), as GET /lora-adapters
+    and /api/show list them: the ids a request's `lora` names, loaded or not."""
+    return adapters_body(lora_files(model, request.app[SETTINGS_KEY]))
