@@ -1,5 +1,5 @@
 """How many prompt tokens of one waiting or prefilling sequence a step may take (schedule()'s
-step 5), given what the step already holds. The rules, each with its reason:
+step 6), given what the step already holds. The rules, each with its reason:
 
 - **Top lane alone.** While a request of the top lane (or one aged into it) is prefilling, lower
   lanes' prompts stay out of the step: a step's length is its token count, and the top lane's
