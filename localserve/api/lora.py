@@ -37,7 +37,7 @@ def parse_lora(body: Body) -> list[tuple[int, float]] | None:
     return pairs
 
 
-def checked_lora(pairs: list[tuple[int, float]] | None, engine: ModelEngine) -> LoraSet | list[tuple[int, float]] | None:
+def checked_lora(pairs: list[tuple[int, float]] | None, engine: ModelEngine) -> LoraSet | None:
     """`pairs` checked against the loaded model (a 400 naming it); None stays None (its own)."""
     if pairs is None:
         return None

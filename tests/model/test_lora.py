@@ -35,11 +35,13 @@ def adapters(smollm2_gguf: Path, tmp_path_factory: pytest.TempPathFactory) -> li
 
 @pytest.fixture(scope="module")
 def live(smollm2_gguf: Path, adapters: list[Path], tmp_path_factory: pytest.TempPathFactory):
+    missing = adapters[0].parent / "gone" / "missing-lora.gguf"
     settings = server_settings(tmp_path_factory.mktemp("home"), context_length=512,
-                               model_loras=(f"{MODEL}:{MODEL_TAG}={adapters[1]}",))
+                               model_loras=(f"{MODEL}:{MODEL_TAG}={adapters[1]}", f"broken={missing}"))
     store = ModelStore(settings)
     store.register_local(smollm2_gguf, MODEL, MODEL_TAG, loras=[adapters[0]])
     store.register_local(smollm2_gguf, "plain", "latest")
+    store.register_local(smollm2_gguf, "broken", "latest")
     with LiveServer(settings) as server:
         yield server
 
@@ -119,3 +121,10 @@ def test_lora_adapters_and_api_show_list_the_adapters(live, adapters):
     assert f"ADAPTER {adapters[0].name}" in show["modelfile"]
     status, plain = live.json("GET", f"/lora-adapters?model={PLAIN}")
     assert status == 200 and plain == []
+
+
+def test_a_missing_adapter_in_model_loras_fails_the_load_naming_the_entry_not_its_folder(live):
+    status, answer = live.json("POST", "/completion", {"model": "broken", "prompt": "hi", "n_predict": 1})
+    message = answer["error"]["message"]
+    assert status >= 400 and "model_loras" in message and "missing-lora.gguf" in message, answer
+    assert "/gone/" not in message
