@@ -72,7 +72,7 @@ class NativeCall:
             lane=self.lane,
             ignore_eos=self.body.get_bool("ignore_eos", False),
             speculative=_speculative(self.body),
-            lora=checked_lora(parse_lora(self.body), engine),
+            lora=checked_lora(parse_lora(self.body, self.model), engine),
         )
 
 
@@ -110,7 +110,7 @@ def _native_fields(body: Body, default_model: str, priority: str | None, default
     _speculative(body)
     parse_stop(body.raw("stop"))
     _json_schema(body)
-    parse_lora(body)
+    parse_lora(body, fields["model"])
     return fields
 
 

@@ -20,19 +20,21 @@ from .validation import Body, invalid
 MAX_LORA_ITEMS = 64  # a model with more adapters than this is not a desktop's
 
 
-def parse_lora(body: Body) -> list[tuple[int, float]] | None:
-    """The `lora` field as (id, scale) pairs, None when absent; a 400 on any other shape."""
+def parse_lora(body: Body, model: str) -> list[tuple[int, float]] | None:
+    """The `lora` field as (id, scale) pairs, None when absent; a 400 naming the requested `model`
+    on any other shape."""
     value = body.raw("lora")
     if value is None:
         return None
     if not isinstance(value, list) or len(value) > MAX_LORA_ITEMS:
-        raise invalid(f"'lora' must be a list of at most {MAX_LORA_ITEMS} objects {{\"id\", \"scale\"}}", "lora")
+        raise invalid(f"'lora' must be a list of at most {MAX_LORA_ITEMS} objects {{\"id\", \"scale\"}} "
+                      f"(model {model})", "lora")
     pairs = []
     for item in value:
         adapter, scale = (item.get("id"), item.get("scale")) if isinstance(item, dict) else (None, None)
         if not _is_int(adapter) or not _is_number(scale):
-            raise invalid(f"'lora' items must be objects {{\"id\": integer, \"scale\": number}} (got {str(item)[:60]})",
-                          "lora")
+            raise invalid(f"'lora' items must be objects {{\"id\": integer, \"scale\": number}} (got "
+                          f"{str(item)[:60]}; model {model})", "lora")
         pairs.append((adapter, float(scale)))
     return pairs
 

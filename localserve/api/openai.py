@@ -122,8 +122,9 @@ def parse_options(body: Body, env: ApiEnv, *, chat: bool) -> Options:
     else:
         max_tokens = body.get_int("max_tokens", 16, lo=1, hi=MAX_TOKENS_LIMIT)  # OpenAI's default for completions
         logprobs = body.get_int("logprobs", None, lo=0, hi=MAX_LOGPROBS)
+    model = body.get_str("model", None, max_len=512) or env.settings.default_model
     options = Options(
-        model=body.get_str("model", None, max_len=512) or env.settings.default_model,
+        model=model,
         stream=stream,
         include_usage=stream_options.get_bool("include_usage", False) if stream_options else False,
         n=parse_n(body),
@@ -138,7 +139,7 @@ def parse_options(body: Body, env: ApiEnv, *, chat: bool) -> Options:
         keep_alive=parse_keep_alive(body.raw("keep_alive")),
         speculative=body.get_bool("speculative", True),
         default_max_tokens=env.settings.default_max_tokens,
-        lora=parse_lora(body),
+        lora=parse_lora(body, model),
     )
     build_request(body, options, None, [1])  # sampling fields fail here, before any model load
     return options

@@ -37,15 +37,15 @@ def test_lora_set_refusals_name_the_model_and_the_field(pairs, n, says):
 
 
 def test_the_body_shape():
-    assert parse_lora(Body({})) is None
-    assert parse_lora(Body({"lora": [{"id": 0, "scale": 1}, {"id": 1, "scale": -0.5}]})) == [(0, 1.0), (1, -0.5)]
+    assert parse_lora(Body({}), "m") is None
+    assert parse_lora(Body({"lora": [{"id": 0, "scale": 1}, {"id": 1, "scale": -0.5}]}), "m") == [(0, 1.0), (1, -0.5)]
     for bad in ({"id": 0}, {"id": True, "scale": 1}, {"id": "0", "scale": 1}, {"id": 0, "scale": "1"}, 3):
         with pytest.raises(InvalidRequestError):
-            parse_lora(Body({"lora": [bad]}))
+            parse_lora(Body({"lora": [bad]}), "m")
     with pytest.raises(InvalidRequestError):
-        parse_lora(Body({"lora": {"id": 0, "scale": 1}}))
+        parse_lora(Body({"lora": {"id": 0, "scale": 1}}), "m")
     with pytest.raises(InvalidRequestError):
-        parse_lora(Body({"lora": [{"id": 0, "scale": 1}] * 65}))
+        parse_lora(Body({"lora": [{"id": 0, "scale": 1}] * 65}), "m")
 
 
 def test_model_loras_items_keep_their_paths_and_every_item_naming_the_model_counts(tmp_path):
