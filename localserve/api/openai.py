@@ -1,7 +1,7 @@
 """The OpenAI dialect without HTTP: a validated body in, engine work, the response object out.
 
-One function per endpoint (`chat_completion`, `completion`, `embeddings`) runs a parsed call
-through a ModelManager and returns the exact JSON object the HTTP route answers with. The routes
+One function per endpoint (`chat_completion`, `completion`) runs a parsed call through a
+ModelManager and returns the exact JSON object the HTTP route answers with. The routes
 (openai_routes.py) keep only what is HTTP: reading the body, SSE, watching the connection. A batch
 runner feeds a JSONL line's body through the same parse_* and the same function, so a batch line
 and an HTTP request cannot drift apart.
@@ -9,23 +9,18 @@ and an HTTP request cannot drift apart.
 Each endpoint has three parts: `parse_*` (every field checked before any model is loaded, so a
 bad body never costs a load), `prepare` (with the loaded engine: template, tokenize, build the
 GenerationRequests) and `*_response` (collected choices -> the response object). Streaming routes
-use the same parse and prepare and format chunks themselves.
+use the same parse and prepare and format chunks themselves. The pieces of the response objects
+(ids, logprobs, finish reasons) are openai_shapes.py's; /v1/embeddings is openai_embeddings.py.
 """
 
 from __future__ import annotations
 
-import base64
-import math
-import struct
-import time
-import uuid
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, AsyncContextManager, Callable, Sequence, TypeVar
 
-from .. import __version__
 from ..config.settings import Settings
 from ..protocol.engine import ModelEngine, TextEngine
-from ..protocol.requests import MAX_LOGPROBS, GenerationRequest, Lane, TextPrompt, TokenLogprob, Usage
+from ..protocol.requests import MAX_LOGPROBS, GenerationRequest, Lane, TextPrompt, Usage
 from .live import mark_fim
 from .generation import (
     Choice,
@@ -34,7 +29,6 @@ from .generation import (
     chat_template,
     check_tokens,
     collect,
-    embed_texts,
     generation,
     is_token_list,
     tokenize_async,
@@ -44,11 +38,11 @@ from .images import ImageParts
 from .fim import fim_prompt_async, prompt_budget
 from .lora import checked_lora, parse_lora, refuse_remote_lora
 from .metrics import Metrics
+from .openai_shapes import CHAT_PREFIX, COMPLETION_PREFIX, Head, chat_logprobs, completion_logprobs, finish_reason
 from .templates import ChatTemplate
 from .think_budget import chat_reasoning, engine_thinking
 from .tools import forced_call_schema, parse_tool_calls, tool_choice_plan
 from .validation import (
-    MAX_EMBED_INPUTS,
     MAX_PROMPTS,
     Body,
     clamp_max_tokens,
@@ -68,11 +62,8 @@ from .validation import (
 if TYPE_CHECKING:
     from ..runtime.manager import ModelManager
 
-SYSTEM_FINGERPRINT = f"localserve-{__version__}"
 MAX_TOKENS_LIMIT = (1 << 63) - 1  # bigger asks are clamped to the context left, not refused
 MAX_FIM_CHARS = 1 << 20  # a suffix as long as a prompt may be; the context cuts it further
-MIN_LOGPROB = -9999.0  # JSON has no -inf; OpenAI clients expect a number
-CHAT_PREFIX, COMPLETION_PREFIX = "chatcmpl", "cmpl"  # of response ids
 
 
 @dataclass
@@ -178,62 +169,6 @@ def text_request(body: Body, opts: Options, prompt: TextPrompt) -> GenerationReq
     prompt.options = {name: body.raw(name) for name in FORWARDED_FIELDS if body.has(name)}
     return GenerationRequest(prompt_tokens=[], sampling=sampling, max_tokens=opts.max_tokens or 0, stop=opts.stop,
                              lane=opts.lane, text=prompt)
-
-
-def finish_reason(reason: str | None) -> str:
-    return "length" if reason == "length" else "stop"
-
-
-def _lp(value: float) -> float:
-    return value if math.isfinite(value) else MIN_LOGPROB
-
-
-def chat_logprobs(items: Sequence[TokenLogprob], k: int) -> dict[str, Any]:
-    return {
-        "content": [
-            {
-                "token": lp.text,
-                "logprob": _lp(lp.logprob),
-                "bytes": list(lp.text.encode("utf-8")),
-                "top_logprobs": [
-                    {"token": text, "logprob": _lp(value), "bytes": list(text.encode("utf-8"))}
-                    for _, text, value in lp.top[:k]
-                ],
-            }
-            for lp in items
-        ],
-        "refusal": None,
-    }
-
-
-def completion_logprobs(items: Sequence[TokenLogprob], k: int, offset: int) -> dict[str, Any]:
-    offsets = []
-    for lp in items:
-        offsets.append(offset)
-        offset += len(lp.text)
-    return {
-        "tokens": [lp.text for lp in items],
-        "token_logprobs": [_lp(lp.logprob) for lp in items],
-        "top_logprobs": [{text: _lp(value) for _, text, value in lp.top[:k]} for lp in items],
-        "text_offset": offsets,
-    }
-
-
-@dataclass
-class Head:
-    """The id, timestamp and model every object of one response carries."""
-
-    model: str
-    prefix: str
-    id: str = ""
-    created: int = field(default_factory=lambda: int(time.time()))
-
-    def __post_init__(self) -> None:
-        self.id = self.id or f"{self.prefix}-{uuid.uuid4().hex[:24]}"
-
-    def of(self, obj: str) -> dict[str, Any]:
-        return {"id": self.id, "object": obj, "created": self.created, "model": self.model,
-                "system_fingerprint": SYSTEM_FINGERPRINT}
 
 
 def observe(env: ApiEnv, model: str, usages: Sequence[Usage | None]) -> None:
@@ -438,60 +373,3 @@ async def _collected(call: GenerationCall, env: ApiEnv,
         choices = await collect(run.streams)
     observe(env, run.model, [c.usage for c in choices])
     return respond(call, Head(run.model, prefix), choices)
-
-
-# --- embeddings ----------------------------------------------------------------------------------
-@dataclass
-class EmbeddingsCall:
-    model: str
-    inputs: list[str | list[int]]
-    encoding: str  # "float" or "base64"
-    dimensions: int | None
-    lane: Lane = "default"
-
-
-def parse_embeddings(body: Body, env: ApiEnv) -> EmbeddingsCall:
-    return EmbeddingsCall(
-        model=body.get_str("model", None, max_len=512) or env.settings.default_model,
-        inputs=parse_text_or_tokens(body.raw("input"), "input", MAX_EMBED_INPUTS),
-        encoding=body.get_str("encoding_format", "float", choices=("float", "base64")) or "float",
-        dimensions=body.get_int("dimensions", None, lo=1, hi=1 << 20),
-        lane=parse_lane(body, env.priority_header, "default"),
-    )
-
-
-def refuse_foreign_token_ids(inputs: Sequence[str | list[int]], allowed: bool) -> None:
-    """Token ids are another tokenizer's unless the user said otherwise: langchain-openai's default
-    OpenAIEmbeddings sends OpenAI's cl100k ids, which read as this model's ids are other text (its
-    vectors had cosine 0.75 with the same sentence sent as text). An upstream is not asked this: its
-    model may well be the one whose tokenizer made them."""
-    if allowed or all(isinstance(item, str) for item in inputs):
-        return
-    raise invalid("'input' holds token ids, which this server cannot tell are this model's tokenizer's: send "
-                  "the text instead (langchain-openai: OpenAIEmbeddings(check_embedding_ctx_length=False)), or "
-                  "turn on the setting embed_token_ids if the ids come from this model's own tokenizer", "input")
-
-
-async def embeddings(call: EmbeddingsCall, env: ApiEnv) -> dict[str, Any]:
-    """The embeddings list object for a parsed call."""
-    async with env.manager.use(call.model, lane=call.lane) as loaded:
-        if isinstance(loaded.engine, TextEngine):  # the upstream tokenizes, counts and checks dimensions
-            vectors, n_tokens = await loaded.engine.embed_text(call.inputs, call.dimensions)
-        else:
-            refuse_foreign_token_ids(call.inputs, env.settings.embed_token_ids)
-            n_embd = loaded.engine.info.n_embd
-            if call.dimensions is not None and call.dimensions != n_embd:
-                raise invalid(f"'dimensions' must be {n_embd} for this model (no reduction supported)", "dimensions")
-            token_lists, vectors = await embed_texts(loaded.engine, call.inputs, truncate=False, param="input",
-                                                     max_tokens=env.settings.max_embed_tokens, lane=call.lane)
-            n_tokens = sum(len(t) for t in token_lists)
-    data = []
-    for i, vector in enumerate(vectors):
-        if call.encoding == "base64":
-            # What the openai package asks for by default: little-endian float32, base64.
-            encoded: Any = base64.b64encode(struct.pack(f"<{len(vector)}f", *vector)).decode("ascii")
-        else:
-            encoded = [float(x) for x in vector]
-        data.append({"object": "embedding", "index": i, "embedding": encoded})
-    return {"object": "list", "data": data, "model": loaded.name,
-            "usage": {"prompt_tokens": n_tokens, "total_tokens": n_tokens}}

@@ -28,11 +28,10 @@ from ..api.openai import (
     ApiEnv,
     chat_completion,
     completion,
-    embeddings,
     parse_chat,
     parse_completion,
-    parse_embeddings,
 )
+from ..api.openai_embeddings import embeddings, parse_embeddings
 from ..api.rerank import parse_rerank, rerank
 from ..api.responses import create_response, parse_responses
 from ..api.validation import THREAD_PARSE_BYTES, Body

@@ -29,24 +29,9 @@ from .held import HeldStream
 from .streamed import run_stream
 from .errors import is_anthropic_request
 from .sse import DONE, data_frame, open_sse, send_sse
-from ..api.openai import (
-    CHAT_PREFIX,
-    COMPLETION_PREFIX,
-    ApiEnv,
-    Head,
-    Options,
-    chat_completion,
-    chat_logprobs,
-    completion,
-    completion_logprobs,
-    embeddings,
-    finish_reason,
-    observe,
-    parse_chat,
-    parse_completion,
-    parse_embeddings,
-    start,
-)
+from ..api.openai import ApiEnv, Options, chat_completion, completion, observe, parse_chat, parse_completion, start
+from ..api.openai_embeddings import embeddings, parse_embeddings
+from ..api.openai_shapes import CHAT_PREFIX, COMPLETION_PREFIX, Head, chat_logprobs, completion_logprobs, finish_reason
 from .state import MANAGER_KEY, METRICS_KEY, SETTINGS_KEY, STORE_KEY
 from ..api.tools import ToolCallStream
 from .body import read_json

@@ -11,11 +11,10 @@ from localserve.api.openai import (
     ApiEnv,
     chat_completion,
     completion,
-    embeddings,
     parse_chat,
     parse_completion,
-    parse_embeddings,
 )
+from localserve.api.openai_embeddings import embeddings, parse_embeddings
 from localserve.api.validation import Body
 from server_harness import MODEL, MODEL_TAG, model_server
 
