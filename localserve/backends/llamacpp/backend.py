@@ -14,13 +14,14 @@ context behind its own lock.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import dataclasses
 import logging
 import os
 import weakref
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable, Generator, Sequence
+from typing import TYPE_CHECKING, Callable, Generator, Iterator, Sequence
 
 import llama_cpp
 import numpy as np
@@ -37,8 +38,8 @@ from .info import read_model_info
 from .interrupt import InterruptFlag, available as interrupt_available
 from .offload import OffloadFacts, parse_load_log
 from .lora import LoraAdapters
-from .loading import check_load_args, context_params, load_model
-from .runtime import captured_log, ensure_runtime, error_count, last_error_since
+from .loading import check_load_args, context_params, load_model, make_context
+from .runtime import ensure_runtime, error_count, last_error_since
 from .sampling import LlamaCppSampler
 from .tokenizer import LlamaTokenizer
 from . import kv_pages, seq_copy, sizing
@@ -60,7 +61,7 @@ def _free_native(model, ctx, pooled: list, projector_box: list) -> None:
 
 
 class LlamaCppBackend(LlamaTokenizer, Backend):
-    exact_attention = False  # see load()
+    exact_attention = False  # see load() and loading.context_params
     adjustable_threads = True  # llama_set_n_threads, between decodes
 
     def __init__(self, model, ctx, path: Path, *, n_threads: int, kv_unified: bool) -> None:
@@ -165,33 +166,9 @@ class LlamaCppBackend(LlamaTokenizer, Backend):
         n_seq_max: sequence ids 0..n_seq_max-1 (llama.cpp allows at most 256).
         n_batch: the most tokens one decode may carry (the scheduler's step budget must not exceed it).
         embeddings: create the embeddings context now instead of at the first embed() call.
-        exact_attention: F32 KV cache and no flash attention: the least rounding llama.cpp offers,
-            the reference the tests compare other runtimes (ONNX, OGA) against. Costs 2x KV memory
-            and ~10% decode speed. It does not make a unified pool independent of where a
-            sequence's cells sit: the vector kernels sum cells in lanes, so an offset that moves a
-            sequence across lanes moves its sums. Measured on SmolLM2 on an AVX2 machine, a prompt
-            behind another sequence's cells differs by up to 0.49 in its logits (enough to flip a
-            greedy token) unless that offset is a multiple of 8, where CI's AMX machines had
-            passed a bit-equality test. Per-sequence streams (kv_unified=False) keep answers exact.
-        kv_unified: one pool of n_ctx cells for all sequences (True, this function's default) or
-            one stream of n_ctx / n_seq_max cells per sequence (False, what the product loads:
-            settings.kv_unified, EngineLimits). Measured on SmolLM2 (tests/
-            test_backend_llamacpp.py): in a unified pool a sequence's attention sums run over cells
-            interleaved with other sequences' (masked) cells, so its greedy tokens can change with
-            the batch it runs in, even with exact_attention. Per-sequence streams keep each
-            sequence's cells where they would be alone: outputs are bit-identical batched or
-            alone, with the default F16 cache too. The price: no sequence grows past its stream,
-            and kv_copy copies the stream instead of sharing cells.
-        flash_attention: False disables it (True, this function's default, lets llama.cpp decide;
-            the product passes settings.flash_attention, False). On CPU its kernel switches
-            to a tiled variant for micro-batches of 64+ tokens, which rounds differently, so a
-            prompt prefilled in other chunk sizes (alone vs. beside other requests) can end in other
-            greedy tokens. With per-sequence streams and flash attention off, outputs are identical
-            whatever the batch (tests/model/test_engine_llamacpp.py), with the F16 cache.
-        kv_type: the cache's element types, "K/V" or one name for both ("f16", "q8_0",
-            "q8_0/f16": config/kv_cache.py; q8_0 halves KV memory). llama.cpp needs flash attention
-            for a quantized V cache, so a quantized V turns it on; a quantized K alone does not.
-            Ignored with exact_attention, which keeps F32.
+        exact_attention, kv_unified, flash_attention, kv_type: the KV cache's precision and layout
+            and the attention kernel; loading.context_params says what each changes in answers
+            and memory (measured), and why the product loads per-sequence streams.
         extra_buffers: llama.cpp's extra CPU buffer types (AMX, repacked Q4_0/Q4_K layouts). False
             where the build's AMX path kills the process here (probe.py); None, the default, follows
             this build's recorded probe verdict on this machine (no probe is run).
@@ -207,44 +184,43 @@ class LlamaCppBackend(LlamaTokenizer, Backend):
         cparams = context_params(n_ctx=n_ctx, n_seq_max=n_seq_max, n_batch=n_batch, n_threads=n_threads,
                                  kv_unified=kv_unified, kv_type=kv_type, flash_attention=flash_attention,
                                  exact_attention=exact_attention)
-        # The KV buffer's clear gives its pages back instead of writing them (kv_pages.py): a
-        # context of 16 x 8,192 cells was 3 GiB committed and most of a 2.3 s load.
-        with captured_log() as context_lines, kv_pages.zeroing_by_release() as zeroed:
-            ctx = llama_cpp.llama_init_from_model(model, cparams)
-        if not ctx:
-            llama_cpp.llama_model_free(model)
-            raise BackendError(f"could not create a context for {path.name!r} (n_ctx={n_ctx}; out of memory?)")
+        ctx, context_lines, pages = make_context(model, cparams, path)
         backend = cls(model, ctx, path, n_threads=n_threads, kv_unified=kv_unified)
-        pages = kv_pages.KVPages.locate(model, cparams, zeroed)
         backend._pages = kv_pages.StreamKeeper(pages, backend.memory) if pages else None
         backend.set_offload(parse_load_log(load_lines + context_lines))
         backend.exact_attention = exact_attention
-        try:
-            backend._loras = LoraAdapters.load(model, loras)
-        except BaseException:
-            backend.close()
-            raise
-        backend.info.loras = backend._loras.paths
-        if mmproj is not None:
-            from .media import Projector
-
-            try:
-                backend._attach_projector(Projector.load(mmproj, model, backend.n_embd, n_threads,
-                                                         use_gpu=n_gpu_layers != 0))
-            except BaseException:
-                backend.close()
-                raise
+        with backend._closed_on_error():
+            backend._attach_loras(loras)
+            if mmproj is not None:
+                backend._attach_projector(mmproj, use_gpu=n_gpu_layers != 0)
         if embeddings:
             backend._pooled.embedder()
         return backend
 
-    def set_adapters(self, adapters: LoraSet) -> None:
-        self._loras.apply(self.ctx, adapters)
+    @contextlib.contextmanager
+    def _closed_on_error(self) -> Iterator[None]:
+        """Frees the model and its context where a step after the context's creation fails: the
+        caller never got the backend, so nobody else would."""
+        try:
+            yield
+        except BaseException:
+            self.close()
+            raise
 
-    def _attach_projector(self, projector: Projector) -> None:
+    def _attach_loras(self, paths: Sequence[str | os.PathLike[str]]) -> None:
+        self._loras = LoraAdapters.load(self.model, paths)
+        self.info.loras = self._loras.paths
+
+    def _attach_projector(self, mmproj: str | os.PathLike[str], *, use_gpu: bool) -> None:
+        from .media import Projector  # libmtmd: only a model with a projector loads it
+
+        projector = Projector.load(mmproj, self.model, self.n_embd, self.n_threads, use_gpu=use_gpu)
         self._projector_box[0] = projector
         self.info.vision = projector.vision
         self.info.audio = projector.audio
+
+    def set_adapters(self, adapters: LoraSet) -> None:
+        self._loras.apply(self.ctx, adapters)
 
     def set_offload(self, facts: OffloadFacts) -> None:
         """Record where the load put the model (its log lines' facts) in `info`."""

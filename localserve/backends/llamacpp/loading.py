@@ -1,5 +1,6 @@
 """LlamaCppBackend.load's steps: checking its arguments, loading the weights, the context's
-parameters; and llama.cpp's error text without host paths (the vocab-only load uses it too)."""
+parameters (and what each costs), making the context; and llama.cpp's error text without host
+paths (the vocab-only load uses it too)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,8 @@ from typing import Any
 import llama_cpp
 
 from ...config.kv_cache import kv_pair, needs_flash_attention
-from ...errors import GGUFError, ModelNotFoundError
+from ...errors import BackendError, GGUFError, ModelNotFoundError
+from . import kv_pages
 from .probe import build_died_here
 from .runtime import captured_log, error_count, last_error_since
 
@@ -59,6 +61,37 @@ def load_model(path: Path, n_gpu_layers: int, extra_buffers: bool | None) -> tup
 
 def context_params(*, n_ctx: int, n_seq_max: int, n_batch: int, n_threads: int, kv_unified: bool, kv_type: str,
                     flash_attention: bool, exact_attention: bool) -> Any:
+    """llama.cpp's context parameters for LlamaCppBackend.load's arguments. What the ones that
+    change answers or memory do:
+
+    exact_attention: F32 KV cache and no flash attention: the least rounding llama.cpp offers,
+        the reference the tests compare other runtimes (ONNX, OGA) against. Costs 2x KV memory
+        and ~10% decode speed. It does not make a unified pool independent of where a
+        sequence's cells sit: the vector kernels sum cells in lanes, so an offset that moves a
+        sequence across lanes moves its sums. Measured on SmolLM2 on an AVX2 machine, a prompt
+        behind another sequence's cells differs by up to 0.49 in its logits (enough to flip a
+        greedy token) unless that offset is a multiple of 8, where CI's AMX machines had
+        passed a bit-equality test. Per-sequence streams (kv_unified=False) keep answers exact.
+    kv_unified: one pool of n_ctx cells for all sequences (True, load's default) or one stream
+        of n_ctx / n_seq_max cells per sequence (False, what the product loads:
+        settings.kv_unified, EngineLimits). Measured on SmolLM2 (tests/model/
+        test_backend_llamacpp.py): in a unified pool a sequence's attention sums run over cells
+        interleaved with other sequences' (masked) cells, so its greedy tokens can change with
+        the batch it runs in, even with exact_attention. Per-sequence streams keep each
+        sequence's cells where they would be alone: outputs are bit-identical batched or
+        alone, with the default F16 cache too. The price: no sequence grows past its stream,
+        and kv_copy copies the stream instead of sharing cells.
+    flash_attention: False disables it (True, load's default, lets llama.cpp decide; the
+        product passes settings.flash_attention, False). On CPU its kernel switches to a tiled
+        variant for micro-batches of 64+ tokens, which rounds differently, so a prompt
+        prefilled in other chunk sizes (alone vs. beside other requests) can end in other
+        greedy tokens. With per-sequence streams and flash attention off, outputs are identical
+        whatever the batch (tests/model/test_engine_llamacpp.py), with the F16 cache.
+    kv_type: the cache's element types, "K/V" or one name for both ("f16", "q8_0", "q8_0/f16":
+        config/kv_cache.py; q8_0 halves KV memory). llama.cpp needs flash attention for a
+        quantized V cache, so a quantized V turns it on; a quantized K alone does not. Ignored
+        with exact_attention, which keeps F32.
+    """
     cparams = llama_cpp.llama_context_default_params()
     cparams.n_ctx = n_ctx
     cparams.n_batch = n_batch
@@ -77,3 +110,17 @@ def context_params(*, n_ctx: int, n_seq_max: int, n_batch: int, n_threads: int, 
     if exact_attention or not flash_attention:
         cparams.flash_attn_type = llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED
     return cparams
+
+
+def make_context(model: Any, cparams: Any, path: Path) -> tuple[Any, list[str], kv_pages.KVPages | None]:
+    """The context, llama.cpp's log lines of making it (where it put the KV cache), and where its KV
+    buffer's pages lie if they can go back to the OS (kv_pages.py); frees the model and raises
+    BackendError where llama.cpp cannot make one."""
+    # The KV buffer's clear gives its pages back instead of writing them (kv_pages.py): a
+    # context of 16 x 8,192 cells was 3 GiB committed and most of a 2.3 s load.
+    with captured_log() as context_lines, kv_pages.zeroing_by_release() as zeroed:
+        ctx = llama_cpp.llama_init_from_model(model, cparams)
+    if not ctx:
+        llama_cpp.llama_model_free(model)
+        raise BackendError(f"could not create a context for {path.name!r} (n_ctx={cparams.n_ctx}; out of memory?)")
+    return ctx, context_lines, kv_pages.KVPages.locate(model, cparams, zeroed)
