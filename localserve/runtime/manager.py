@@ -5,8 +5,8 @@
   two loads of one model would double its memory and race for the budget.
 - `use()` leases the model for the duration of a request (loaded.py); a leased model is never
   unloaded, neither by keep-alive nor by a swap. When the last lease goes, the model expires after
-  its keep-alive (settings.keep_alive, or the request's `keep_alive`: 0 = unload right away,
-  negative = never).
+  its keep-alive (keep_alive.py: settings.keep_alive, or the request's `keep_alive`: 0 = unload
+  right away, negative = never).
 - How many models stay loaded comes from their memory estimates against what the machine has now
   (planning.memory_budget), with settings.max_loaded_models as an upper bound when set. A request
   for a model that does not fit waits in its lane for a swap, under the lane's queue bound and
@@ -37,6 +37,7 @@ from ..engine.upstream.pool import UpstreamPool
 from ..engine.worker.proxy import WorkerEngine
 from . import swaps
 from .crashes import CrashBook
+from .keep_alive import KeepAliveReaper
 from .resolve import resolve
 from .loaded import Lease, LoadedModel
 from .status_rows import failed_row, loaded_row, loading_row
@@ -64,8 +65,7 @@ class ModelManager:
         self._load_seconds: dict[str, float] = {}  # the last load of each model, for Retry-After
         self._queues = swaps.LoadQueues(settings.queue_size, self._retry_after)
         self._recheck: asyncio.TimerHandle | None = None
-        self._wake = asyncio.Event()
-        self._reaper: asyncio.Task[None] | None = None
+        self._reaper = KeepAliveReaper(self._loaded.values, self._begin_unload)
         self._closed = False
         self.crashes = CrashBook()
         # Remote models: names the store does not hold resolve to upstreams (upstream/), if any.
@@ -158,9 +158,7 @@ class ModelManager:
         if self._recheck is not None:
             self._recheck.cancel()
         self._queues.fail_all(lambda w: OverloadedError("the server is shutting down", retry_after=BUSY_RETRY_AFTER))
-        if self._reaper is not None:
-            self._reaper.cancel()
-            await asyncio.gather(self._reaper, return_exceptions=True)
+        await self._reaper.close()
         # A load running in a thread cannot be interrupted; wait for it so its engine is shut down too.
         await asyncio.gather(*self._loading.values(), return_exceptions=True)
         await asyncio.gather(*(self._unload(m) for m in list(self._loaded.values())), return_exceptions=True)
@@ -170,7 +168,7 @@ class ModelManager:
     async def _acquire(self, installed: InstalledModel, lane: Lane, hold: bool) -> Lease:
         if self._closed:
             raise OverloadedError("the server is shutting down", retry_after=BUSY_RETRY_AFTER)
-        self._ensure_reaper()
+        self._reaper.ensure_running()
         key = installed.ref
         model = self._loaded.get(key)
         if model is not None and swaps.admits(model.draining_for, lane):
@@ -223,13 +221,7 @@ class ModelManager:
         if was_leased:
             model.keep_alive = self.settings.keep_alive if keep_alive is None else keep_alive
         if model.pinned == 0 and self._loaded.get(model.name) is model:
-            if model.keep_alive == 0 or model.unload_when_idle:
-                model.expires_at = time.time()
-            elif model.keep_alive < 0:
-                model.expires_at = None  # forever
-            else:
-                model.expires_at = time.time() + model.keep_alive
-            self._wake.set()
+            self._reaper.idle(model)
         self._tick()
 
     async def _plan(self, installed: InstalledModel) -> ModelPlan:
@@ -404,7 +396,7 @@ class ModelManager:
         if isinstance(engine, WorkerEngine):
             loop = asyncio.get_running_loop()
             engine.on_exit(lambda reason, model=model: loop.call_soon_threadsafe(self._engine_died, model, reason))
-        self._wake.set()
+        self._reaper.wake()
         return model
 
     def _engine_died(self, model: LoadedModel, reason: str) -> None:
@@ -454,30 +446,6 @@ class ModelManager:
             log.info("unloaded %s", model.name)
         except Exception:
             log.exception("unloading %s failed", model.name)
-
-    # --- keep-alive ------------------------------------------------------------------------
-    def _ensure_reaper(self) -> None:
-        if self._reaper is None or self._reaper.done():
-            self._reaper = asyncio.create_task(self._reap(), name="keep-alive reaper")
-
-    async def _reap(self) -> None:
-        while not self._closed:
-            self._wake.clear()
-            now = time.time()
-            next_expiry: float | None = None
-            for model in list(self._loaded.values()):
-                if model.pinned or model.expires_at is None:
-                    continue
-                if model.expires_at <= now:
-                    log.info("keep-alive of %s expired", model.name)
-                    self._begin_unload(model)
-                elif next_expiry is None or model.expires_at < next_expiry:
-                    next_expiry = model.expires_at
-            timeout = None if next_expiry is None else max(0.01, next_expiry - now)
-            try:
-                await asyncio.wait_for(self._wake.wait(), timeout)
-            except asyncio.TimeoutError:
-                pass
 
     # --- helpers ---------------------------------------------------------------------------
     async def _key_of(self, model_ref: str) -> str | None:
