@@ -149,6 +149,7 @@ class LlamaCppBackend(LlamaTokenizer, Backend):
         n_batch: int,
         n_threads: int | None = None,
         n_gpu_layers: int = 0,
+        cpu_moe_layers: int = 0,
         embeddings: bool = False,
         exact_attention: bool = False,
         kv_unified: bool = True,
@@ -164,6 +165,9 @@ class LlamaCppBackend(LlamaTokenizer, Backend):
             prefixes) or n_seq_max streams of n_ctx / n_seq_max cells each.
         n_seq_max: sequence ids 0..n_seq_max-1 (llama.cpp allows at most 256).
         n_batch: the most tokens one decode may carry (the scheduler's step budget must not exceed it).
+        cpu_moe_layers: the first N layers' MoE expert weights stay in RAM while the rest of the
+            offloaded layers go to the GPU (llama-server's --n-cpu-moe N; -1: all, --cpu-moe). The
+            weights each override moved are in `offload.overridden`.
         embeddings: create the embeddings context now instead of at the first embed() call.
         exact_attention: F32 KV cache and no flash attention: the least rounding llama.cpp offers,
             the reference the tests compare other runtimes (ONNX, OGA) against. Costs 2x KV memory
@@ -203,7 +207,7 @@ class LlamaCppBackend(LlamaTokenizer, Backend):
         check_load_args(path, n_ctx, n_seq_max, n_batch, kv_type)
         ensure_runtime()
         n_threads = n_threads or default_threads()
-        model, load_lines = load_model(path, n_gpu_layers, extra_buffers)
+        model, load_lines = load_model(path, n_gpu_layers, extra_buffers, cpu_moe_layers)
         cparams = context_params(n_ctx=n_ctx, n_seq_max=n_seq_max, n_batch=n_batch, n_threads=n_threads,
                                  kv_unified=kv_unified, kv_type=kv_type, flash_attention=flash_attention,
                                  exact_attention=exact_attention)

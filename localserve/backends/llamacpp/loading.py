@@ -12,6 +12,7 @@ import llama_cpp
 
 from ...config.kv_cache import kv_pair, needs_flash_attention
 from ...errors import GGUFError, ModelNotFoundError
+from .moe import set_expert_overrides
 from .probe import build_died_here
 from .runtime import captured_log, error_count, last_error_since
 
@@ -42,15 +43,19 @@ def check_load_args(path: Path, n_ctx: int, n_seq_max: int, n_batch: int, kv_typ
         raise ModelNotFoundError(path.name, message=f"model file {path.name!r} does not exist")
 
 
-def load_model(path: Path, n_gpu_layers: int, extra_buffers: bool | None) -> tuple[Any, list[str]]:
+def load_model(path: Path, n_gpu_layers: int, extra_buffers: bool | None,
+               cpu_moe_layers: int = 0) -> tuple[Any, list[str]]:
     """The weights, and llama.cpp's log lines of the load (where it put the layers); GGUFError in
-    llama.cpp's own words, with no host path, when it cannot load the file."""
+    llama.cpp's own words, with no host path, when it cannot load the file. `cpu_moe_layers`: the
+    first N layers' MoE experts stay in RAM (moe.ALL_LAYERS: every layer's)."""
     errors_before = error_count()
     mparams = llama_cpp.llama_model_default_params()
     mparams.n_gpu_layers = n_gpu_layers
     mparams.use_extra_bufts = not build_died_here() if extra_buffers is None else extra_buffers
+    overrides = set_expert_overrides(mparams, cpu_moe_layers)
     with captured_log() as load_lines:
         model = llama_cpp.llama_model_load_from_file(os.fsencode(path), mparams)
+    del overrides  # read by the load only
     if not model:
         reason = without_paths(last_error_since(errors_before), path)
         raise GGUFError(f"could not load model file {path.name!r}" + (f": {reason}" if reason else ""))
