@@ -5,6 +5,8 @@ Order of preference, first that applies wins:
  1. an NPU whose vendor stack supports LLMs, an ONNX variant, and the matching ONNX Runtime EP
     (QNN for Qualcomm Hexagon, VitisAI for AMD XDNA 2, OpenVINO for Intel) -> onnx on the NPU;
  2. a GGUF, a llama.cpp build with a backend for the GPU, and the whole model fits -> full offload;
+    a mixture-of-experts model that does not fit but whose weights other than its experts do ->
+    full offload with every layer's experts in RAM (cpu_moe "auto"; config/moe.py);
  3. an ONNX variant and a GPU execution provider (DirectML on Windows GPUs, CUDA) that fits -> onnx;
  4. a GGUF and at least one layer fits on the GPU -> partial offload of as many layers as fit;
  5. the CPU (llama.cpp for GGUF, ONNX Runtime's CPU EP otherwise).
@@ -21,7 +23,7 @@ from typing import Any, Literal, Sequence
 
 from ..errors import BackendError
 from ..hardware.report import GPUInfo, HardwareReport
-from .memory import MemoryEstimate, format_bytes
+from .memory import MemoryEstimate, experts_in_ram, format_bytes
 
 GiB = 1 << 30
 BACKENDS = ("llamacpp", "onnx")
@@ -74,6 +76,10 @@ class BackendChoice:
     device_name: str = "CPU"
     # onnx only: the tag has no ONNX variant yet; the load converts its GGUF first (registry.py)
     convert: bool = False
+    # llama.cpp: the first N layers' MoE experts stay in RAM (-1: all); the rest of them goes where
+    # n_gpu_layers says. `experts_ram_bytes` is their size.
+    cpu_moe_layers: int = 0
+    experts_ram_bytes: int = 0
 
     def as_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -132,10 +138,13 @@ def choose_backend(
     estimate: MemoryEstimate | None = None,
     prefer: str = "auto",
     requested_by: str = "",
+    cpu_moe: int | None = None,
 ) -> BackendChoice:
     """Pick backend, device and GPU layer count for a model available in `variants` ("gguf",
     "onnx", "oga"), needing `estimate` memory (None: unknown size, assume it fits). `prefer` is
-    "auto" or the one backend to use; `requested_by` says where that came from, for the reason."""
+    "auto" or the one backend to use; `requested_by` says where that came from, for the reason.
+    `cpu_moe`: the layers whose MoE experts stay in RAM on a GPU (-1: all; None: auto, all
+    exactly when the model fits only without them)."""
     runtimes = runtimes or Runtimes.from_report(report)
     formats = {"onnx" if v.lower() == "oga" else v.lower() for v in variants}
     if prefer != "auto":
@@ -146,7 +155,7 @@ def choose_backend(
             have = ", ".join(sorted(formats)) or "no variants"
             raise BackendError(f"backend {prefer} was requested{_by(requested_by)}, but the model has no variant "
                                f"it runs (it has {have})")
-        choice = choose_backend(report, sorted(wanted), runtimes, estimate)
+        choice = choose_backend(report, sorted(wanted), runtimes, estimate, cpu_moe=cpu_moe)
         return dataclasses.replace(choice, reason=f"{choice.reason}; backend {prefer} requested{_by(requested_by)}")
     has_gguf = "gguf" in formats and runtimes.llama_cpp
     has_onnx = "onnx" in formats and bool(runtimes.onnx_providers)
@@ -159,9 +168,8 @@ def choose_backend(
     if has_gguf and report.gpus and not runtimes.llama_gpu_offload:
         notes.append("llama.cpp build has no GPU offload")
     budget = _gpu_budget(gpu) if gpu else None
-    if gpu is not None and _fits(estimate, budget):
-        reason = f"all layers on {gpu.name} ({_needs(estimate)}, {format_bytes(budget or 0)} free)"
-        return BackendChoice("llamacpp", f"gpu:{gpu_index}", -1, reason, None, gpu.name)
+    if gpu is not None and (choice := _choose_full_offload(gpu_index, gpu, estimate, budget, cpu_moe)):
+        return choice
 
     if has_onnx and (choice := _choose_onnx_gpu(report, runtimes, estimate)):
         return choice
@@ -171,10 +179,30 @@ def choose_backend(
         if layers >= 1:
             reason = (f"{layers}/{estimate.n_layers} layers on {gpu.name} ({format_bytes(budget)} free, "
                       f"model {_needs(estimate)}), rest on CPU")
-            return BackendChoice("llamacpp", f"gpu:{gpu_index}", int(layers), reason, None, gpu.name)
+            return BackendChoice("llamacpp", f"gpu:{gpu_index}", int(layers), reason, None, gpu.name,
+                                 cpu_moe_layers=cpu_moe or 0, experts_ram_bytes=experts_in_ram(estimate, cpu_moe or 0))
         notes.append(f"{gpu.name} too small ({format_bytes(budget)} free)")
 
     return _choose_cpu(report, has_gguf, has_onnx, runtimes, estimate, notes, formats)
+
+
+def _choose_full_offload(gpu_index: int | None, gpu: GPUInfo, estimate: MemoryEstimate | None, budget: int | None,
+                         cpu_moe: int | None) -> BackendChoice | None:
+    """Every layer on `gpu` where the model fits: whole, or without the experts `cpu_moe` keeps in
+    RAM; with cpu_moe auto (None), without every layer's experts where it fits only that way."""
+    layers = cpu_moe if cpu_moe is not None else 0 if _fits(estimate, budget) else -1
+    in_ram = experts_in_ram(estimate, layers)
+    if estimate is not None and (budget is None or estimate.total_bytes - in_ram > budget):
+        return None
+    if not in_ram:
+        reason = f"all layers on {gpu.name} ({_needs(estimate)}, {format_bytes(budget or 0)} free)"
+        return BackendChoice("llamacpp", f"gpu:{gpu_index}", -1, reason, None, gpu.name)
+    assert estimate is not None and budget is not None
+    whose = "every layer's" if in_ram == estimate.expert_bytes else f"the first {layers} layers'"
+    reason = (f"all layers on {gpu.name} but {whose} MoE experts ({format_bytes(in_ram)}) in RAM "
+              f"({format_bytes(estimate.total_bytes - in_ram)} on the GPU, {format_bytes(budget)} free)")
+    return BackendChoice("llamacpp", f"gpu:{gpu_index}", -1, reason, None, gpu.name, cpu_moe_layers=layers,
+                         experts_ram_bytes=in_ram)
 
 
 def _by(requested_by: str) -> str:

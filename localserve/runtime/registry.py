@@ -16,6 +16,7 @@ import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable
 
+from ..config.moe import cpu_moe_layers
 from ..config.per_model import per_model_value
 from ..config.settings import Settings
 from ..errors import BackendError, ConfigError
@@ -61,6 +62,7 @@ def _load_llamacpp(installed: "InstalledModel", variant: "StoredVariant", plan: 
         n_batch=limits.batch_tokens,
         n_threads=settings.threads or None,
         n_gpu_layers=plan.n_gpu_layers,
+        cpu_moe_layers=plan.choice.cpu_moe_layers if plan.choice is not None else 0,
         kv_unified=limits.kv_unified,
         flash_attention=limits.flash_attention,
         kv_type=limits.kv_type,
@@ -146,7 +148,9 @@ def choose(installed: "InstalledModel", settings: Settings, report: "HardwareRep
     formats = list(installed.variants)
     convertible_gguf = convertible(installed)
     runtimes = Runtimes.from_report(report)
-    choice = choose_backend(report, formats + ["onnx"] * convertible_gguf, runtimes, estimate, prefer, requested_by)
+    cpu_moe = cpu_moe_layers(settings.cpu_moe, settings.n_cpu_moe, settings.model_cpu_moe, installed.ref)
+    choice = choose_backend(report, formats + ["onnx"] * convertible_gguf, runtimes, estimate, prefer, requested_by,
+                            cpu_moe)
     if convertible_gguf and choice.backend == "onnx":
         choice = dataclasses.replace(choice, convert=True,
                                      reason=f"{choice.reason}; its GGUF is converted to ONNX on first use")
@@ -156,7 +160,7 @@ def choose(installed: "InstalledModel", settings: Settings, report: "HardwareRep
     rest = [f for f in formats if FORMAT_BACKEND.get(f) != choice.backend]
     if not rest:
         return choice  # nothing else to run it with: the load says why_not
-    fallback = choose_backend(report, rest, runtimes, estimate)
+    fallback = choose_backend(report, rest, runtimes, estimate, cpu_moe=cpu_moe)
     preferred = f"{choice.backend} on {choice.device_name}" + (
         f" via {choice.execution_provider}" if choice.execution_provider else "")
     return dataclasses.replace(fallback, reason=f"{fallback.reason}; {preferred} would be preferred, but {why_not}")

@@ -15,7 +15,8 @@ import ctypes
 import functools
 from typing import Any
 
-EXPERTS_REGEX = r"\.ffn_(up|down|gate|gate_up)_(ch|)exps"
+from ...store.gguf_facts import EXPERTS_REGEX
+
 ALL_LAYERS = -1  # cpu_moe_layers: every layer's experts (--cpu-moe)
 
 
