@@ -167,6 +167,8 @@ def _processor(m: dict[str, Any]) -> str:
     gpu = round(100 * vram / size)
     share = "100% GPU" if gpu >= 100 else f"{100 - gpu}%/{gpu}% CPU/GPU"
     layers = f" ({m['gpu_layers']}/{m['offloadable_layers']} layers)" if m.get("gpu_layers") else ""
+    if m.get("gpu_layers") and m.get("moe_layers_in_ram"):
+        layers += f", experts of {m['moe_layers_in_ram']} layers in RAM"
     return share + layers
 
 

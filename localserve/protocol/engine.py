@@ -55,6 +55,8 @@ class ModelInfo:
     gpu_layers: int = 0
     offloadable_layers: int = 0
     gpu_memory_bytes: int = 0
+    # Layers whose MoE experts a buffer-type override kept in RAM (cpu_moe), as llama.cpp logged them.
+    moe_layers_in_ram: int = 0
     # What the model's projector (mmproj) takes, as llama.cpp's mtmd library says once it loaded it:
     # both False for a model without one. /api/show's `vision` capability reads this.
     vision: bool = False

@@ -99,4 +99,4 @@ def _offload_row(engine: ModelEngine) -> dict[str, int]:
     """Where the engine says the load went (vram_bytes beside it is our estimate from the plan)."""
     info = engine.info
     return {"gpu_layers": info.gpu_layers, "offloadable_layers": info.offloadable_layers,
-            "gpu_memory_bytes": info.gpu_memory_bytes}
+            "gpu_memory_bytes": info.gpu_memory_bytes, "moe_layers_in_ram": info.moe_layers_in_ram}

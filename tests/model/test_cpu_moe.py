@@ -54,6 +54,7 @@ def test_experts_of_the_asked_layers_are_overridden_and_answers_stay(moe_gguf, p
     try:
         assert sorted(backend.offload.overridden) == sorted(expert_tensor_names(layers))
         assert set(backend.offload.overridden.values()) <= {"CPU", "CPU_REPACK"}
+        assert backend.info.moe_layers_in_ram == len(layers)  # what `ps` prints beside a GPU load
         assert _greedy(backend) == plain_tokens
     finally:
         backend.close()

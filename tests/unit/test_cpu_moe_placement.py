@@ -97,3 +97,24 @@ def test_settings_resolve_per_model(tmp_path) -> None:
 def test_bad_values_stop_the_start_naming_the_entry(cpu_moe, items, message) -> None:
     with pytest.raises(ConfigError, match=re.escape(message)):
         check_cpu_moe(cpu_moe, items)
+
+
+def test_ps_says_whose_experts_stay_in_ram() -> None:
+    from localserve.commands.daemon import _processor
+
+    row = {"size": 63 << 30, "size_vram": 3 << 30, "gpu_layers": 37, "offloadable_layers": 37, "moe_layers_in_ram": 36}
+    assert _processor(row) == "95%/5% CPU/GPU (37/37 layers), experts of 36 layers in RAM"
+    assert _processor({**row, "moe_layers_in_ram": 0}) == "95%/5% CPU/GPU (37/37 layers)"
+
+
+def test_offload_facts_count_the_layers_llama_cpp_kept_in_ram() -> None:
+    from localserve.backends.llamacpp.offload import parse_load_log
+
+    lines = ["tensor blk.0.ffn_up_exps.weight (1536 MiB q4_K) buffer type overridden to CPU_REPACK",
+             "tensor blk.0.ffn_down_exps.weight (1536 MiB q6_K) buffer type overridden to CPU",
+             "tensor blk.1.ffn_up_exps.weight (1536 MiB q4_K) buffer type overridden to CPU",
+             "load_tensors: offloaded 49/49 layers to GPU",
+             "load_tensors:        CUDA0 model buffer size =  1200.00 MiB"]
+    facts = parse_load_log(lines)
+    assert facts.moe_layers_in_ram == 2 and facts.gpu_layers == 49
+    assert facts.overridden["blk.0.ffn_up_exps.weight"] == "CPU_REPACK"

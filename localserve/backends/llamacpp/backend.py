@@ -256,6 +256,7 @@ class LlamaCppBackend(LlamaTokenizer, Backend):
         self.info.gpu_layers = facts.gpu_layers
         self.info.offloadable_layers = facts.offloadable_layers
         self.info.gpu_memory_bytes = facts.gpu_memory_bytes
+        self.info.moe_layers_in_ram = facts.moe_layers_in_ram
         if facts.gpu_layers:  # GPU backends never call the abort callback (llamacpp_interrupt.py)
             self._capabilities = dataclasses.replace(self._capabilities, interruptible=False)
 

@@ -38,6 +38,12 @@ class OffloadFacts:
     overridden: dict[str, str] = field(default_factory=dict)  # weight -> buffer type an override chose
 
     @property
+    def moe_layers_in_ram(self) -> int:
+        """Layers with a weight an override moved to a CPU buffer (the override is cpu_moe's)."""
+        return len({name.split(".")[1] for name, buft in self.overridden.items()
+                    if name.startswith("blk.") and buft.startswith("CPU")})
+
+    @property
     def gpu_memory_bytes(self) -> int:
         return sum(self.device_bytes.values())
 
