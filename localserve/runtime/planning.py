@@ -138,7 +138,8 @@ def memory_budget(settings: Settings, ours_ram_bytes: int = 0) -> int:
     report = hardware_report()
     memory = psutil.virtual_memory()
     ram = min(memory.total, memory.available + ours_ram_bytes)
-    vram = 0
-    if report.llama_gpu_offload:
-        vram = max((g.vram_free_bytes or g.vram_bytes or 0 for g in report.gpus), default=0)
+    from .placement import usable_llama_gpus
+
+    # Every card llama.cpp offloads to: a model may be split over several (config/gpu_split.py).
+    vram = sum(g.vram_free_bytes or g.vram_bytes or 0 for _, g in usable_llama_gpus(report))
     return int((ram + vram) * BUDGET_FRACTION)

@@ -37,7 +37,7 @@ from .info import read_model_info
 from .interrupt import InterruptFlag, available as interrupt_available
 from .offload import OffloadFacts, parse_load_log
 from .lora import LoraAdapters
-from .loading import check_load_args, context_params, load_model
+from .loading import GpuSplit, check_load_args, context_params, load_model
 from .runtime import captured_log, ensure_runtime, error_count, last_error_since
 from .sampling import LlamaCppSampler
 from .tokenizer import LlamaTokenizer
@@ -150,6 +150,7 @@ class LlamaCppBackend(LlamaTokenizer, Backend):
         n_threads: int | None = None,
         n_gpu_layers: int = 0,
         cpu_moe_layers: int = 0,
+        split: GpuSplit = GpuSplit(),
         embeddings: bool = False,
         exact_attention: bool = False,
         kv_unified: bool = True,
@@ -168,6 +169,8 @@ class LlamaCppBackend(LlamaTokenizer, Backend):
         cpu_moe_layers: the first N layers' MoE expert weights stay in RAM while the rest of the
             offloaded layers go to the GPU (llama-server's --n-cpu-moe N; -1: all, --cpu-moe). The
             weights each override moved are in `offload.overridden`.
+        split: how the offloaded layers spread over several GPUs (llama-server's --split-mode,
+            --main-gpu, --tensor-split); the default is llama.cpp's (layers over every card).
         embeddings: create the embeddings context now instead of at the first embed() call.
         exact_attention: F32 KV cache and no flash attention: the least rounding llama.cpp offers,
             the reference the tests compare other runtimes (ONNX, OGA) against. Costs 2x KV memory
@@ -207,7 +210,7 @@ class LlamaCppBackend(LlamaTokenizer, Backend):
         check_load_args(path, n_ctx, n_seq_max, n_batch, kv_type)
         ensure_runtime()
         n_threads = n_threads or default_threads()
-        model, load_lines = load_model(path, n_gpu_layers, extra_buffers, cpu_moe_layers)
+        model, load_lines = load_model(path, n_gpu_layers, extra_buffers, cpu_moe_layers, split)
         cparams = context_params(n_ctx=n_ctx, n_seq_max=n_seq_max, n_batch=n_batch, n_threads=n_threads,
                                  kv_unified=kv_unified, kv_type=kv_type, flash_attention=flash_attention,
                                  exact_attention=exact_attention)
