@@ -260,6 +260,7 @@ class LlamaCppBackend(LlamaTokenizer, Backend):
         self.info.offloadable_layers = facts.offloadable_layers
         self.info.gpu_memory_bytes = facts.gpu_memory_bytes
         self.info.moe_layers_in_ram = facts.moe_layers_in_ram
+        self.info.gpu_memory_by_device = dict(facts.bytes_by_device) if facts.gpu_layers else {}
         if facts.gpu_layers:  # GPU backends never call the abort callback (llamacpp_interrupt.py)
             self._capabilities = dataclasses.replace(self._capabilities, interruptible=False)
 

@@ -35,6 +35,7 @@ class OffloadFacts:
     offloadable_layers: int = 0  # repeating layers + output; 0 when the build has no GPU offload
     device_bytes: dict[str, int] = field(default_factory=dict)  # per kind: model, KV, compute, ...
     devices: list[str] = field(default_factory=list)  # buffer names seen on devices ("Vulkan0")
+    bytes_by_device: dict[str, int] = field(default_factory=dict)  # all kinds, per device ("CUDA1")
     overridden: dict[str, str] = field(default_factory=dict)  # weight -> buffer type an override chose
 
     @property
@@ -61,6 +62,8 @@ def parse_load_log(lines: Iterable[str]) -> OffloadFacts:
             facts.device_bytes[kind] = facts.device_bytes.get(kind, 0) + round(float(m.group(3)) * _MIB)
             if m.group(1) not in facts.devices:
                 facts.devices.append(m.group(1))
+            facts.bytes_by_device[m.group(1)] = (facts.bytes_by_device.get(m.group(1), 0)
+                                                 + round(float(m.group(3)) * _MIB))
     # A GPU build with no usable device (ggml's Vulkan backend skips CPU-type devices) still logs
     # "offloaded N/M" for the layers it was asked for: they ran on the CPU unless a device buffer exists.
     facts.gpu_layers = requested if facts.device_bytes.get("model") else 0
