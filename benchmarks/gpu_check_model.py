@@ -129,21 +129,27 @@ def _moe_tensor_shapes(shape: MoeShape, n_vocab: int) -> dict[str, tuple[int, ..
     return out
 
 
-def write_moe_f16_model(dest: Path, shape_name: str, tokenizer_json: Path, seed: int = 0) -> Path:
-    """A Qwen3-MoE GGUF of MOE_SHAPES[shape_name] in F16 (norms F32)."""
+def _writer(dest: Path, arch: str, shape_name: str, shape: Shape | MoeShape, n_ff: int,
+            tokenizer_json: Path):  # type: ignore[no-untyped-def]
+    """A GGUFWriter with the keys every shape has, the tokenizer's JSON and its vocabulary size."""
     from gguf import GGUFWriter
 
-    shape = MOE_SHAPES[shape_name]
     tokenizer = json.loads(tokenizer_json.read_text())
-    n_vocab = len(tokenizer["tokenizer.ggml.tokens"])
-    writer = GGUFWriter(str(dest), "qwen3moe")
+    writer = GGUFWriter(str(dest), arch)
     writer.add_name(f"gpu-check-{shape_name}")
     writer.add_context_length(shape.context)
     writer.add_embedding_length(shape.n_embd)
     writer.add_block_count(shape.n_layer)
-    writer.add_feed_forward_length(shape.n_ff_exp)
+    writer.add_feed_forward_length(n_ff)
     writer.add_head_count(shape.n_head)
     writer.add_head_count_kv(shape.n_head_kv)
+    return writer, tokenizer, len(tokenizer["tokenizer.ggml.tokens"])
+
+
+def write_moe_f16_model(dest: Path, shape_name: str, tokenizer_json: Path, seed: int = 0) -> Path:
+    """A Qwen3-MoE GGUF of MOE_SHAPES[shape_name] in F16 (norms F32)."""
+    shape = MOE_SHAPES[shape_name]
+    writer, tokenizer, n_vocab = _writer(dest, "qwen3moe", shape_name, shape, shape.n_ff_exp, tokenizer_json)
     writer.add_key_length(shape.head_dim)
     writer.add_value_length(shape.head_dim)
     writer.add_rope_freq_base(1000000.0)
@@ -177,19 +183,8 @@ def _write_tensors(writer, tensors: dict[str, tuple[int, ...]], seed: int) -> No
 
 def write_f16_model(dest: Path, shape_name: str, tokenizer_json: Path, seed: int = 0) -> Path:
     """A Llama GGUF of SHAPES[shape_name] in F16 (norms F32, as converters write them)."""
-    from gguf import GGUFWriter
-
     shape = SHAPES[shape_name]
-    tokenizer = json.loads(tokenizer_json.read_text())
-    n_vocab = len(tokenizer["tokenizer.ggml.tokens"])
-    writer = GGUFWriter(str(dest), "llama")
-    writer.add_name(f"gpu-check-{shape_name}")
-    writer.add_context_length(shape.context)
-    writer.add_embedding_length(shape.n_embd)
-    writer.add_block_count(shape.n_layer)
-    writer.add_feed_forward_length(shape.n_ff)
-    writer.add_head_count(shape.n_head)
-    writer.add_head_count_kv(shape.n_head_kv)
+    writer, tokenizer, n_vocab = _writer(dest, "llama", shape_name, shape, shape.n_ff, tokenizer_json)
     writer.add_rope_dimension_count(shape.n_embd // shape.n_head)
     writer.add_rope_freq_base(500000.0)
     writer.add_layer_norm_rms_eps(1e-5)
