@@ -15,7 +15,7 @@ from localserve.backends.llamacpp.backend import LlamaCppBackend
 from localserve.backends.llamacpp.moe import ALL_LAYERS
 from localserve.protocol.requests import SamplingParams
 from llamacpp_helpers import THREADS, generate
-from moe_model import FILE_NAME, N_LAYER, build_moe, expert_tensor_names
+from moe_model import EXPERT_TENSORS, FILE_NAME, N_EMBD, N_EXPERT, N_FF_EXP, N_LAYER, build_moe, expert_tensor_names
 
 PROMPT = "The capital of France is"
 STEPS = 16
@@ -65,4 +65,6 @@ def test_the_model_is_a_real_moe_and_answers(plain, moe_gguf):
 
     facts = read_gguf_facts(moe_gguf)
     assert facts.architecture == "qwen3moe" and facts.n_layers == N_LAYER
+    # The planner's count of what cpu_moe keeps in RAM: the F16 expert stacks, every layer.
+    assert facts.expert_bytes == N_LAYER * len(EXPERT_TENSORS) * N_EXPERT * N_FF_EXP * N_EMBD * 2
     assert len(plain[1]) == STEPS

@@ -166,11 +166,8 @@ class LlamaCppBackend(LlamaTokenizer, Backend):
             prefixes) or n_seq_max streams of n_ctx / n_seq_max cells each.
         n_seq_max: sequence ids 0..n_seq_max-1 (llama.cpp allows at most 256).
         n_batch: the most tokens one decode may carry (the scheduler's step budget must not exceed it).
-        cpu_moe_layers: the first N layers' MoE expert weights stay in RAM while the rest of the
-            offloaded layers go to the GPU (llama-server's --n-cpu-moe N; -1: all, --cpu-moe). The
-            weights each override moved are in `offload.overridden`.
-        split: how the offloaded layers spread over several GPUs (llama-server's --split-mode,
-            --main-gpu, --tensor-split); the default is llama.cpp's (layers over every card).
+        cpu_moe_layers: the first N layers' MoE experts stay in RAM (--n-cpu-moe N; -1: all, --cpu-moe).
+        split: the layers over several GPUs (--split-mode, --main-gpu, --tensor-split; moe.py, loading.py).
         embeddings: create the embeddings context now instead of at the first embed() call.
         exact_attention: F32 KV cache and no flash attention: the least rounding llama.cpp offers,
             the reference the tests compare other runtimes (ONNX, OGA) against. Costs 2x KV memory
