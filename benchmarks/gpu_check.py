@@ -172,11 +172,11 @@ def tokenizer_json(args: argparse.Namespace, work: Path) -> Path:
 
 
 def make_model(work: Path, shape: str, tokenizer: Path, threads: int, figures: dict) -> Path:
-    from gpu_check_model import LLAMA_FTYPE_MOSTLY_Q4_K_M, file_type, quantize_with_binding, weight_bytes, \
-        write_f16_model
+    from gpu_check_model import LLAMA_FTYPE_MOSTLY_Q4_K_M, MOE_SHAPES, file_type, quantize_with_binding, \
+        weight_bytes, write_f16_model, write_moe_f16_model
 
     f16, q4 = work / f"{shape}-f16.gguf", work / f"{shape}-Q4_K_M.gguf"
-    write_f16_model(f16, shape, tokenizer)
+    (write_moe_f16_model if shape in MOE_SHAPES else write_f16_model)(f16, shape, tokenizer)
     if tool := built_tool("llama-quantize"):
         subprocess.run([str(tool), str(f16), str(q4), "Q4_K_M", str(threads)], check=True,
                        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -215,12 +215,14 @@ def main(argv: list[str] | None = None) -> int:
             print(f"configured in {figures['configure_s']:.0f} s, built in {figures['build_s']:.0f} s")
         stage(f"model: {args.shape}, Q4_K_M")
         t = time.monotonic()
-        model = make_model(work, args.shape, tokenizer_json(args, work), args.threads, figures)
+        tokenizer = tokenizer_json(args, work)
+        model = make_model(work, args.shape, tokenizer, args.threads, figures)
         figures["model_s"] = time.monotonic() - t
         print(f"{model.name}: {figures['weight_bytes'] / 2**20:.1f} MiB of weights, "
               f"quantized by {figures['quantized_by']} in {figures['model_s']:.0f} s")
         deadline = started + args.budget_s
         figures["servers"] = serve_all(model, args, deadline, stage)
+        figures["moe"] = moe_stage(work, args, tokenizer, deadline)
     except BaseException as e:
         figures["failed"] = f"{type(e).__name__}: {e}"
         raise
@@ -229,6 +231,25 @@ def main(argv: list[str] | None = None) -> int:
         write_report(figures, out)
         keep_logs(work, out)
     return 0
+
+
+def moe_stage(work: Path, args: argparse.Namespace, tokenizer: Path, deadline: float) -> dict:
+    """A Qwen3-MoE made here, served by both with the first half of its layers' experts in RAM
+    (localserve's n_cpu_moe, llama-server's --n-cpu-moe): decode tok/s side by side; skipped, and
+    said so, when the dense stages left too little of the budget."""
+    from gpu_check_model import MOE_SHAPES
+    from gpu_check_serve import serve_moe
+
+    shape = "moe-tiny" if args.tiny else "moe"
+    n_cpu_moe = MOE_SHAPES[shape].n_layer // 2
+    stage(f"MoE: {shape}, Q4_K_M, the first {n_cpu_moe} layers' experts in RAM")
+    if deadline - time.monotonic() < 150:  # write + quantize (~1 min there) and two servers' decode runs
+        print("MoE: skipped (no time left in the budget)")
+        return {"skipped": "no time left in the budget"}
+    figures: dict = {"n_cpu_moe": n_cpu_moe}
+    model = make_model(work, shape, tokenizer, args.threads, figures)
+    figures["servers"] = serve_moe(model, args, deadline, stage, n_cpu_moe)
+    return figures
 
 
 def keep_logs(work: Path, out: Path) -> None:

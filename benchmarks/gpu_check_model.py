@@ -87,30 +87,88 @@ def _tensor_shapes(shape: Shape, n_vocab: int, tied: bool) -> dict[str, tuple[in
     return out
 
 
-def write_f16_model(dest: Path, shape_name: str, tokenizer_json: Path, seed: int = 0) -> Path:
-    """A Llama GGUF of SHAPES[shape_name] in F16 (norms F32, as converters write them)."""
+@dataclass(frozen=True)
+class MoeShape:
+    """A Qwen3-MoE (llama.cpp's qwen3moe): attention with per-head Q/K norms, a router and expert stacks."""
+
+    n_layer: int
+    n_embd: int
+    n_head: int
+    n_head_kv: int
+    head_dim: int
+    n_expert: int
+    n_expert_used: int
+    n_ff_exp: int
+    context: int = 8192
+
+
+# The MoE stage's models: Qwen3-30B-A3B's attention and expert shapes (head 128, experts of 768,
+# 8 of 128 used), with 8 of its 48 layers and 32 of its experts, 1.5B parameters, so that it is
+# written and quantized in about a minute there; the twin's is tiny.
+MOE_SHAPES = {
+    "moe-tiny": MoeShape(n_layer=2, n_embd=256, n_head=4, n_head_kv=2, head_dim=64, n_expert=4, n_expert_used=2,
+                         n_ff_exp=256, context=2048),
+    "moe": MoeShape(n_layer=8, n_embd=2048, n_head=32, n_head_kv=4, head_dim=128, n_expert=32, n_expert_used=8,
+                    n_ff_exp=768),
+}
+
+
+def _moe_tensor_shapes(shape: MoeShape, n_vocab: int) -> dict[str, tuple[int, ...]]:
+    """Name -> numpy shape of every tensor of a Qwen3-MoE (output tied to the embeddings)."""
+    q, kv = shape.n_head * shape.head_dim, shape.n_head_kv * shape.head_dim
+    out: dict[str, tuple[int, ...]] = {"token_embd.weight": (n_vocab, shape.n_embd), "output_norm.weight": (shape.n_embd,)}
+    for i in range(shape.n_layer):
+        out |= {f"blk.{i}.attn_norm.weight": (shape.n_embd,), f"blk.{i}.ffn_norm.weight": (shape.n_embd,),
+                f"blk.{i}.attn_q.weight": (q, shape.n_embd), f"blk.{i}.attn_k.weight": (kv, shape.n_embd),
+                f"blk.{i}.attn_v.weight": (kv, shape.n_embd), f"blk.{i}.attn_output.weight": (shape.n_embd, q),
+                f"blk.{i}.attn_q_norm.weight": (shape.head_dim,), f"blk.{i}.attn_k_norm.weight": (shape.head_dim,),
+                f"blk.{i}.ffn_gate_inp.weight": (shape.n_expert, shape.n_embd),
+                f"blk.{i}.ffn_gate_exps.weight": (shape.n_expert, shape.n_ff_exp, shape.n_embd),
+                f"blk.{i}.ffn_up_exps.weight": (shape.n_expert, shape.n_ff_exp, shape.n_embd),
+                f"blk.{i}.ffn_down_exps.weight": (shape.n_expert, shape.n_embd, shape.n_ff_exp)}
+    return out
+
+
+def _writer(dest: Path, arch: str, shape_name: str, shape: Shape | MoeShape, n_ff: int,
+            tokenizer_json: Path):  # type: ignore[no-untyped-def]
+    """A GGUFWriter with the keys every shape has, the tokenizer's JSON and its vocabulary size."""
     from gguf import GGUFWriter
 
-    shape = SHAPES[shape_name]
     tokenizer = json.loads(tokenizer_json.read_text())
-    n_vocab = len(tokenizer["tokenizer.ggml.tokens"])
-    rng = np.random.default_rng(seed)
-    pool = rng.normal(0.0, 0.02, size=1 << 22).astype(np.float16)
-    writer = GGUFWriter(str(dest), "llama")
+    writer = GGUFWriter(str(dest), arch)
     writer.add_name(f"gpu-check-{shape_name}")
     writer.add_context_length(shape.context)
     writer.add_embedding_length(shape.n_embd)
     writer.add_block_count(shape.n_layer)
-    writer.add_feed_forward_length(shape.n_ff)
+    writer.add_feed_forward_length(n_ff)
     writer.add_head_count(shape.n_head)
     writer.add_head_count_kv(shape.n_head_kv)
-    writer.add_rope_dimension_count(shape.n_embd // shape.n_head)
-    writer.add_rope_freq_base(500000.0)
-    writer.add_layer_norm_rms_eps(1e-5)
+    return writer, tokenizer, len(tokenizer["tokenizer.ggml.tokens"])
+
+
+def write_moe_f16_model(dest: Path, shape_name: str, tokenizer_json: Path, seed: int = 0) -> Path:
+    """A Qwen3-MoE GGUF of MOE_SHAPES[shape_name] in F16 (norms F32)."""
+    shape = MOE_SHAPES[shape_name]
+    writer, tokenizer, n_vocab = _writer(dest, "qwen3moe", shape_name, shape, shape.n_ff_exp, tokenizer_json)
+    writer.add_key_length(shape.head_dim)
+    writer.add_value_length(shape.head_dim)
+    writer.add_rope_freq_base(1000000.0)
+    writer.add_layer_norm_rms_eps(1e-6)
+    writer.add_expert_count(shape.n_expert)
+    writer.add_expert_used_count(shape.n_expert_used)
+    writer.add_expert_feed_forward_length(shape.n_ff_exp)
     writer.add_vocab_size(n_vocab)
     writer.add_file_type(LLAMA_FTYPE_MOSTLY_F16)
     _add_tokenizer(writer, tokenizer)
-    for name, dims in _tensor_shapes(shape, n_vocab, tied=shape_name != "8b").items():
+    _write_tensors(writer, _moe_tensor_shapes(shape, n_vocab), seed)
+    return dest
+
+
+def _write_tensors(writer, tensors: dict[str, tuple[int, ...]], seed: int) -> None:  # type: ignore[no-untyped-def]
+    """Every tensor from the seeded pool (norm gains of 1, F32), then the file is written and closed."""
+    rng = np.random.default_rng(seed)
+    pool = rng.normal(0.0, 0.02, size=1 << 22).astype(np.float16)
+    for name, dims in tensors.items():
         if len(dims) == 1:
             writer.add_tensor(name, np.ones(dims, dtype=np.float32))  # RMSNorm gains of 1
             continue
@@ -121,6 +179,19 @@ def write_f16_model(dest: Path, shape_name: str, tokenizer_json: Path, seed: int
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
+
+
+def write_f16_model(dest: Path, shape_name: str, tokenizer_json: Path, seed: int = 0) -> Path:
+    """A Llama GGUF of SHAPES[shape_name] in F16 (norms F32, as converters write them)."""
+    shape = SHAPES[shape_name]
+    writer, tokenizer, n_vocab = _writer(dest, "llama", shape_name, shape, shape.n_ff, tokenizer_json)
+    writer.add_rope_dimension_count(shape.n_embd // shape.n_head)
+    writer.add_rope_freq_base(500000.0)
+    writer.add_layer_norm_rms_eps(1e-5)
+    writer.add_vocab_size(n_vocab)
+    writer.add_file_type(LLAMA_FTYPE_MOSTLY_F16)
+    _add_tokenizer(writer, tokenizer)
+    _write_tensors(writer, _tensor_shapes(shape, n_vocab, tied=shape_name != "8b"), seed)
     return dest
 
 

@@ -65,10 +65,29 @@ def table(figures: dict[str, Any]) -> str:
                      f"{figures['weight_bytes'] / 1e6:.0f} MB per token = {bound:.0f} tok/s; {reached}")
     else:
         lines.append("bandwidth bound: not computed (no card of known bandwidth)")
+    lines += moe_lines(figures.get("moe") or {})
     if "failed" in figures:
         lines.append(f"FAILED: {figures['failed']} (see log.txt, build.log and the servers' logs)")
     lines.append(f"total {figures.get('total_s', math.nan):.0f} s")
     return "\n".join(lines)
+
+
+def moe_lines(moe: dict[str, Any]) -> list[str]:
+    """The MoE stage's rows: decode tok/s of each server with the first N layers' experts in RAM."""
+    if not moe:
+        return []
+    if "skipped" in moe:
+        return [f"MoE stage: skipped ({moe['skipped']})"]
+    lines = [f"MoE {moe['shape']} ({moe['weight_bytes'] / 2**20:.1f} MiB), experts of the first {moe['n_cpu_moe']} "
+             f"layers in RAM (n_cpu_moe / --n-cpu-moe):"]
+    for name, f in moe["servers"].items():
+        if "skipped" in f:
+            lines.append(f"  {name}: skipped ({f['skipped']})")
+            continue
+        where = f", {f['moe_layers_in_ram']} layers' experts in RAM per /api/ps" if "moe_layers_in_ram" in f else ""
+        lines.append(f"  {name}: decode tok/s {f['decode_tps_1']:.1f} at 1 sequence, {f['decode_tps_8']:.1f} at 8"
+                     + (f", GPU memory {f['gpu_memory_mib']:.0f} MiB" if "gpu_memory_mib" in f else "") + where)
+    return lines
 
 
 def write_report(figures: dict[str, Any], out: Path) -> None:

@@ -60,7 +60,7 @@ def _offload(url: str) -> dict[str, float]:
     with urllib.request.urlopen(f"{url}/api/ps", timeout=10) as response:
         row = json.load(response)["models"][0]
     return {"gpu_layers": row["gpu_layers"], "offloadable_layers": row["offloadable_layers"],
-            "size_vram_mib": row["size_vram"] / 2**20}
+            "size_vram_mib": row["size_vram"] / 2**20, "moe_layers_in_ram": row.get("moe_layers_in_ram", 0)}
 
 
 def _gpu_memory_mib() -> float:
@@ -78,19 +78,24 @@ def _requests_per_load(args: argparse.Namespace, left_s: float) -> int:
     return 32 if left_s > 300 else 16 if left_s > 150 else 0
 
 
-def serve_one(name: str, model: Path, args: argparse.Namespace, work: Path, requests: int) -> dict[str, Any]:
+def serve_one(name: str, model: Path, args: argparse.Namespace, work: Path, requests: int,
+              n_cpu_moe: int = 0) -> dict[str, Any]:
+    """One server's figures; `n_cpu_moe`: the first N layers' MoE experts in RAM (localserve's
+    setting n_cpu_moe, llama-server's --n-cpu-moe)."""
     gpu = not args.cpu
     before = _gpu_memory_mib() if gpu else 0.0
     if name == "localserve":
-        proc, url, served = start_localserve(model, args.threads, SEQUENCES, work)
+        moe_env = {"LOCALSERVE_N_CPU_MOE": str(n_cpu_moe)} if n_cpu_moe else {}
+        proc, url, served = start_localserve(model, args.threads, SEQUENCES, work, extra_env=moe_env)
     else:
         # -fa off: localserve runs without flash attention, and the build has no FA kernels.
+        moe_args = ["--n-cpu-moe", str(n_cpu_moe)] if n_cpu_moe else []
         proc, url, served = start_llama_server(model, args.threads, SEQUENCES, work,
-                                               extra_args=["-fa", "off", *(["-ngl", "999"] if gpu else [])])
+                                               extra_args=["-fa", "off", *(["-ngl", "999"] if gpu else []), *moe_args])
     try:
         asyncio.run(wait_ready(url, "/health", proc))
         figures: dict[str, Any] = asyncio.run(_measure(url, served, args, eog_bias(model), requests))
-        if not requests:
+        if not requests and not n_cpu_moe:  # the MoE stage runs no loads A and B by design
             figures["note"] = "loads A and B skipped: too little of the time budget left"
         if name == "localserve":
             figures |= _offload(url)
@@ -101,14 +106,14 @@ def serve_one(name: str, model: Path, args: argparse.Namespace, work: Path, requ
         stop(proc)
 
 
-def serve_all(model: Path, args: argparse.Namespace, deadline: float, stage: Callable[[str], None]) -> dict[str, Any]:
+def _serve_both(model: Path, args: argparse.Namespace, work: Path, deadline: float, stage: Callable[[str], None],
+                requests: int, n_cpu_moe: int = 0) -> dict[str, Any]:
+    """localserve, then llama-server, each skipped (and said so) where it cannot run."""
     from gpu_check import built_tool
 
     servers: dict[str, Any] = {}
-    work = Path(args.work).resolve()
-    requests = _requests_per_load(args, deadline - time.monotonic())
     for name in ("localserve", "llama-server"):
-        stage(f"serve with {name}")
+        stage(f"serve with {name}" + (f" (--n-cpu-moe {n_cpu_moe})" if n_cpu_moe else ""))
         if name == "llama-server" and built_tool("llama-server") is None:
             print("llama-server: skipped (no llama-server built in benchmarks/llama_server_build.py's cache; "
                   "the CPU twin never compiles one)")
@@ -118,15 +123,33 @@ def serve_all(model: Path, args: argparse.Namespace, deadline: float, stage: Cal
             print(f"{name}: skipped (no time left in the budget)")
             servers[name] = {"skipped": "no time left in the budget"}
             continue
-        (work / name).mkdir(exist_ok=True)
+        folder = work / (f"{name}-moe" if n_cpu_moe else name)
+        folder.mkdir(exist_ok=True)
         t = time.monotonic()
-        servers[name] = serve_one(name, model, args, work / name, requests)
+        servers[name] = serve_one(name, model, args, folder, requests, n_cpu_moe)
         servers[name]["stage_s"] = time.monotonic() - t
         print(f"{name}: " + ", ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}"
                                       for k, v in servers[name].items()))
-        if name == "localserve" and not args.cpu and servers[name]["gpu_layers"] < servers[name]["offloadable_layers"]:
-            print(f"WARNING: localserve offloaded only {servers[name]['gpu_layers']}/"
-                  f"{servers[name]['offloadable_layers']} layers (see {work / name / 'localserve.out'})")
+    return servers
+
+
+def serve_moe(model: Path, args: argparse.Namespace, deadline: float, stage: Callable[[str], None],
+              n_cpu_moe: int) -> dict[str, Any]:
+    """The MoE stage: decode at 1 and 8 sequences (no loads A and B: the time is the dense model's)
+    with the first `n_cpu_moe` layers' experts in RAM, localserve beside llama-server --n-cpu-moe."""
+    return _serve_both(model, args, Path(args.work).resolve(), deadline, stage, 0, n_cpu_moe)
+
+
+def serve_all(model: Path, args: argparse.Namespace, deadline: float, stage: Callable[[str], None]) -> dict[str, Any]:
+    from gpu_check import built_tool
+
+    work = Path(args.work).resolve()
+    requests = _requests_per_load(args, deadline - time.monotonic())
+    servers = _serve_both(model, args, work, deadline, stage, requests)
+    served = servers["localserve"]
+    if not args.cpu and served.get("gpu_layers", 0) < served.get("offloadable_layers", 0):
+        print(f"WARNING: localserve offloaded only {served['gpu_layers']}/{served['offloadable_layers']} layers "
+              f"(see {work / 'localserve' / 'localserve.out'})")
     stage("llama-batched-bench (the build's ceiling)")
     if built_tool("llama-batched-bench") and deadline - time.monotonic() > 30:
         gpu_args = () if args.cpu else ("-ngl", "999")

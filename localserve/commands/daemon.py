@@ -167,6 +167,12 @@ def _processor(m: dict[str, Any]) -> str:
     gpu = round(100 * vram / size)
     share = "100% GPU" if gpu >= 100 else f"{100 - gpu}%/{gpu}% CPU/GPU"
     layers = f" ({m['gpu_layers']}/{m['offloadable_layers']} layers)" if m.get("gpu_layers") else ""
+    if m.get("gpu_layers") and m.get("moe_layers_in_ram"):
+        layers += f", experts of {m['moe_layers_in_ram']} layers in RAM"
+    if len(m.get("size_vram_by_device") or {}) > 1:  # a load over several GPUs: each card's share
+        from ..runtime.memory import format_bytes
+
+        layers += "; " + ", ".join(f"{name} {format_bytes(n)}" for name, n in m["size_vram_by_device"].items())
     return share + layers
 
 

@@ -232,6 +232,13 @@ def run_show(args: argparse.Namespace, settings: Settings) -> int:
     if gpu["layers"]:
         rows.append(("on the GPU", f"{gpu['layers']} of {gpu['of_layers']} layers, "
                                    f"{format_bytes(gpu['memory_bytes'])} (estimated)"))
+    if len(place.get("vram_per_device") or ()) > 1:
+        cards = place["device"].removeprefix("gpu:").split(",")
+        rows.append(("per GPU", ", ".join(f"gpu:{i} {format_bytes(n)}" for i, n in zip(cards, place["vram_per_device"]))
+                     + f" ({place['split_mode']} split, estimated)"))
+    if gpu["experts_ram_bytes"]:
+        whose = "every layer" if gpu["cpu_moe_layers"] < 0 else f"the first {gpu['cpu_moe_layers']} layers"
+        rows.append(("in RAM", f"MoE experts of {whose}, {format_bytes(gpu['experts_ram_bytes'])} (cpu_moe)"))
     for key, value in rows:
         table.add_row(key, value)
     Console().print(table)

@@ -17,8 +17,10 @@ import platformdirs
 
 from ..errors import ConfigError
 from .aliases import parse_alias
+from .gpu_split import check_split
 from .kv_cache import check_kv_types
 from .loras import check_model_loras
+from .moe import check_cpu_moe
 from .upstreams import UpstreamConfig, parse_upstreams, resolve_keys
 
 try:  # Python 3.11+
@@ -103,6 +105,20 @@ class Settings:
     # `model_kv_cache_type` sets it per model: "NAME[:TAG]=K/V" items, like model_backends.
     kv_cache_type: str = "auto"
     model_kv_cache_type: tuple[str, ...] = ()
+    # Mixture-of-experts weights in RAM while the rest is on the GPU (config/moe.py): "auto" keeps
+    # them there exactly when the whole model does not fit the GPU but the rest does; "on" / "off".
+    # n_cpu_moe = N: only the first N layers' experts (llama-server's --n-cpu-moe). Per model:
+    # model_cpu_moe = ["NAME[:TAG]=auto|on|off|N"].
+    cpu_moe: str = "auto"
+    n_cpu_moe: int = 0
+    model_cpu_moe: tuple[str, ...] = ()
+    # Several GPUs (config/gpu_split.py): split_mode layer|row|none; tensor_split "3,1" (the cards'
+    # shares; empty: by free memory, and only when one card cannot hold the model). Per model:
+    # model_split_mode = ["NAME[:TAG]=row"], model_tensor_split = ["NAME[:TAG]=3/1"].
+    split_mode: str = "layer"
+    tensor_split: str = ""
+    model_split_mode: tuple[str, ...] = ()
+    model_tensor_split: tuple[str, ...] = ()
     # LoRA adapters per model, "NAME[:TAG]=FILE" items (a GGUF adapter each; several per model):
     # loaded with it after those `add --lora` stored with the tag (config/loras.py).
     model_loras: tuple[str, ...] = ()
@@ -342,6 +358,8 @@ def load_settings(
     # Types and combinations llama.cpp refuses stop the start here, naming the entry, not a load.
     check_kv_types(settings.kv_cache_type, settings.model_kv_cache_type, settings.kv_layout, settings.flash_attention)
     check_model_loras(settings.model_loras)
+    check_cpu_moe(settings.cpu_moe, settings.model_cpu_moe)
+    check_split(settings.split_mode, settings.tensor_split, settings.model_split_mode, settings.model_tensor_split)
     settings.upstreams = resolve_keys(settings.upstreams, environ)
     if settings.hf_token is None and (fallback := _hf_token_fallback(environ)):
         settings.hf_token, sources["hf_token"] = fallback

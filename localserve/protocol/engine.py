@@ -55,6 +55,10 @@ class ModelInfo:
     gpu_layers: int = 0
     offloadable_layers: int = 0
     gpu_memory_bytes: int = 0
+    # Layers whose MoE experts a buffer-type override kept in RAM (cpu_moe), as llama.cpp logged them.
+    moe_layers_in_ram: int = 0
+    # Device memory per card where the load spread over several ("CUDA0": bytes), as logged.
+    gpu_memory_by_device: dict[str, int] = field(default_factory=dict)
     # What the model's projector (mmproj) takes, as llama.cpp's mtmd library says once it loaded it:
     # both False for a model without one. /api/show's `vision` capability reads this.
     vision: bool = False

@@ -86,8 +86,11 @@ def describe_model(model: InstalledModel, settings: Settings, n_ctx: int | None 
     # Layers a load would put on the GPU (llama.cpp's count: the output layer is one more) and
     # their memory; `ps` / /api/ps show what a loaded model actually got.
     layers = place.get("n_gpu_layers") or 0
+    in_ram = place.get("experts_ram_bytes") or 0
     info["gpu"] = {"layers": facts.n_layers + 1 if layers < 0 else layers, "of_layers": facts.n_layers + 1,
-                   "memory_bytes": planned_vram(layers, estimate, estimate.total_bytes)}
+                   "memory_bytes": planned_vram(layers, estimate, estimate.total_bytes, in_ram),
+                   # MoE experts kept in RAM on a GPU load (cpu_moe): layers (-1: all) and bytes
+                   "cpu_moe_layers": place.get("cpu_moe_layers") or 0, "experts_ram_bytes": in_ram}
     return info
 
 

@@ -41,6 +41,7 @@ class MemoryEstimate:
     n_layers: int
     layer_bytes: int
     non_layer_bytes: int
+    expert_bytes: int = 0  # MoE expert stacks, all layers (part of weights_bytes; cpu_moe keeps them in RAM)
 
     def as_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -104,7 +105,18 @@ def estimate_memory(
         n_layers=facts.n_layers,
         layer_bytes=per_layer,
         non_layer_bytes=facts.non_layer_bytes,
+        expert_bytes=facts.expert_bytes,
     )
+
+
+def experts_in_ram(estimate: MemoryEstimate | None, cpu_moe_layers: int) -> int:
+    """Bytes of the experts the first `cpu_moe_layers` layers (negative: all) keep in RAM; layers
+    are counted as equal shares of the experts (a MoE model's layers are alike)."""
+    if estimate is None or not estimate.expert_bytes or not cpu_moe_layers:
+        return 0
+    if cpu_moe_layers < 0 or cpu_moe_layers >= estimate.n_layers:
+        return estimate.expert_bytes
+    return estimate.expert_bytes * cpu_moe_layers // estimate.n_layers
 
 
 def format_bytes(n: float) -> str:

@@ -5,6 +5,9 @@ Order of preference, first that applies wins:
  1. an NPU whose vendor stack supports LLMs, an ONNX variant, and the matching ONNX Runtime EP
     (QNN for Qualcomm Hexagon, VitisAI for AMD XDNA 2, OpenVINO for Intel) -> onnx on the NPU;
  2. a GGUF, a llama.cpp build with a backend for the GPU, and the whole model fits -> full offload;
+    a mixture-of-experts model that does not fit but whose weights other than its experts do ->
+    full offload with every layer's experts in RAM (cpu_moe "auto"; config/moe.py); before that,
+    on several GPUs, every layer over the cards, shares by free memory (config/gpu_split.py);
  3. an ONNX variant and a GPU execution provider (DirectML on Windows GPUs, CUDA) that fits -> onnx;
  4. a GGUF and at least one layer fits on the GPU -> partial offload of as many layers as fit;
  5. the CPU (llama.cpp for GGUF, ONNX Runtime's CPU EP otherwise).
@@ -19,9 +22,10 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, Literal, Sequence
 
+from ..config.gpu_split import SplitPrefs
 from ..errors import BackendError
 from ..hardware.report import GPUInfo, HardwareReport
-from .memory import MemoryEstimate, format_bytes
+from .memory import MemoryEstimate, experts_in_ram, format_bytes
 
 GiB = 1 << 30
 BACKENDS = ("llamacpp", "onnx")
@@ -74,6 +78,16 @@ class BackendChoice:
     device_name: str = "CPU"
     # onnx only: the tag has no ONNX variant yet; the load converts its GGUF first (registry.py)
     convert: bool = False
+    # llama.cpp: the first N layers' MoE experts stay in RAM (-1: all); the rest of them goes where
+    # n_gpu_layers says. `experts_ram_bytes` is their size.
+    cpu_moe_layers: int = 0
+    experts_ram_bytes: int = 0
+    # llama.cpp on several GPUs: llama_split_mode's name, the card that holds it all with "none"
+    # (llama.cpp's index among the usable GPUs), each card's share, and each card's planned bytes.
+    split_mode: str = "layer"
+    main_gpu: int = 0
+    tensor_split: tuple[float, ...] = ()
+    vram_per_device: tuple[int, ...] = ()
 
     def as_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -132,10 +146,14 @@ def choose_backend(
     estimate: MemoryEstimate | None = None,
     prefer: str = "auto",
     requested_by: str = "",
+    cpu_moe: int | None = None,
+    split: SplitPrefs = SplitPrefs(),
 ) -> BackendChoice:
     """Pick backend, device and GPU layer count for a model available in `variants` ("gguf",
     "onnx", "oga"), needing `estimate` memory (None: unknown size, assume it fits). `prefer` is
-    "auto" or the one backend to use; `requested_by` says where that came from, for the reason."""
+    "auto" or the one backend to use; `requested_by` says where that came from, for the reason.
+    `cpu_moe`: the layers whose MoE experts stay in RAM on a GPU (-1: all; None: auto, all
+    exactly when the model fits only without them). `split`: how several GPUs share a model."""
     runtimes = runtimes or Runtimes.from_report(report)
     formats = {"onnx" if v.lower() == "oga" else v.lower() for v in variants}
     if prefer != "auto":
@@ -146,7 +164,7 @@ def choose_backend(
             have = ", ".join(sorted(formats)) or "no variants"
             raise BackendError(f"backend {prefer} was requested{_by(requested_by)}, but the model has no variant "
                                f"it runs (it has {have})")
-        choice = choose_backend(report, sorted(wanted), runtimes, estimate)
+        choice = choose_backend(report, sorted(wanted), runtimes, estimate, cpu_moe=cpu_moe, split=split)
         return dataclasses.replace(choice, reason=f"{choice.reason}; backend {prefer} requested{_by(requested_by)}")
     has_gguf = "gguf" in formats and runtimes.llama_cpp
     has_onnx = "onnx" in formats and bool(runtimes.onnx_providers)
@@ -155,13 +173,19 @@ def choose_backend(
     if has_onnx and (choice := _choose_npu(report, runtimes, notes)):
         return choice
 
-    gpu_index, gpu = _best_llama_gpu(report, runtimes) if has_gguf else (None, None)
+    usable = usable_llama_gpus(report, runtimes) if has_gguf else []
+    gpu_index, gpu = max(usable, key=lambda item: _gpu_budget(item[1]) or 0) if usable else (None, None)
     if has_gguf and report.gpus and not runtimes.llama_gpu_offload:
         notes.append("llama.cpp build has no GPU offload")
     budget = _gpu_budget(gpu) if gpu else None
-    if gpu is not None and _fits(estimate, budget):
-        reason = f"all layers on {gpu.name} ({_needs(estimate)}, {format_bytes(budget or 0)} free)"
-        return BackendChoice("llamacpp", f"gpu:{gpu_index}", -1, reason, None, gpu.name)
+    if split.shares and (choice := _choose_split(usable, estimate, split)):
+        return choice  # shares asked for: split even where one card would do, as llama-server does
+    if gpu is not None and (choice := _choose_full_offload(gpu_index, gpu, estimate, budget, cpu_moe or 0)):
+        return _on_one_card(choice, usable, gpu_index)
+    if choice := _choose_split(usable, estimate, split):
+        return choice
+    if gpu is not None and cpu_moe is None and (choice := _choose_full_offload(gpu_index, gpu, estimate, budget, None)):
+        return _on_one_card(choice, usable, gpu_index)
 
     if has_onnx and (choice := _choose_onnx_gpu(report, runtimes, estimate)):
         return choice
@@ -171,23 +195,79 @@ def choose_backend(
         if layers >= 1:
             reason = (f"{layers}/{estimate.n_layers} layers on {gpu.name} ({format_bytes(budget)} free, "
                       f"model {_needs(estimate)}), rest on CPU")
-            return BackendChoice("llamacpp", f"gpu:{gpu_index}", int(layers), reason, None, gpu.name)
+            return _on_one_card(BackendChoice("llamacpp", f"gpu:{gpu_index}", int(layers), reason, None, gpu.name,
+                                              cpu_moe_layers=cpu_moe or 0,
+                                              experts_ram_bytes=experts_in_ram(estimate, cpu_moe or 0)),
+                                usable, gpu_index)
         notes.append(f"{gpu.name} too small ({format_bytes(budget)} free)")
 
     return _choose_cpu(report, has_gguf, has_onnx, runtimes, estimate, notes, formats)
+
+
+def _choose_full_offload(gpu_index: int | None, gpu: GPUInfo, estimate: MemoryEstimate | None, budget: int | None,
+                         cpu_moe: int | None) -> BackendChoice | None:
+    """Every layer on `gpu` where the model fits: whole, or without the experts `cpu_moe` keeps in
+    RAM; with cpu_moe auto (None), without every layer's experts where it fits only that way."""
+    layers = cpu_moe if cpu_moe is not None else 0 if _fits(estimate, budget) else -1
+    in_ram = experts_in_ram(estimate, layers)
+    if estimate is not None and (budget is None or estimate.total_bytes - in_ram > budget):
+        return None
+    if not in_ram:
+        reason = f"all layers on {gpu.name} ({_needs(estimate)}, {format_bytes(budget or 0)} free)"
+        return BackendChoice("llamacpp", f"gpu:{gpu_index}", -1, reason, None, gpu.name)
+    assert estimate is not None and budget is not None
+    whose = "every layer's" if in_ram == estimate.expert_bytes else f"the first {layers} layers'"
+    reason = (f"all layers on {gpu.name} but {whose} MoE experts ({format_bytes(in_ram)}) in RAM "
+              f"({format_bytes(estimate.total_bytes - in_ram)} on the GPU, {format_bytes(budget)} free)")
+    return BackendChoice("llamacpp", f"gpu:{gpu_index}", -1, reason, None, gpu.name, cpu_moe_layers=layers,
+                         experts_ram_bytes=in_ram)
 
 
 def _by(requested_by: str) -> str:
     return f" by {requested_by}" if requested_by else ""
 
 
-def _best_llama_gpu(report: HardwareReport, runtimes: Runtimes) -> tuple[int | None, GPUInfo | None]:
+def usable_llama_gpus(report: HardwareReport, runtimes: Runtimes | None = None) -> list[tuple[int, GPUInfo]]:
+    """(report index, GPU) of the GPUs this llama.cpp build offloads to, in the report's order,
+    which is taken as llama.cpp's device order (nvidia-smi lists cards by PCI bus; CUDA orders the
+    same for alike cards, unless CUDA_DEVICE_ORDER says otherwise)."""
+    runtimes = runtimes or Runtimes.from_report(report)
     if not runtimes.llama_gpu_offload:
-        return None, None
-    usable = [(i, g) for i, g in enumerate(report.gpus) if _llama_can_use(g, runtimes)]
-    if not usable:
-        return None, None
-    return max(usable, key=lambda item: _gpu_budget(item[1]) or 0)
+        return []
+    return [(i, g) for i, g in enumerate(report.gpus) if _llama_can_use(g, runtimes)]
+
+
+def _on_one_card(choice: BackendChoice, usable: list[tuple[int, GPUInfo]], gpu_index: int | None) -> BackendChoice:
+    """A choice of one card where there are several: llama.cpp's default spreads layers over every
+    card, so it is told to keep to this one (split "none", main_gpu)."""
+    if len(usable) < 2:
+        return choice
+    main = next(pos for pos, (i, _) in enumerate(usable) if i == gpu_index)
+    return dataclasses.replace(choice, split_mode="none", main_gpu=main)
+
+
+def _choose_split(usable: list[tuple[int, GPUInfo]], estimate: MemoryEstimate | None,
+                  split: SplitPrefs) -> BackendChoice | None:
+    """Every layer over several cards, each holding its share (the asked shares, else shares by
+    free memory) where every share fits its card; None where there is one card, split is "none",
+    or a share does not fit."""
+    if split.mode == "none" or len(usable) < 2:
+        return None
+    budgets = [_gpu_budget(g) or 0 for _, g in usable]
+    shares = (tuple(split.shares) + (0.0,) * len(usable))[:len(usable)] if split.shares else tuple(map(float, budgets))
+    if not any(shares):
+        return None
+    weights = estimate.total_bytes - estimate.compute_bytes if estimate else 0
+    # Each card holds its share of the weights and KV, and a compute buffer of its own.
+    need = [round(weights * s / sum(shares)) + (estimate.compute_bytes if estimate and s else 0) for s in shares]
+    if estimate is not None and any(n > b for n, b in zip(need, budgets)):
+        return None
+    cards = [(i, g, n, b) for (i, g), n, b, s in zip(usable, need, budgets, shares) if s > 0]
+    where = ", ".join(f"{format_bytes(n)} on {g.name} #{i} ({format_bytes(b)} free)" for i, g, n, b in cards)
+    reason = f"all layers over {len(cards)} GPUs, {split.mode} split ({where}; {_needs(estimate)})"
+    return BackendChoice("llamacpp", "gpu:" + ",".join(str(i) for i, _, _, _ in cards), -1, reason, None,
+                         " + ".join(g.name for _, g, _, _ in cards), split_mode=split.mode,
+                         tensor_split=tuple(s / sum(shares) for s in shares), vram_per_device=tuple(need))
 
 
 def _choose_cpu(report: HardwareReport, has_gguf: bool, has_onnx: bool, runtimes: Runtimes,

@@ -65,7 +65,7 @@ def plan_model(installed: InstalledModel, settings: Settings) -> ModelPlan:
     limits.speculative = speculative_mode(settings, installed.ref)
     report = hardware_report()
     choice = registry.choose(installed, settings, report, estimate)
-    vram = planned_vram(choice.n_gpu_layers, estimate, memory)
+    vram = planned_vram(choice.n_gpu_layers, estimate, memory, choice.experts_ram_bytes)
     return ModelPlan(
         limits=limits,
         memory_bytes=memory,
@@ -89,13 +89,14 @@ def speculative_mode(settings: Settings, ref: str) -> str:
     return mode
 
 
-def planned_vram(n_gpu_layers: int, estimate: "MemoryEstimate | None", memory: int) -> int:
-    """The part of `memory` a load with `n_gpu_layers` (-1: all) is expected to put on the GPU."""
+def planned_vram(n_gpu_layers: int, estimate: "MemoryEstimate | None", memory: int, experts_ram_bytes: int = 0) -> int:
+    """The part of `memory` a load with `n_gpu_layers` (-1: all) is expected to put on the GPU;
+    MoE experts kept in RAM (cpu_moe, `experts_ram_bytes`) are not."""
     if n_gpu_layers == 0:
         return 0
     if estimate is None or n_gpu_layers < 0 or not estimate.n_layers:
-        return memory
-    return min(memory, n_gpu_layers * estimate.layer_bytes)
+        return max(0, memory - experts_ram_bytes)
+    return max(0, min(memory, n_gpu_layers * estimate.layer_bytes) - experts_ram_bytes)
 
 
 def gguf_limits(facts: "GGUFFacts", settings: Settings, ref: str = "") -> tuple["EngineLimits", "MemoryEstimate"]:
@@ -137,7 +138,8 @@ def memory_budget(settings: Settings, ours_ram_bytes: int = 0) -> int:
     report = hardware_report()
     memory = psutil.virtual_memory()
     ram = min(memory.total, memory.available + ours_ram_bytes)
-    vram = 0
-    if report.llama_gpu_offload:
-        vram = max((g.vram_free_bytes or g.vram_bytes or 0 for g in report.gpus), default=0)
+    from .placement import usable_llama_gpus
+
+    # Every card llama.cpp offloads to: a model may be split over several (config/gpu_split.py).
+    vram = sum(g.vram_free_bytes or g.vram_bytes or 0 for _, g in usable_llama_gpus(report))
     return int((ram + vram) * BUDGET_FRACTION)

@@ -16,6 +16,8 @@ import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable
 
+from ..config.gpu_split import split_prefs
+from ..config.moe import cpu_moe_layers
 from ..config.per_model import per_model_value
 from ..config.settings import Settings
 from ..errors import BackendError, ConfigError
@@ -50,6 +52,7 @@ def _load_llamacpp(installed: "InstalledModel", variant: "StoredVariant", plan: 
         raise BackendError(f"{installed.ref}: {why_not}")
     from ..engine.local import Engine
     from ..backends.llamacpp.backend import LlamaCppBackend
+    from ..backends.llamacpp.loading import GpuSplit
     from ..backends.llamacpp.probe import extra_buffers_allowed
 
     limits = plan.limits
@@ -61,6 +64,8 @@ def _load_llamacpp(installed: "InstalledModel", variant: "StoredVariant", plan: 
         n_batch=limits.batch_tokens,
         n_threads=settings.threads or None,
         n_gpu_layers=plan.n_gpu_layers,
+        cpu_moe_layers=plan.choice.cpu_moe_layers if plan.choice is not None else 0,
+        split=GpuSplit.of(plan.choice),
         kv_unified=limits.kv_unified,
         flash_attention=limits.flash_attention,
         kv_type=limits.kv_type,
@@ -146,7 +151,11 @@ def choose(installed: "InstalledModel", settings: Settings, report: "HardwareRep
     formats = list(installed.variants)
     convertible_gguf = convertible(installed)
     runtimes = Runtimes.from_report(report)
-    choice = choose_backend(report, formats + ["onnx"] * convertible_gguf, runtimes, estimate, prefer, requested_by)
+    cpu_moe = cpu_moe_layers(settings.cpu_moe, settings.n_cpu_moe, settings.model_cpu_moe, installed.ref)
+    split = split_prefs(settings.split_mode, settings.tensor_split, settings.model_split_mode,
+                        settings.model_tensor_split, installed.ref)
+    choice = choose_backend(report, formats + ["onnx"] * convertible_gguf, runtimes, estimate, prefer, requested_by,
+                            cpu_moe, split)
     if convertible_gguf and choice.backend == "onnx":
         choice = dataclasses.replace(choice, convert=True,
                                      reason=f"{choice.reason}; its GGUF is converted to ONNX on first use")
@@ -156,7 +165,7 @@ def choose(installed: "InstalledModel", settings: Settings, report: "HardwareRep
     rest = [f for f in formats if FORMAT_BACKEND.get(f) != choice.backend]
     if not rest:
         return choice  # nothing else to run it with: the load says why_not
-    fallback = choose_backend(report, rest, runtimes, estimate)
+    fallback = choose_backend(report, rest, runtimes, estimate, cpu_moe=cpu_moe, split=split)
     preferred = f"{choice.backend} on {choice.device_name}" + (
         f" via {choice.execution_provider}" if choice.execution_provider else "")
     return dataclasses.replace(fallback, reason=f"{fallback.reason}; {preferred} would be preferred, but {why_not}")

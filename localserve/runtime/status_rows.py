@@ -95,8 +95,9 @@ def loading_row(name: str, reserved_bytes: int, load_wait: dict[str, Any]) -> di
             "reason": load_wait.get("reason", "")}
 
 
-def _offload_row(engine: ModelEngine) -> dict[str, int]:
+def _offload_row(engine: ModelEngine) -> dict[str, Any]:
     """Where the engine says the load went (vram_bytes beside it is our estimate from the plan)."""
     info = engine.info
     return {"gpu_layers": info.gpu_layers, "offloadable_layers": info.offloadable_layers,
-            "gpu_memory_bytes": info.gpu_memory_bytes}
+            "gpu_memory_bytes": info.gpu_memory_bytes, "moe_layers_in_ram": info.moe_layers_in_ram,
+            "gpu_memory_by_device": dict(info.gpu_memory_by_device)}

@@ -289,6 +289,8 @@ async def ps(request: web.Request) -> web.Response:
             # llama.cpp's own device buffer sizes where the engine reported an offload, else the plan's.
             "size_vram": row["gpu_memory_bytes"] if row.get("gpu_layers") else row.get("vram_bytes", 0),
             "gpu_layers": row.get("gpu_layers", 0), "offloadable_layers": row.get("offloadable_layers", 0),
+            "moe_layers_in_ram": row.get("moe_layers_in_ram", 0),  # cpu_moe: layers whose experts stay in RAM
+            "size_vram_by_device": row.get("gpu_memory_by_device", {}),  # a load over several GPUs, per card
             "state": row.get("state", "loaded"), "pinned": row.get("pinned", 0),
             "running": row.get("running", 0), "waiting": row.get("waiting", {}),
             "waiting_for_load": row.get("waiting_for_load", 0), "reason": row.get("reason", ""),

@@ -70,6 +70,9 @@ _SCALAR_FORMATS = {
 }
 _MIN_VALUE_BYTES = {**{t: struct.calcsize(f) for t, f in _SCALAR_FORMATS.items()}, GGUFValueType.STRING: 8, GGUFValueType.ARRAY: 12}
 _BLOCK_RE = re.compile(r"^blk\.(\d+)\.")
+# A MoE layer's expert stacks, as llama.cpp's --cpu-moe matches them (common/common.h LLM_FFN_EXPS_REGEX).
+EXPERTS_REGEX = r"\.ffn_(up|down|gate|gate_up)_(ch|)exps"
+_EXPERTS_RE = re.compile(EXPERTS_REGEX)
 
 
 @dataclass(frozen=True)
@@ -109,6 +112,8 @@ class GGUFFacts:
     largest_layer_bytes: int  # the biggest single block (placement sizes offload by it)
     kv_heads_all_layers: int  # sum of KV heads over layers; 0 on recurrent (SSM) layers of hybrids
     gguf_version: int
+    # MoE expert stacks (blk.N.ffn_{gate,up,down}_exps), all layers: what cpu_moe keeps in RAM.
+    expert_bytes: int = 0
 
     @property
     def file_type(self) -> str:
@@ -127,10 +132,11 @@ class GGUFFacts:
         """Rebuild from `as_dict()` output (a manifest); unknown keys are ignored, so older or newer
         manifests still load; missing keys are an error because every estimate depends on them."""
         names = {f.name for f in fields(cls)}
-        missing = names - data.keys()
+        # A field with a default came later; a manifest from before it still describes the model.
+        missing = {f.name for f in fields(cls) if f.default is dataclasses.MISSING} - data.keys()
         if missing:
             raise GGUFError(f"stored model facts are incomplete (missing {', '.join(sorted(missing))})")
-        return cls(**{k: data[k] for k in names})
+        return cls(**{k: data[k] for k in names if k in data})
 
 
 class _Reader:
@@ -373,10 +379,12 @@ def _facts(version: int, meta: dict[str, Any], tensors: list[_Tensor], file_size
     vocab = vocab or _int(meta, a + "vocab_size")
 
     layer_sizes: dict[int, int] = {}
+    expert_bytes = 0
     for t in tensors:
         m = _BLOCK_RE.match(t.name)
         if m:
             layer_sizes[int(m.group(1))] = layer_sizes.get(int(m.group(1)), 0) + t.n_bytes
+            expert_bytes += t.n_bytes if _EXPERTS_RE.search(t.name) else 0
     file_type = _opt_int(meta, "general.file_type")
     return GGUFFacts(
         architecture=arch,
@@ -404,6 +412,7 @@ def _facts(version: int, meta: dict[str, Any], tensors: list[_Tensor], file_size
         largest_layer_bytes=max(layer_sizes.values(), default=0),
         kv_heads_all_layers=kv_all,
         gguf_version=version,
+        expert_bytes=expert_bytes,
     )
 
 

@@ -35,7 +35,8 @@ def test_cpu_twin_runs_every_stage(tmp_path: Path, smollm2_gguf: Path) -> None:
                          env=env, capture_output=True, text=True, timeout=400)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     for header in ("== model: tiny, Q4_K_M", "== serve with localserve", "== serve with llama-server",
-                   "== llama-batched-bench"):
+                   "== llama-batched-bench", "== MoE: moe-tiny, Q4_K_M, the first 1 layers' experts in RAM",
+                   "== serve with localserve (--n-cpu-moe 1)"):
         assert header in run.stdout
 
     # The model: a Llama GGUF of the tiny shape, quantized to Q4_K_M, with SmolLM2's tokenizer.
@@ -59,11 +60,20 @@ def test_cpu_twin_runs_every_stage(tmp_path: Path, smollm2_gguf: Path) -> None:
     else:
         assert anchor["A_errors"] == 0 and anchor["decode_tps_1"] > 0
 
+    # The MoE stage: a Qwen3-MoE made the same way, both servers decoding with n_cpu_moe 1 (on the
+    # CPU the setting moves nothing: every weight is in RAM already).
+    moe = figures["moe"]
+    assert (read_gguf_facts(work / "moe-tiny-Q4_K_M.gguf").architecture, moe["n_cpu_moe"]) == ("qwen3moe", 1)
+    moe_served = moe["servers"]["localserve"]
+    assert moe_served["decode_tps_1"] > 0 and moe_served["decode_tps_8"] > 0
+    assert moe_served["decode_1_errors"] == moe_served["decode_8_errors"] == 0
+    assert moe_served["moe_layers_in_ram"] == 0 and moe_served["gpu_layers"] == 0
+
     # The table is the end of the output (what the device reply's output_tail shows) and its file.
     table = (out / "gpu_check.txt").read_text()
     assert run.stdout.rstrip().endswith(table.rstrip())
     for row in ("decode tok/s, 1 sequence", "decode tok/s, 8 sequences", "load A output tok/s",
-                "load B TTFT p95 (ms)"):
+                "load B TTFT p95 (ms)", "MoE moe-tiny", "  localserve: decode tok/s"):
         assert row in table
 
 

@@ -168,7 +168,8 @@ def test_cli_show_reports_facts_memory_and_placement(tmp_path, smollm2_gguf):
     assert memory["n_ctx"] == 2048 and memory["total_bytes"] > memory["weights_bytes"] + memory["kv_bytes"]
     assert info["placement"]["backend"] in ("llamacpp", "onnx") and info["placement"]["reason"]
     # CI's CPU build: nothing planned on a GPU (SmolLM2: 30 layers + the output layer).
-    assert info["gpu"] == {"layers": 0, "of_layers": 31, "memory_bytes": 0}
+    assert info["gpu"] == {"layers": 0, "of_layers": 31, "memory_bytes": 0, "cpu_moe_layers": 0, "experts_ram_bytes": 0}
+    assert memory["expert_bytes"] == 0  # a dense model: no MoE experts to keep in RAM
 
     text = run_cli("show", "smol", home=home)
     assert text.returncode == 0 and "llama" in text.stdout and "8192" in text.stdout and "Q4_1" in text.stdout

@@ -38,6 +38,15 @@ EXPECTED = {
          ("AMD", "AMD GPU [1002:164e]", "integrated", 512 * MiB, ["ROCm", "Vulkan"], "gfx1036")],
         [],
     ),
+    # linux_nvidia with a second RTX 4090 in nvidia-smi's answer: each card listed with its own free memory.
+    "linux_2x4090": (
+        "AMD Ryzen 9 7950X 16-Core Processor", 16, 32,
+        ["SSE4.2", "AVX", "AVX2", "FMA", "F16C", "AVX-512", "AVX512-VNNI", "AVX512-BF16"], (65_536_000 - 1_412_345) * 1024,
+        [("NVIDIA", "NVIDIA GeForce RTX 4090", "discrete", 24564 * MiB, ["CUDA", "Vulkan"], "8.9"),
+         ("NVIDIA", "NVIDIA GeForce RTX 4090", "discrete", 24564 * MiB, ["CUDA", "Vulkan"], "8.9"),
+         ("AMD", "AMD GPU [1002:164e]", "integrated", 512 * MiB, ["ROCm", "Vulkan"], "gfx1036")],
+        [],
+    ),
     # Recorded on a real cloud VM (tests/fixtures/hw/record_linux.sh): no nvidia-drm, so no
     # /sys/class/drm at all; the GPU is known from nvidia-smi alone. AMX is in the flags.
     "linux_h200": (

@@ -38,7 +38,7 @@ from .info import read_model_info
 from .interrupt import InterruptFlag, available as interrupt_available
 from .offload import OffloadFacts, parse_load_log
 from .lora import LoraAdapters
-from .loading import check_load_args, context_params, load_model, make_context
+from .loading import GpuSplit, check_load_args, context_params, load_model, make_context
 from .runtime import ensure_runtime, error_count, last_error_since
 from .sampling import LlamaCppSampler
 from .tokenizer import LlamaTokenizer
@@ -150,6 +150,8 @@ class LlamaCppBackend(LlamaTokenizer, Backend):
         n_batch: int,
         n_threads: int | None = None,
         n_gpu_layers: int = 0,
+        cpu_moe_layers: int = 0,
+        split: GpuSplit = GpuSplit(),
         embeddings: bool = False,
         exact_attention: bool = False,
         kv_unified: bool = True,
@@ -165,6 +167,8 @@ class LlamaCppBackend(LlamaTokenizer, Backend):
             prefixes) or n_seq_max streams of n_ctx / n_seq_max cells each.
         n_seq_max: sequence ids 0..n_seq_max-1 (llama.cpp allows at most 256).
         n_batch: the most tokens one decode may carry (the scheduler's step budget must not exceed it).
+        cpu_moe_layers: the first N layers' MoE experts stay in RAM (--n-cpu-moe N; -1: all, --cpu-moe).
+        split: the layers over several GPUs (--split-mode, --main-gpu, --tensor-split; moe.py, loading.py).
         embeddings: create the embeddings context now instead of at the first embed() call.
         exact_attention, kv_unified, flash_attention, kv_type: the KV cache's precision and layout
             and the attention kernel; loading.context_params says what each changes in answers
@@ -180,7 +184,7 @@ class LlamaCppBackend(LlamaTokenizer, Backend):
         check_load_args(path, n_ctx, n_seq_max, n_batch, kv_type)
         ensure_runtime()
         n_threads = n_threads or default_threads()
-        model, load_lines = load_model(path, n_gpu_layers, extra_buffers)
+        model, load_lines = load_model(path, n_gpu_layers, extra_buffers, cpu_moe_layers, split)
         cparams = context_params(n_ctx=n_ctx, n_seq_max=n_seq_max, n_batch=n_batch, n_threads=n_threads,
                                  kv_unified=kv_unified, kv_type=kv_type, flash_attention=flash_attention,
                                  exact_attention=exact_attention)
@@ -228,6 +232,8 @@ class LlamaCppBackend(LlamaTokenizer, Backend):
         self.info.gpu_layers = facts.gpu_layers
         self.info.offloadable_layers = facts.offloadable_layers
         self.info.gpu_memory_bytes = facts.gpu_memory_bytes
+        self.info.moe_layers_in_ram = facts.moe_layers_in_ram
+        self.info.gpu_memory_by_device = dict(facts.bytes_by_device) if facts.gpu_layers else {}
         if facts.gpu_layers:  # GPU backends never call the abort callback (llamacpp_interrupt.py)
             self._capabilities = dataclasses.replace(self._capabilities, interruptible=False)
 

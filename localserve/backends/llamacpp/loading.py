@@ -4,8 +4,10 @@ paths (the vocab-only load uses it too)."""
 
 from __future__ import annotations
 
+import ctypes
 import os
 import re
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -14,6 +16,7 @@ import llama_cpp
 from ...config.kv_cache import kv_pair, needs_flash_attention
 from ...errors import BackendError, GGUFError, ModelNotFoundError
 from . import kv_pages
+from .moe import set_expert_overrides
 from .probe import build_died_here
 from .runtime import captured_log, error_count, last_error_since
 
@@ -44,15 +47,54 @@ def check_load_args(path: Path, n_ctx: int, n_seq_max: int, n_batch: int, kv_typ
         raise ModelNotFoundError(path.name, message=f"model file {path.name!r} does not exist")
 
 
-def load_model(path: Path, n_gpu_layers: int, extra_buffers: bool | None) -> tuple[Any, list[str]]:
+@dataclass(frozen=True)
+class GpuSplit:
+    """How llama.cpp spreads the offloaded layers over several GPUs (config/gpu_split.py): its
+    llama_split_mode by name, the card used alone with "none", each card's share (empty:
+    llama.cpp's own, by free memory)."""
+
+    mode: str = "layer"
+    main_gpu: int = 0
+    shares: tuple[float, ...] = ()
+
+    @classmethod
+    def of(cls, choice: Any) -> "GpuSplit":
+        """The split a placement choice (runtime/placement.BackendChoice) asks for."""
+        if choice is None:
+            return cls()
+        return cls(choice.split_mode, choice.main_gpu, tuple(choice.tensor_split))
+
+    def apply(self, mparams: Any) -> Any:
+        """Set `mparams`' split fields; returns the shares' array, kept alive until the load returns."""
+        mparams.split_mode = _SPLIT_MODES[self.mode]
+        mparams.main_gpu = self.main_gpu
+        if not self.shares:
+            return None
+        n = llama_cpp.llama_max_devices()
+        if len(self.shares) > n:
+            raise ValueError(f"tensor_split names {len(self.shares)} GPUs; this llama.cpp build takes at most {n}")
+        array = (ctypes.c_float * n)(*self.shares)
+        mparams.tensor_split = ctypes.cast(array, ctypes.POINTER(ctypes.c_float))
+        return array
+
+
+_SPLIT_MODES = {"none": llama_cpp.LLAMA_SPLIT_MODE_NONE, "layer": llama_cpp.LLAMA_SPLIT_MODE_LAYER,
+                "row": llama_cpp.LLAMA_SPLIT_MODE_ROW}
+
+
+def load_model(path: Path, n_gpu_layers: int, extra_buffers: bool | None,
+               cpu_moe_layers: int = 0, split: GpuSplit = GpuSplit()) -> tuple[Any, list[str]]:
     """The weights, and llama.cpp's log lines of the load (where it put the layers); GGUFError in
-    llama.cpp's own words, with no host path, when it cannot load the file."""
+    llama.cpp's own words, with no host path, when it cannot load the file. `cpu_moe_layers`: the
+    first N layers' MoE experts stay in RAM (moe.ALL_LAYERS: every layer's)."""
     errors_before = error_count()
     mparams = llama_cpp.llama_model_default_params()
     mparams.n_gpu_layers = n_gpu_layers
     mparams.use_extra_bufts = not build_died_here() if extra_buffers is None else extra_buffers
+    kept = (set_expert_overrides(mparams, cpu_moe_layers), split.apply(mparams))
     with captured_log() as load_lines:
         model = llama_cpp.llama_model_load_from_file(os.fsencode(path), mparams)
+    del kept  # read by the load only
     if not model:
         reason = without_paths(last_error_since(errors_before), path)
         raise GGUFError(f"could not load model file {path.name!r}" + (f": {reason}" if reason else ""))
