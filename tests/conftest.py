@@ -18,6 +18,7 @@ this file, which puts this folder on the path; a few test modules also lend each
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -25,6 +26,8 @@ import pytest
 
 for _folder in ("unit", "model", "system"):
     sys.path.insert(0, str(Path(__file__).resolve().parent / _folder))
+
+from worker_locks import filling, turn  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 TEST_CACHE = REPO / ".test-cache"
@@ -41,9 +44,20 @@ def pulled(ref: str, sha256: str) -> Path:
     # Only the home is set: a developer's own config file or LOCALSERVE_* variables must not
     # redirect the suite's model cache.
     settings = load_settings(flags={"home": str(TEST_HOME)}, environ={}, config_path=TEST_HOME / "no-config.toml")
-    model = pull_model(ref, settings)
+    with filling("home"):
+        model = pull_model(ref, settings)
     assert model.sha256 == sha256
     return model.path
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None):
+    """Under `pytest -n 2` each test takes its turn (worker_locks.py): shared, or alone when marked."""
+    run_id = os.environ.get("PYTEST_XDIST_TESTRUNUID")
+    if run_id is None:
+        return (yield)
+    with turn(item.get_closest_marker("alone") is not None, run_id):
+        return (yield)
 
 
 @pytest.fixture(scope="session")
@@ -67,8 +81,9 @@ def native_probe_verdict(request: pytest.FixtureRequest) -> None:
     from localserve.hardware import detect_hardware
 
     cpu = detect_hardware().cpu
-    if probe.needs_probe(cpu.features):
-        probe.extra_buffers_allowed(request.getfixturevalue("smollm2_gguf"), cpu.model, cpu.features)
+    with filling("probe"):  # one worker probes; the other then reads its verdict from the cache
+        if probe.needs_probe(cpu.features):
+            probe.extra_buffers_allowed(request.getfixturevalue("smollm2_gguf"), cpu.model, cpu.features)
 
 
 @pytest.fixture(scope="session")

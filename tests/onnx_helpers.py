@@ -18,6 +18,7 @@ import pytest
 
 from localserve.backends.base import BatchToken
 from conftest import SMOLLM2_SHA256, TEST_CACHE
+from worker_locks import filling
 
 
 def converted_smollm2(gguf: Path, weights: str = "fp32") -> Path:
@@ -33,13 +34,14 @@ def converted_smollm2(gguf: Path, weights: str = "fp32") -> Path:
 
 def cached_folder(out: Path, marker: str, convert: Callable[[Path], object]) -> Path:
     """`out`, made by `convert(out)` unless it already holds `marker` (a finished conversion)."""
-    if not (out / marker).is_file():
-        out.parent.mkdir(parents=True, exist_ok=True)
-        try:
-            convert(out)
-        except OSError:
-            if not (out / marker).is_file():  # another run converted it meanwhile
-                raise
+    with filling(out.parent.name):
+        if not (out / marker).is_file():
+            out.parent.mkdir(parents=True, exist_ok=True)
+            try:
+                convert(out)
+            except OSError:
+                if not (out / marker).is_file():  # another run converted it meanwhile
+                    raise
     return out
 
 

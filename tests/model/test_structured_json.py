@@ -1,5 +1,6 @@
-"""Structured output is JSON in every dialect (issue 47 item 1): at temperature 1, 64 requests of a
-JSON-schema answer each parse with json.loads and match the schema, read through the real SDKs.
+"""Structured output is JSON in every dialect (issue 47 item 1): at temperature 1, 32 requests of a
+JSON-schema answer in each (128 in all, through one grammar) parse with json.loads and match the
+schema, read through the real SDKs.
 Before the fix, SmolLM2 wrote a raw newline inside a string on 3 of 64 seeds (OpenAI's
 response_format): `{ "name" : "},\\n","age": 25 }`."""
 
@@ -16,7 +17,7 @@ from server_harness import MODEL, model_server
 
 pytestmark = pytest.mark.model
 
-N = 64
+N = 32
 SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 40}, "age": {"type": "integer"}},
           "required": ["name", "age"]}
 ASK = [{"role": "user", "content": "Describe a person."}]
@@ -73,12 +74,14 @@ def matches(value: Any) -> bool:
 
 
 @pytest.mark.parametrize("dialect", DIALECTS)
-def test_structured_output_is_json_on_64_seeds_at_temperature_1(server, dialect: str) -> None:
+def test_structured_output_is_json_on_32_seeds_at_temperature_1(server, dialect: str) -> None:
     ask = DIALECTS[dialect]
+    first = list(DIALECTS).index(dialect) * N  # each dialect its own seeds: 128 through the one grammar
+    seeds = range(first, first + N)
     with ThreadPoolExecutor(8) as pool:
-        texts = list(pool.map(lambda seed: ask(server.url, seed), range(N)))
+        texts = list(pool.map(lambda seed: ask(server.url, seed), seeds))
     bad = []
-    for seed, text in enumerate(texts):
+    for seed, text in zip(seeds, texts):
         try:
             if not matches(json.loads(text)):
                 bad.append((seed, text))

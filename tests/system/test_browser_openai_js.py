@@ -28,6 +28,7 @@ from aiohttp import web
 
 from browser_util import CHROMEDRIVER, CHROMIUM, chromium
 from daemon_util import cli_env, free_port, register_model, serving, stop_quietly, wait_published
+from worker_locks import filling
 
 pytestmark = pytest.mark.model
 
@@ -51,10 +52,11 @@ def openai_js() -> Path:
     package = NPM_DIR / "node_modules" / "openai"
     manifest = package / "package.json"
     major = OPENAI_JS.split("@")[1]
-    if not (manifest.exists() and json.loads(manifest.read_text())["version"].split(".")[0] == major):
-        NPM_DIR.mkdir(parents=True, exist_ok=True)
-        subprocess.run([NPM, "install", "--prefix", str(NPM_DIR), "--no-audit", "--no-fund", "--loglevel=error",
-                        OPENAI_JS], check=True, timeout=300)
+    with filling("npm"):
+        if not (manifest.exists() and json.loads(manifest.read_text())["version"].split(".")[0] == major):
+            NPM_DIR.mkdir(parents=True, exist_ok=True)
+            subprocess.run([NPM, "install", "--prefix", str(NPM_DIR), "--no-audit", "--no-fund", "--loglevel=error",
+                            OPENAI_JS], check=True, timeout=300)
     assert (package / "index.mjs").is_file()
     return package
 

@@ -22,6 +22,7 @@ from pathlib import Path
 
 import pytest
 
+from worker_locks import filling
 from daemon_util import REPO, cli, cli_env, free_port, register_model, stop_quietly, wait_published, start_serve
 from localserve.commands.launch import AgentOverriddenError, refuse_overrides, run_agent, run_files
 from localserve.desktop.agents import (AGENTS, CLAUDE_PROVIDER_SWITCHES, CODEX_TOKEN_VAR, Target,
@@ -146,10 +147,11 @@ def installed_agent(name: str) -> Path:
     if npm is None:
         pytest.skip("needs npm (apt-get install npm)")
     executable = AGENTS_DIR / "node_modules" / ".bin" / AGENTS[name].executable
-    if not executable.exists():
-        AGENTS_DIR.mkdir(parents=True, exist_ok=True)
-        subprocess.run([npm, "install", "--prefix", str(AGENTS_DIR), "--no-audit", "--no-fund", "--loglevel=error",
-                        PACKAGES[name]], check=True, timeout=600)
+    with filling("agents"):
+        if not executable.exists():
+            AGENTS_DIR.mkdir(parents=True, exist_ok=True)
+            subprocess.run([npm, "install", "--prefix", str(AGENTS_DIR), "--no-audit", "--no-fund", "--loglevel=error",
+                            PACKAGES[name]], check=True, timeout=600)
     assert executable.exists()
     return executable
 

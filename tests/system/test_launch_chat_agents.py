@@ -28,6 +28,7 @@ import pytest
 from daemon_util import cli_env, free_port, register_model, start_serve, stop_quietly, wait_published
 from localserve.desktop.agents import AGENTS
 from test_launch import AGENTS_DIR, installed_agent
+from worker_locks import filling
 
 API_KEY = "ls-key-5d2e-chat-agents-never-in-argv"
 CONTEXT = 1536
@@ -202,10 +203,11 @@ def installed_aider() -> Path:
     """aider-chat in a venv under .test-cache/agents, installed by pip on first use."""
     venv = AGENTS_DIR / "aider-venv"
     executable = venv / "bin" / "aider"
-    if not executable.exists():
-        subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
-        subprocess.run([str(venv / "bin" / "python"), "-m", "pip", "install", "-q", "aider-chat==0.86.2"],
-                       check=True, timeout=1200)
+    with filling("agents"):
+        if not executable.exists():
+            subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+            subprocess.run([str(venv / "bin" / "python"), "-m", "pip", "install", "-q", "aider-chat==0.86.2"],
+                           check=True, timeout=1200)
     return executable
 
 

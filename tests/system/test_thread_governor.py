@@ -20,7 +20,8 @@ from localserve.engine.local import Engine
 from localserve.engine.threads import ThreadGovernor, threads_for
 from localserve.hardware.cpu_load import OtherLoad
 
-pytestmark = pytest.mark.model
+# alone: these read the machine's other load, which a test on the second worker would be.
+pytestmark = [pytest.mark.model, pytest.mark.alone]
 
 
 @pytest.fixture(scope="module")
