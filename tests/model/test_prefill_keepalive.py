@@ -17,7 +17,7 @@ pytestmark = pytest.mark.model
 
 PING_S = 0.2
 GUARD_S = 2.0  # the client's idle guard (Qwen Code's 240 s), 10 pings: room for a loaded 2-core machine
-LONG = "The quick brown fox jumps over the lazy dog near the river bank. " * 110  # ~1,500 tokens: 47 steps of 32
+LONG = "The quick brown fox jumps over the lazy dog near the river bank. " * 220  # ~3,000 tokens
 
 
 def ask(dialect: str) -> list[dict[str, str]]:
