@@ -23,6 +23,7 @@ from ..backends.base import KVRequest, KVSizing, seq_ids_for
 from ..config.kv_cache import parse_kv_type
 from ..config.settings import Settings
 from ..errors import ConfigError
+from .prefix_cache import RELEASE_AFTER_S
 from .speculation import MODES
 from .step_clock import DEFAULT_TARGET_S
 
@@ -44,6 +45,9 @@ class EngineLimits:
     n_ctx: int = 8192  # KV cells of the backend context (all sequences, or all streams, together)
     n_ctx_seq: int = 8192  # prompt + completion of one request
     prefix_cache: bool = True
+    # Seconds a parked prefix-cache entry stays in memory unused while the engine idles, where a
+    # later hit gets it back cheaply (prefix_cache.py); 0: until evicted.
+    prefix_release_s: float = RELEASE_AFTER_S
     kv_unified: bool = False  # one shared cell pool instead of a stream per sequence (see config.py)
     kv_type: str = "f16"  # KV element types, "K/V" or one for both ("f16", "q8_0/f16": config/kv_cache.py)
     flash_attention: bool = False
@@ -137,6 +141,7 @@ class EngineLimits:
         return cls(max_sequences=kv.max_sequences, batch_tokens=batch_tokens, n_ctx=kv.n_ctx, n_ctx_seq=kv.n_ctx_seq,
                    queue_size=settings.queue_size or 64, batch_step_s=settings.batch_step_ms / 1000,
                    queue_timeout=settings.queue_timeout or 600.0, prefix_cache=settings.prefix_cache,
+                   prefix_release_s=settings.prefix_cache_idle_release_s,
                    kv_unified=kv.kv_unified, kv_type=kv.kv_type, flash_attention=kv.flash_attention,
                    speculative=settings.speculative.strip().lower(), adaptive_threads=settings.adaptive_threads)
 

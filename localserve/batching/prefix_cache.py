@@ -20,6 +20,12 @@ is parked also outlives the engine: an entry that stays parked while the engine 
 one dropped before it was written (KVSave before its KVRemove, in the step that drops it). A prompt
 whose longest prefix is in a file, `DISK_MIN_GAIN` tokens longer than any resident one, gets a
 fresh id and the file's state (KVRestore) instead: after an unload, a restart or a crash.
+Memory follows use: an entry left unused for `release_after_s` (RELEASE_AFTER_S by default) while
+the engine idles is dropped -- written first, where it is worth a file -- so its stream's pages go
+back to the OS (backends/llamacpp/kv_pages.py): parked entries on all 16 streams had kept SmolLM2's
+worker at 2.3x its resting memory a minute after a load ended (issue 42). Only what a later hit
+gets back cheaply goes: an entry on disk (read back on the hit), a short or cancelled one
+(computed again in a blink); without a disk tier, and for an image's cells, long entries stay.
 
 Matching is exact on token ids, and at least the backend's `min_recompute` prompt tokens are always
 computed (two for llama.cpp, see `lookup`), so a hit never changes the output -- only how many
@@ -47,12 +53,19 @@ SAVE_AFTER_S = 3.0
 # A file is read instead of a resident prefix only when it holds this many more tokens: reading
 # and placing a state costs a few ms, computing 64 tokens about as much on a small model.
 DISK_MIN_GAIN = 64
+# Seconds an entry stays in memory unused, the engine idle, before its cells go back (when a later
+# hit gets them back cheaply, see above). An agent's next turn, or a user's next question after
+# reading the answer, usually comes sooner; the time a minute's break finds the memory given back.
+RELEASE_AFTER_S = 30.0
+# Entries shorter than this are computed again rather than kept when idle: SmolLM2 computes 128
+# prompt tokens in ~0.1 s on 2 cores (engine/prompt_disk.py writes no shorter file either).
+CHEAP_TOKENS = 128
 
 
 class CachedPrefix:
     """A parked sequence id: its KV holds `tokens` at positions 0..len-1."""
 
-    __slots__ = ("seq_id", "cells", "tokens", "disposable", "parked_at", "saved", "adapters")
+    __slots__ = ("seq_id", "cells", "tokens", "disposable", "parked_at", "used_at", "saved", "adapters")
 
     def __init__(self, seq_id: int, cells: list[int], tokens: list[int], disposable: bool = False,
                  adapters: LoraSet = ()):
@@ -62,7 +75,7 @@ class CachedPrefix:
         self.disposable = disposable  # left by a cancelled request: a hit takes it over
         # The LoRA set its cells were computed under: only a request with the same set may use them.
         self.adapters = adapters
-        self.parked_at = time.monotonic()
+        self.parked_at = self.used_at = time.monotonic()
         # Written to disk, or never to be: a cancelled request's is not worth it, an image's cells
         # stay in memory (their ids are no file's int32 tokens, and images are few and short), and
         # so do an adapter's (a file's key is the model's, not the adapters').
@@ -92,9 +105,11 @@ def common_prefix(a: Seq[int], b: Seq[int], limit: int) -> int:
 
 
 class PrefixCache:
-    def __init__(self, pool: KVPool, enabled: bool = True, min_recompute: int = 1):
+    def __init__(self, pool: KVPool, enabled: bool = True, min_recompute: int = 1,
+                 release_after_s: float = RELEASE_AFTER_S):
         self.pool = pool
         self.enabled = enabled
+        self.release_after_s = release_after_s  # 0: parked entries stay until evicted
         self.min_recompute = max(1, min_recompute)  # the last prompt token's logits are always needed
         self.parked: OrderedDict[int, CachedPrefix] = OrderedDict()  # seq_id -> entry, LRU first
         self.disk: DiskTier | None = None  # the prompt cache on disk, where the engine has one
@@ -167,20 +182,42 @@ class PrefixCache:
     def _save(self, entry: CachedPrefix) -> bool:
         """Write `entry` to disk with the next operations, unless written or not worth it."""
         disk = self.disk
-        if disk is None or entry.saved or len(entry.tokens) < disk.min_tokens:
+        if disk is None or not self._worth_a_file(entry):
             return False
         entry.saved = True
         self.pool.ops.append(KVSave(entry.seq_id, tuple(entry.tokens), disk))
         return True
 
-    def next_save_in(self, now: float) -> float | None:
-        """Seconds until a parked entry is due to be written (<= 0: now), None when none will be."""
-        disk = self.disk
-        if disk is None:
-            return None
-        due = [e.parked_at + SAVE_AFTER_S - now for e in self.parked.values()
-               if not e.saved and len(e.tokens) >= disk.min_tokens]
+    def next_idle_work_in(self, now: float) -> float | None:
+        """Seconds until a parked entry is due to be written or released (<= 0: now), None when
+        none will be: the engine's idle wait is timed only then (an idle daemon stays at 0% CPU)."""
+        due = [e.parked_at + SAVE_AFTER_S - now for e in self.parked.values() if self._worth_a_file(e)]
+        if self.release_after_s > 0:
+            due += [e.used_at + self.release_after_s - now for e in self.parked.values() if self._releasable(e)]
         return min(due, default=None)
+
+    def idle_work(self, now: float) -> bool:
+        """Write the entries parked for SAVE_AFTER_S, release those unused for `release_after_s`;
+        True when operations were recorded."""
+        saved = self.save_parked(now)
+        released = False
+        if self.release_after_s > 0:
+            for entry in [e for e in self.parked.values() if self._releasable(e)]:
+                if entry.used_at + self.release_after_s <= now:
+                    self._drop(entry)  # written first where worth a file, then its cells go
+                    released = True
+        return saved or released
+
+    def _worth_a_file(self, entry: CachedPrefix) -> bool:
+        return self.disk is not None and not entry.saved and len(entry.tokens) >= self.disk.min_tokens
+
+    def _releasable(self, entry: CachedPrefix) -> bool:
+        """Whether a later hit gets the entry back cheaply once it is dropped: it is cancelled
+        work, short, or on disk (or written as it is dropped: _drop)."""
+        if entry.disposable or len(entry.tokens) < CHEAP_TOKENS:
+            return True
+        # An image's cells are in no file, nor an adapter's (a file's key is the model's alone).
+        return self.disk is not None and min(entry.tokens) >= 0 and not entry.adapters
 
     def save_parked(self, now: float | None = None) -> bool:
         """Write the entries parked for SAVE_AFTER_S (all of them with `now` None: an unload);
@@ -253,7 +290,9 @@ class PrefixCache:
         return (best, best_n) if best is not None else (None, 0)
 
     def touch(self, entry: CachedPrefix) -> None:
-        """Mark an entry as just used: eviction goes least recently used first."""
+        """Mark an entry as just used: eviction goes least recently used first, and an idle
+        engine keeps it `release_after_s` from now."""
+        entry.used_at = time.monotonic()
         self.parked.move_to_end(entry.seq_id)
 
     def take(self, entry: CachedPrefix) -> None:

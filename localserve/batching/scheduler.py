@@ -74,7 +74,7 @@ class Scheduler(Admission):
         self.clock = StepClock(limits.batch_step_s)
         self.pool = KVPool(caps, min(limits.n_ctx, caps.kv_cells), caps.max_seqs, self.max_running)
         self.n_ctx_seq = min(limits.n_ctx_seq, self.pool.n_cells_seq)
-        self.cache = PrefixCache(self.pool, limits.prefix_cache, caps.min_recompute)
+        self.cache = PrefixCache(self.pool, limits.prefix_cache, caps.min_recompute, limits.prefix_release_s)
         speculate = caps.speculation and limits.speculative != "off"
         self.drafts = DraftPolicy(limits.speculative, caps.consecutive_ids) if speculate else None
         self.lanes = LaneQueues()

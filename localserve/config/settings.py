@@ -126,6 +126,10 @@ class Settings:
     # on a prompt's output depends on how its prefill was chunked beside other requests.
     flash_attention: bool = False
     prefix_cache: bool = True  # keep finished requests' KV to serve later prompts sharing a prefix
+    # Seconds a finished request's KV stays in memory unused while the model idles, before it goes
+    # back to the OS -- where a later prompt gets it back cheaply: from the prompt cache on disk, or
+    # by computing a short prompt again (batching/prefix_cache.py). 0: kept until memory runs short.
+    prefix_cache_idle_release_s: float = 30.0
     # Bytes the prompt cache on disk may hold, all models together (store/prompt_cache.py): what the
     # prefix cache parked, kept across unloads, restarts and crashes. It never leaves less than a
     # tenth of the disk free either; least recently used files go first. 0 = off.

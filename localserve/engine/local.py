@@ -313,11 +313,12 @@ class Engine:
                         if self._busy and self._threads is not None:
                             self._threads.idle()
                         self._busy = False
-                        # A timed wait only while a parked entry waits to be written: idle is 0% CPU.
-                        save_in = self.scheduler.cache.next_save_in(time.monotonic())
-                        if save_in is not None and save_in <= 0:
+                        # A timed wait only while a parked entry waits to be written or released:
+                        # idle is 0% CPU.
+                        due_in = self.scheduler.cache.next_idle_work_in(time.monotonic())
+                        if due_in is not None and due_in <= 0:
                             break
-                        self._cond.wait(save_in)
+                        self._cond.wait(due_in)
                     if self._stopping:
                         break
                     self._busy = True
@@ -327,7 +328,7 @@ class Engine:
                         self._advance_embed()
                     if self.scheduler.has_work():
                         self._step()
-                    elif self.scheduler.cache.save_parked(time.monotonic()):  # idle: write what is due
+                    elif self.scheduler.cache.idle_work(time.monotonic()):  # idle: write, release what is due
                         self._deliver(self.scheduler.take_output())
                     self.progress += 1
                 except Exception:  # a bug in delivery must not leave every stream hanging

@@ -20,7 +20,8 @@ since a step beside a busy core costs 5-10x, and rises again only after RISE_WIN
 row agree, so a burst of a compiler does not make it flap.
 The first step after an idle spell decides from the whole spell's average at once: it is the best
 guess there is without polling while idle. A new engine reads the machine for FIRST_READ_S before
-its first step (part of the model's load, not of a request's wait): a second model's worker that
+its first step (part of the model's load, not of a request's wait; a worker's reading starts
+with its load, read_from_now, so it adds nothing to a cold first token): a second model's worker that
 started beside a busy one ran its first prompt with 2 threads beside the other's 2, on 2 cores,
 and one step took over 4 s (tests/system/test_engine_workers.py's hang watchdog caught it).
 The cost that stays: a step running when a process starts runs slowly to its end (the threads
@@ -61,6 +62,19 @@ def threads_for(other_cores: float, max_threads: int, n_cpus: int) -> int:
     return max(1, max_threads - max(0, math.ceil(taken - TOLERATED_CORES)))
 
 
+# A worker's first reading, started before its model loads (read_from_now), else None.
+_first_reading: tuple[OtherLoad, float] | None = None
+
+
+def read_from_now() -> None:
+    """Start the first reading now: an engine worker calls it before its model loads, so the
+    governor its engine builds waits only for what is left of FIRST_READ_S (the load is longer:
+    no wait), not FIRST_READ_S more on a cold first token. The load's own CPU is this process's,
+    which the reading leaves out."""
+    global _first_reading
+    _first_reading = (OtherLoad(), time.monotonic())
+
+
 class ThreadGovernor:
     """Sets a backend's compute threads from the machine's load (see the module docstring), within
     what `share` leaves it beside our other engines (None: no other engine to share with)."""
@@ -72,10 +86,11 @@ class ThreadGovernor:
         self.threads = self.max_threads  # what the step computes on now
         self.wanted = self.max_threads  # what other processes leave, as the windows voted
         self._seat = share.join() if share is not None else None
-        self._load = OtherLoad()
+        global _first_reading
+        (self._load, started), _first_reading = _first_reading or (OtherLoad(), time.monotonic()), None
         self._window_start = time.monotonic()
         self._rise_votes = 0
-        time.sleep(FIRST_READ_S)
+        time.sleep(max(0.0, started + FIRST_READ_S - time.monotonic()))
         self.other_cores = self._load.sample()  # the last window's reading, for logs
         self._vote(threads_for(self.other_cores, self.max_threads, self._n_cpus))
         self._apply(self.wanted)

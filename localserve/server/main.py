@@ -86,10 +86,12 @@ async def _serve(settings: Settings, lock: DaemonLock, *, announce: bool) -> Non
     from aiohttp import web
 
     from ..runtime.manager import ModelManager
+    from ..runtime.warm_start import prepare_first_load
     from .app import create_app
 
     log = logging.getLogger("localserve.daemon")
     manager = ModelManager(settings)
+    prepare_first_load(settings)
     app = create_app(settings, manager)
     # shutdown_timeout: how long in-flight requests may finish after the listening socket closes;
     # the rest are cancelled (their handlers close their engine streams). keepalive_timeout is

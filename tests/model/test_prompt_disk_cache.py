@@ -2,16 +2,20 @@
 at unload and read back by the next engine (cached tokens counted, the greedy answer the one computed
 cold); a file from another model or build, a truncated file and a flipped byte are refused and
 removed, and the answer stays the cold one; files are 0600 in a 0700 folder; the bound holds while
-distinct conversations churn through it."""
+distinct conversations churn through it; an idle engine gives a parked conversation's memory back
+once it is on disk, and the next turn reads it from there."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import stat
+import time
 
 import pytest
 
 from conftest import GEMMA3_SHA256, SMOLLM2_SHA256
+from localserve.backends.llamacpp import kv_pages
 from localserve.backends.llamacpp.backend import LlamaCppBackend
 from localserve.backends.llamacpp.seq_state import SeqState, state_key
 from localserve.batching.limits import EngineLimits
@@ -36,13 +40,15 @@ def backend(smollm2_gguf):
 
 
 def start_engine(backend: LlamaCppBackend, home=None, *, key: str = KEY, sha: str = SMOLLM2_SHA256,
-                 max_bytes: int = 1 << 30) -> Engine:
-    """A fresh engine on an empty cache, as after a load; with `home`, its prompt cache on disk."""
+                 max_bytes: int = 1 << 30, release_s: float = 0) -> Engine:
+    """A fresh engine on an empty cache, as after a load; with `home`, its prompt cache on disk;
+    `release_s`: its prefix cache's idle release (0: kept until evicted)."""
     backend.kv_clear()
     disk = None
     if home is not None:
         disk = PromptDisk(PromptDiskCache(home, sha, key, max_bytes).open(), SeqState(backend), min_tokens=64)
-    limits = EngineLimits(max_sequences=2, batch_tokens=256, n_ctx=backend.n_ctx, n_ctx_seq=2048, prefix_cache=True)
+    limits = EngineLimits(max_sequences=2, batch_tokens=256, n_ctx=backend.n_ctx, n_ctx_seq=2048, prefix_cache=True,
+                          prefix_release_s=release_s)
     engine = Engine(backend, limits, name="smollm2", prompt_disk=disk)
     engine.start()
     return engine
@@ -96,6 +102,40 @@ async def test_a_conversation_outlives_its_engine_and_answers_as_computed_cold(b
     assert warm == await cold_answer(backend, follow_up)
     # The second turn's file supersedes the first's.
     assert len(files_of(tmp_path)) == 1
+
+
+def kv_resident(backend: LlamaCppBackend) -> int:
+    pages = backend._pages.pages
+    return kv_pages.resident_bytes(pages.address, pages.size)
+
+
+async def test_an_idle_engine_gives_a_parked_conversation_back_and_reads_it_from_disk(backend, tmp_path):
+    if backend._pages is None:
+        pytest.skip("KV pages go back to the OS on Linux only")
+    first = prompt_of(backend, "mountains")
+    engine = start_engine(backend, tmp_path, release_s=1.5)
+    try:
+        reply, _ = await answer(engine, first)
+        held = kv_resident(backend)
+        assert held > 4 << 20  # one stream's K and V rows: the parked conversation, in memory
+        # While the session is active the next turn hits in memory: nothing read from disk.
+        turn2 = first + reply + backend.tokenize("<|im_end|>\n<|im_start|>user\nAnd hills?<|im_end|>\n"
+                                                 "<|im_start|>assistant\n", add_special=False)
+        reply2, cached = await answer(engine, turn2)
+        assert cached == len(first) + len(reply) - 1 and engine.scheduler.cache.disk_hits == 0
+        # Quiet for release_s: written to disk, dropped, its stream's pages back to the OS.
+        deadline = time.monotonic() + 30
+        while engine.scheduler.cache.parked or kv_resident(backend) > held // 4:
+            assert time.monotonic() < deadline, (len(engine.scheduler.cache.parked), kv_resident(backend))
+            await asyncio.sleep(0.2)
+        assert files_of(tmp_path)
+        turn3 = turn2 + reply2 + backend.tokenize("<|im_end|>\n<|im_start|>user\nAnd valleys?<|im_end|>\n"
+                                                  "<|im_start|>assistant\n", add_special=False)
+        warm, cached = await answer(engine, turn3)
+        assert cached == len(turn2) + len(reply2) - 1 and engine.scheduler.cache.disk_hits == cached
+    finally:
+        engine.shutdown()
+    assert warm == await cold_answer(backend, turn3)
 
 
 def flip_last_byte(path) -> None:

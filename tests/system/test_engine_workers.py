@@ -309,9 +309,15 @@ def test_a_batch_through_a_worker_crash_answers_every_line_once(daemon, no_eog) 
 def test_a_gguf_models_tokenizer_runs_in_the_daemon_and_gives_the_workers_ids(tmp_path: Path, smollm2_gguf: Path) -> None:
     """tokenize and detokenize are called on the event loop: a round trip to a worker whose threads
     a busy decode keeps off the cores costs every keystroke four waits. The daemon's vocab-only load
-    of the same GGUF answers instead, with the ids and text the worker's own tokenizer gives."""
+    of the same GGUF answers instead, with the ids and text the worker's own tokenizer gives. It
+    opens in the background once the worker is ready (off a cold first token's path); until then
+    the worker tokenizes."""
     engine = worker_engine(tmp_path, smollm2_gguf, context_length=512, max_sequences=2)
     try:
+        deadline = time.monotonic() + 30
+        while engine._vocab is None:
+            assert time.monotonic() < deadline, "the daemon's tokenizer never opened"
+            time.sleep(0.05)
         sent: list[tuple] = []
         real_send = engine._channel.send
         engine._channel.send = lambda *message: (sent.append(message), real_send(*message))[1]

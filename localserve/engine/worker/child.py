@@ -27,7 +27,7 @@ from typing import Any, Callable
 from ...errors import BackendError, LocalserveError
 from ...protocol.engine import ModelEngine
 from ..streams import RequestStream
-from .. import core_share, live
+from .. import core_share, live, threads
 from ..core_share import CoreShare
 from .channel import CALLS, Channel
 from .rss import rss_bytes
@@ -53,6 +53,7 @@ def main(conn: Connection, load: Callable[..., ModelEngine], args: tuple, log_pa
     # The interpreter and llama.cpp's code: the load's plan leaves them out, the worker's RSS does
     # not, so the daemon's "at most" adds this.
     before = rss_bytes() or 0
+    threads.read_from_now()  # the thread governor's first reading runs while the model loads
     try:
         engine = load(*args)
     except BaseException as e:  # noqa: BLE001 - whatever it was, the daemon answers the load with it

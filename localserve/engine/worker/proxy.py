@@ -67,8 +67,24 @@ def _context() -> multiprocessing.context.BaseContext:
     # library already loaded: 0.4 s less per load here. Importing llama_cpp only maps the library
     # (no backend is initialised, no thread started, nothing a fork would copy mid-use); backends/
     # sets OpenMP's wait policy before it, as in the daemon. Missing (an ONNX-only install): skipped.
-    ctx.set_forkserver_preload(["localserve.engine.worker.child", "localserve.backends.llamacpp.backend"])
+    # The loader's own modules too (the daemon's loader is unpickled from runtime.registry, and it
+    # builds engine.local's Engine): 0.3-0.5 s of a cold first token on 2 cores had been their
+    # imports in each new worker.
+    ctx.set_forkserver_preload(["localserve.engine.worker.child", "localserve.backends.llamacpp.backend",
+                                "localserve.runtime.registry", "localserve.engine.local",
+                                "localserve.engine.prompt_disk", "localserve.backends.llamacpp.seq_state"])
     return ctx
+
+
+def prestart_fork_server() -> None:
+    """Start the fork server now, so its imports (the preload above: ~0.5 s, 1 s on a busy
+    machine) are done before the first load instead of inside it: a daemon that loads on first use
+    made the first request wait for them (issue 42's cold first token)."""
+    ctx = _context()
+    if ctx.get_start_method() == "forkserver":
+        from multiprocessing import forkserver
+
+        forkserver.ensure_running()  # starts the process and returns; it imports on its own
 
 
 class WorkerStream(EventQueue):
@@ -93,9 +109,9 @@ class WorkerEngine(VocabCalls):
     """ModelEngine of a model loaded in a worker process (see the module docstring)."""
 
     def __init__(self, name: str, process: Any, channel: Channel, ready: tuple, log_path: Path | None,
-                 hang_timeout: float, vocab: Any = None):
+                 hang_timeout: float):
         self.name = name
-        self._vocab = vocab  # a LlamaVocab of the model's GGUF, or None: tokenize in the worker
+        self._vocab: Any = None  # a LlamaVocab of the model's GGUF once open (start), else the worker tokenizes
         self._process = process
         self._channel = channel
         self._info: ModelInfo = ready[1]
@@ -161,9 +177,17 @@ class WorkerEngine(VocabCalls):
                 channel.close()
                 raise message[1]
             elif message[0] == "ready":
-                engine = cls(name, process, channel, message, log_path, hang_timeout, open_vocab(vocab_gguf))
+                engine = cls(name, process, channel, message, log_path, hang_timeout)
                 log.info("%s runs in engine worker pid %d", name, engine.pid)
+                if vocab_gguf is not None:
+                    # Off the first request's path (0.15-0.3 s of a cold first token on 2 cores):
+                    # until it is open the worker tokenizes, with llama.cpp's same tokenizer.
+                    threading.Thread(target=engine._open_vocab, args=(vocab_gguf,), name=f"vocab {name}",
+                                     daemon=True).start()
                 return engine
+
+    def _open_vocab(self, gguf: Path) -> None:
+        self._vocab = open_vocab(gguf)
 
     def resident_bytes(self) -> int | None:
         """The worker's RSS now (rss.py), or None once it is gone; read only when asked."""
