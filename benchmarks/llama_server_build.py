@@ -13,6 +13,7 @@ binary is missing.
 
 from __future__ import annotations
 
+import fcntl
 import os
 import platform
 import subprocess
@@ -60,6 +61,17 @@ def tool_binary(target: str) -> Path:
     binary = build / "bin" / target
     if binary.is_file():
         return binary
+    cache.mkdir(parents=True, exist_ok=True)
+    # One build at a time: three benchmarks that started together once ran cmake in the one build
+    # folder at once and left it broken (object files half written by two compilers).
+    with open(cache / "build.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not binary.is_file():  # built by whoever held the lock before us
+            _build(cache, build, target)
+    return binary
+
+
+def _build(cache: Path, build: Path, target: str) -> None:
     src = _sdist_sources(cache)
     env = dict(os.environ)
     if platform.machine() in ("x86_64", "AMD64"):
@@ -73,7 +85,6 @@ def tool_binary(target: str) -> Path:
     jobs = str(max(1, (os.cpu_count() or 1)))
     subprocess.run(["nice", "-n", "10", "cmake", "--build", str(build), "--target", target, "-j", jobs],
                    check=True, env=env)
-    return binary
 
 
 if __name__ == "__main__":
