@@ -19,6 +19,8 @@ from pathlib import Path
 
 import numpy as np
 
+from builder_cli import run_builder
+
 ADAPTER_NAMES = ("smollm2-lora-a.gguf", "smollm2-lora-b.gguf")
 RANK = 8
 ALPHA = 16.0  # llama.cpp scales the delta B @ A by alpha / rank (and the request's scale)
@@ -59,19 +61,8 @@ def write_adapter(base: Path, out: Path, seed: int) -> Path:
 
 
 def main(argv: list[str]) -> int:
-    if len(argv) != 2:
-        print(__doc__.strip().splitlines()[-1].strip(), file=sys.stderr)
-        return 2
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-    from conftest import SMOLLM2_SHA256, pulled
-
-    out_dir = Path(argv[1])
-    out_dir.mkdir(parents=True, exist_ok=True)
-    base = pulled("smollm2-135m:Q4_1", SMOLLM2_SHA256)
-    for seed, name in enumerate(ADAPTER_NAMES, start=1):
-        print(write_adapter(base, out_dir / name, seed))
-    return 0
+    return run_builder(argv, __doc__, lambda smollm2, out_dir: [
+        write_adapter(smollm2, out_dir / name, seed) for seed, name in enumerate(ADAPTER_NAMES, start=1)])
 
 
 if __name__ == "__main__":

@@ -17,6 +17,8 @@ from pathlib import Path
 
 import numpy as np
 
+from builder_cli import run_builder
+
 ARCH = "qwen3moe"
 FILE_NAME = "tiny-qwen3moe.gguf"
 SEED = 46
@@ -90,16 +92,7 @@ def build_moe(tokenizer_gguf: Path, out: Path) -> Path:
 
 
 def main(argv: list[str]) -> int:
-    if len(argv) != 2:
-        print(__doc__.strip().splitlines()[-1].strip(), file=sys.stderr)
-        return 2
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from conftest import SMOLLM2_SHA256, pulled
-
-    out_dir = Path(argv[1])
-    out_dir.mkdir(parents=True, exist_ok=True)
-    print(build_moe(pulled("smollm2-135m:Q4_1", SMOLLM2_SHA256), out_dir / FILE_NAME))
-    return 0
+    return run_builder(argv, __doc__, lambda smollm2, out_dir: [build_moe(smollm2, out_dir / FILE_NAME)])
 
 
 if __name__ == "__main__":

@@ -16,6 +16,8 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+from builder_cli import run_builder
+
 THINK_TEMPLATE = (
     "{% for message in messages %}"
     "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
@@ -41,16 +43,7 @@ def with_think_template(gguf_path: Path, out: Path) -> Path:
 
 
 def main(argv: list[str]) -> int:
-    if len(argv) != 2:
-        print(__doc__.strip().splitlines()[-1].strip(), file=sys.stderr)
-        return 2
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from conftest import SMOLLM2_SHA256, pulled
-
-    out_dir = Path(argv[1])
-    out_dir.mkdir(parents=True, exist_ok=True)
-    print(with_think_template(pulled("smollm2-135m:Q4_1", SMOLLM2_SHA256), out_dir / FILE_NAME))
-    return 0
+    return run_builder(argv, __doc__, lambda smollm2, out_dir: [with_think_template(smollm2, out_dir / FILE_NAME)])
 
 
 if __name__ == "__main__":
