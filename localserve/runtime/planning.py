@@ -13,6 +13,7 @@ device and GPU layer count come from placement.choose_backend over the hardware 
 from __future__ import annotations
 
 import functools
+import threading
 from typing import TYPE_CHECKING, Any
 
 from ..config.kv_cache import kv_element_bytes, model_kv_type
@@ -31,9 +32,20 @@ if TYPE_CHECKING:  # the engine pulls in llama.cpp; planning must import without
 BUDGET_FRACTION = 0.9  # of available RAM / free VRAM: leave room for the OS and the daemon itself
 
 
-@functools.lru_cache(maxsize=1)
+_report_lock = threading.Lock()
+
+
 def hardware_report() -> Any:
-    """Probed once per process: probes spawn tools like nvidia-smi, too slow to repeat per load."""
+    """Probed once per process: probes spawn tools like nvidia-smi, too slow to repeat per load.
+    The daemon starts the probe in the background at start (warm_start.py); a load that asks
+    meanwhile waits for that probe under the lock rather than running a second one beside it
+    (lru_cache alone lets two concurrent first calls both probe)."""
+    with _report_lock:
+        return _probed_hardware()
+
+
+@functools.lru_cache(maxsize=1)
+def _probed_hardware() -> Any:
     from ..hardware import detect_hardware
 
     return detect_hardware()
