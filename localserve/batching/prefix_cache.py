@@ -76,10 +76,15 @@ class CachedPrefix:
         # The LoRA set its cells were computed under: only a request with the same set may use them.
         self.adapters = adapters
         self.parked_at = self.used_at = time.monotonic()
-        # Written to disk, or never to be: a cancelled request's is not worth it, an image's cells
-        # stay in memory (their ids are no file's int32 tokens, and images are few and short), and
-        # so do an adapter's (a file's key is the model's, not the adapters').
-        self.saved = disposable or bool(adapters) or (bool(tokens) and min(tokens) < 0)
+        # Written to disk, or never to be: a cancelled request's is not worth it, nor one no file holds.
+        self.saved = disposable or not self.fits_a_file
+
+    @property
+    def fits_a_file(self) -> bool:
+        """Whether a prompt cache file can hold its cells: not an image's (their ids are no file's
+        int32 tokens, and images are few and short), nor an adapter's (a file's key is the model's,
+        not the adapters'). Such entries stay in memory."""
+        return not self.adapters and (not self.tokens or min(self.tokens) >= 0)
 
     @property
     def num_computed(self) -> int:
@@ -216,8 +221,7 @@ class PrefixCache:
         work, short, or on disk (or written as it is dropped: _drop)."""
         if entry.disposable or len(entry.tokens) < CHEAP_TOKENS:
             return True
-        # An image's cells are in no file, nor an adapter's (a file's key is the model's alone).
-        return self.disk is not None and min(entry.tokens) >= 0 and not entry.adapters
+        return self.disk is not None and entry.fits_a_file
 
     def save_parked(self, now: float | None = None) -> bool:
         """Write the entries parked for SAVE_AFTER_S (all of them with `now` None: an unload);

@@ -212,7 +212,6 @@ class PromptDiskCache:
             if self._jobs.empty():
                 _give_back_free_heap()
 
-
     def _write(self, tokens: list[int], state: bytes) -> None:
         tokens_bytes = struct.pack(f"<{len(tokens)}i", *tokens)
         header = json.dumps({"key": self.key, "tokens": len(tokens), "state": len(state),
