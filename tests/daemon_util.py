@@ -13,6 +13,7 @@ import urllib.request
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
+from worker_locks import THREADS
 
 REPO = Path(__file__).resolve().parent.parent
 # Test daemons answer with speculation off, the mode that promises bit-exact, load-independent
@@ -37,7 +38,7 @@ def cli_env(home: Path, port: int, **extra: str) -> dict[str, str]:
         LOCALSERVE_HOME=str(home),
         LOCALSERVE_PORT=str(port),
         LOCALSERVE_CONFIG=str(home / "no-config.toml"),
-        LOCALSERVE_THREADS="2",
+        LOCALSERVE_THREADS=str(THREADS),
         LOCALSERVE_CONTEXT_LENGTH="1024",
         LOCALSERVE_MAX_SEQUENCES="4",
         LOCALSERVE_SHUTDOWN_TIMEOUT="3",

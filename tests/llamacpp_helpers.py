@@ -8,8 +8,7 @@ from typing import Sequence
 from localserve.backends.base import BatchToken, Sampler
 from localserve.backends.llamacpp.backend import LlamaCppBackend
 
-# The machine has 2 cores shared by everyone's tests.
-THREADS = 2
+from worker_locks import THREADS  # noqa: F401  (re-exported: the tests that load through here use it)
 
 
 def load(path: Path, *, n_ctx: int = 2048, n_seq_max: int = 8, n_batch: int = 512,

@@ -33,6 +33,7 @@ from localserve.server import create_app
 from localserve.store.cache import ModelStore
 
 from daemon_util import SPECULATIVE  # the test daemons' mode, and why
+from worker_locks import THREADS
 
 MODEL = "smollm2-135m"
 MODEL_TAG = "Q4_1"
@@ -46,7 +47,7 @@ BACKEND_CLASSES = {"llamacpp": "LlamaCppBackend", "onnx": "OnnxBackend"}
 
 
 def server_settings(home: Path, **changes: Any) -> Settings:
-    base = dict(home=home, threads=2, context_length=1024, max_sequences=8, keep_alive=300.0,
+    base = dict(home=home, threads=THREADS, context_length=1024, max_sequences=8, keep_alive=300.0,
                 speculative=SPECULATIVE)
     base.update(changes)
     return replace(Settings(), **base)

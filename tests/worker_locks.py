@@ -15,6 +15,11 @@ follow from that, both kept here.
 Both are plain `flock`s: the cache's beside the cache (any run on this checkout fills it), the
 turns' in the temporary folder under the run's id (two separate runs do not wait for each other).
 A run without workers takes no turns.
+
+And `THREADS`, the threads a test's own llama.cpp or ONNX Runtime computes on: the machine's cores
+divided between the workers. Both libraries' threads spin at every barrier, so two workers with 2
+threads each on 2 cores do not run half as fast but dozens of times slower (CI: a 5 s JSON-schema
+test took 201 s, and a 12-step decode test ran past pytest's 300 s limit inside llama_decode).
 """
 
 from __future__ import annotations
@@ -25,6 +30,8 @@ import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+
+THREADS = max(1, len(os.sched_getaffinity(0)) // int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")))
 
 LOCKS = Path(__file__).resolve().parent.parent / ".test-cache" / "locks"
 

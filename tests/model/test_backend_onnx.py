@@ -19,6 +19,7 @@ from localserve.engine.local import Engine
 from localserve.errors import InvalidRequestError
 from localserve.protocol.requests import GenerationRequest, SamplingParams
 from onnx_helpers import chat, greedy, prefill, smollm2_onnx  # noqa: F401 - smollm2_onnx: session fixture
+from worker_locks import THREADS
 
 pytest.importorskip("onnxruntime")
 pytestmark = pytest.mark.model
@@ -32,7 +33,7 @@ PROMPTS = ["What is the capital of France?", "Write a haiku about rain.", "List 
 def onnx_backend(smollm2_onnx, smollm2_gguf):  # noqa: F811
     from localserve.backends.onnx.load import load_onnx
 
-    b = load_onnx(smollm2_onnx, smollm2_gguf, n_ctx=2048, n_seq_max=16, n_batch=256, n_threads=2)
+    b = load_onnx(smollm2_onnx, smollm2_gguf, n_ctx=2048, n_seq_max=16, n_batch=256, n_threads=THREADS)
     yield b
     b.close()
 

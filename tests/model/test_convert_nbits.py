@@ -19,6 +19,7 @@ from onnx_helpers import (TINY, chat, converted_smollm2, greedy, reference_hidde
 ort = pytest.importorskip("onnxruntime")
 from test_backend_onnx import PROMPTS  # noqa: E402 - after the importorskip, like that module's own tests
 from test_convert import _causal, _run, _session  # noqa: E402
+from worker_locks import THREADS
 
 _MATMULS = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
 
@@ -241,7 +242,7 @@ def llamacpp_answers(smollm2_gguf) -> dict[str, tuple[list[int], list[int]]]:
 def _agreement(folder, gguf, answers) -> int:
     from localserve.backends.onnx.load import load_onnx
 
-    backend = load_onnx(folder, gguf, n_ctx=1024, n_seq_max=4, n_batch=256, n_threads=2)
+    backend = load_onnx(folder, gguf, n_ctx=1024, n_seq_max=4, n_batch=256, n_threads=THREADS)
     try:
         return sum(greedy(backend, ids) == want for ids, want in answers.values())
     finally:
@@ -307,8 +308,8 @@ def test_static_int8_gives_the_dynamic_int8_tokens(int8_folder, smollm2_gguf, tm
 
     convert_gguf(smollm2_gguf, tmp_path / "static", flavour="static", static_tokens=(1, 16), static_slots=256,
                  weights="int8")
-    dynamic = load_onnx(int8_folder, smollm2_gguf, n_ctx=256, n_seq_max=4, n_batch=64, n_threads=2)
-    static = load_onnx(tmp_path / "static", smollm2_gguf, n_ctx=256, n_seq_max=4, n_batch=64, n_threads=2)
+    dynamic = load_onnx(int8_folder, smollm2_gguf, n_ctx=256, n_seq_max=4, n_batch=64, n_threads=THREADS)
+    static = load_onnx(tmp_path / "static", smollm2_gguf, n_ctx=256, n_seq_max=4, n_batch=64, n_threads=THREADS)
     try:
         for text in PROMPTS[:4]:
             ids = chat(static, text)

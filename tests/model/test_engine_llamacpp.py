@@ -14,6 +14,7 @@ from localserve.backends.llamacpp.backend import LlamaCppBackend
 from localserve.batching.limits import EngineLimits
 from localserve.protocol.requests import GenerationRequest, SamplingParams
 from localserve.engine.local import Engine
+from worker_locks import THREADS
 
 pytestmark = pytest.mark.model
 
@@ -101,7 +102,7 @@ async def test_per_sequence_streams_are_exact_with_shared_prefixes_and_holes(smo
     requests), are chunked beside each other's decodes and finish at different times give exactly
     the 48 tokens each gives alone. Before the backend split mixed steps (stream_groups) and the
     scheduler stopped leaving one-token prompt rests, 2 of these 8 answers differed."""
-    streams = LlamaCppBackend.load(smollm2_gguf, n_ctx=16384, n_seq_max=16, n_batch=512, n_threads=2,
+    streams = LlamaCppBackend.load(smollm2_gguf, n_ctx=16384, n_seq_max=16, n_batch=512, n_threads=THREADS,
                                    kv_unified=False, flash_attention=False)
     try:
         topics = ["the moon", "bread", "cats", "rivers", "winter", "primes", "a lighthouse", "tea"]
@@ -125,7 +126,7 @@ async def test_sequences_moved_to_keep_ids_consecutive_continue_exactly(smollm2_
     """When a request in the middle finishes first, the scheduler moves a running sequence's KV
     stream to keep the running ids consecutive (kvpool.py); the moved sequence goes on with
     exactly the tokens it gives alone."""
-    streams = LlamaCppBackend.load(smollm2_gguf, n_ctx=8 * 1024, n_seq_max=8, n_batch=256, n_threads=2,
+    streams = LlamaCppBackend.load(smollm2_gguf, n_ctx=8 * 1024, n_seq_max=8, n_batch=256, n_threads=THREADS,
                                    kv_unified=False, flash_attention=False)
     moves = []
     real_move = streams.kv_move
@@ -152,7 +153,7 @@ async def test_interactive_arrival_interrupts_a_batch_step_and_every_answer_stay
     """Batch-lane work alone runs in long steps (big prompt chunks); an interactive request that
     arrives during one stops it (Backend.interrupt) instead of waiting for its end. The stopped
     step is planned again, so every answer is still exactly the one its request gives alone."""
-    streams = LlamaCppBackend.load(smollm2_gguf, n_ctx=8 * 1024, n_seq_max=8, n_batch=512, n_threads=2,
+    streams = LlamaCppBackend.load(smollm2_gguf, n_ctx=8 * 1024, n_seq_max=8, n_batch=512, n_threads=THREADS,
                                    kv_unified=False, flash_attention=False)
     try:
         background = " ".join(["Some background about the world and its many details."] * 30)
@@ -286,7 +287,7 @@ async def test_unified_q8_pool_serves_concurrent_requests_sharing_a_prefix(smoll
     limits = EngineLimits(max_sequences=8, batch_tokens=256, n_ctx=8 * 1024, n_ctx_seq=2048,
                           kv_unified=True, kv_type="q8_0", flash_attention=True)
     pool = LlamaCppBackend.load(smollm2_gguf, n_ctx=limits.n_ctx, n_seq_max=limits.n_seq_max, n_batch=256,
-                                n_threads=2, kv_unified=True, kv_type=limits.kv_type)
+                                n_threads=THREADS, kv_unified=True, kv_type=limits.kv_type)
     try:
         assert pool.capabilities.prefix_sharing == "share" and pool.n_ctx_seq == limits.n_ctx
         system = "You are a careful assistant. " * 40

@@ -21,6 +21,7 @@ from localserve.store.cache import ModelStore
 from localserve.protocol.requests import GenerationRequest
 from server_harness import MODEL, MODEL_TAG, model_server
 from test_engine_llamacpp import GREEDY, chat, run, running_engine
+from worker_locks import THREADS
 
 pytestmark = pytest.mark.model
 MIXED = (f"{MODEL}=q8_0/f16",)
@@ -29,7 +30,7 @@ MIXED = (f"{MODEL}=q8_0/f16",)
 @pytest.mark.parametrize("unified", [False, True], ids=["streams", "unified"])
 def test_llamacpp_makes_the_cache_with_k_and_v_apart(smollm2_gguf, unified):
     with captured_log() as lines:
-        backend = LlamaCppBackend.load(smollm2_gguf, n_ctx=512, n_seq_max=2, n_batch=64, n_threads=2,
+        backend = LlamaCppBackend.load(smollm2_gguf, n_ctx=512, n_seq_max=2, n_batch=64, n_threads=THREADS,
                                        kv_unified=unified, flash_attention=unified, kv_type="q8_0/f16")
     try:
         (cache,) = [line for line in lines if line.startswith("llama_kv_cache: size")]
@@ -44,7 +45,7 @@ async def test_streams_with_a_q8_0_k_stay_exact(smollm2_gguf):
     """K q8_0 / V f16 needs no flash attention, so the streams layout keeps its promise: prompts
     of 20 to ~110 tokens that share their start, prefilled and decoded beside each other, give
     exactly the tokens each gives alone (test_engine_llamacpp's exactness test, with this cache)."""
-    streams = LlamaCppBackend.load(smollm2_gguf, n_ctx=8192, n_seq_max=8, n_batch=512, n_threads=2,
+    streams = LlamaCppBackend.load(smollm2_gguf, n_ctx=8192, n_seq_max=8, n_batch=512, n_threads=THREADS,
                                    kv_unified=False, flash_attention=False, kv_type="q8_0/f16")
     try:
         prompts = [chat(streams, " ".join(["Some background about the world and its details."] * (3 * i))
@@ -77,7 +78,7 @@ def test_a_model_with_k_q8_0_and_v_f16_answers_as_llamacpp_does(live, smollm2_gg
     assert status == 200 and chat["choices"][0]["message"]["content"].strip()
     # The same greedy answer as llama.cpp's own API loaded with K q8_0 and V f16.
     status, prompt = live.json("POST", "/tokenize", {"model": MODEL, "messages": messages})
-    llm = llama_cpp.Llama(str(smollm2_gguf), n_ctx=1024, n_threads=2, flash_attn=False, verbose=False,
+    llm = llama_cpp.Llama(str(smollm2_gguf), n_ctx=1024, n_threads=THREADS, flash_attn=False, verbose=False,
                           type_k=llama_cpp.GGML_TYPE_Q8_0, type_v=llama_cpp.GGML_TYPE_F16)
     try:
         direct = llm.create_completion(prompt["tokens"], max_tokens=12, temperature=0.0)

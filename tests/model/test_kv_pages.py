@@ -10,6 +10,7 @@ import pytest
 
 from localserve.backends.llamacpp import kv_pages
 from localserve.backends.llamacpp.backend import LlamaCppBackend
+from worker_locks import THREADS
 
 pytestmark = pytest.mark.model
 MIB = 1 << 20
@@ -63,7 +64,7 @@ def test_eight_sequences_of_the_full_context_fit_at_once_and_answer_alike(produc
     tokens = b.tokenize("The quick brown fox jumps over the lazy dog near the river bank. " * 700)[:n]
     assert len(tokens) == n
     b.kv_clear()
-    b.set_threads(2)
+    b.set_threads(THREADS)
     try:
         for start in range(0, n, step):
             chunk = tokens[start:start + step]

@@ -16,6 +16,7 @@ from localserve.backends.base import BatchToken, KVFullError
 from localserve.batching.limits import EngineLimits
 from localserve.errors import BackendError
 from onnx_helpers import answer, chat, engine_answers, greedy, prefill, smollm2_onnx  # noqa: F401 - smollm2_onnx: session fixture
+from worker_locks import THREADS
 
 ort = pytest.importorskip("onnxruntime")
 pytestmark = pytest.mark.model
@@ -42,7 +43,7 @@ def static(static_dir, smollm2_gguf):
     from localserve.backends.onnx.load import load_onnx
 
     # n_ctx is the graphs' to fix: the load ignores the caller's 4096 for the static flavour.
-    b = load_onnx(static_dir, smollm2_gguf, n_ctx=4096, n_seq_max=8, n_batch=64, n_threads=2)
+    b = load_onnx(static_dir, smollm2_gguf, n_ctx=4096, n_seq_max=8, n_batch=64, n_threads=THREADS)
     yield b
     b.close()
 
@@ -51,7 +52,7 @@ def static(static_dir, smollm2_gguf):
 def dynamic(smollm2_onnx, smollm2_gguf):  # noqa: F811
     from localserve.backends.onnx.load import load_onnx
 
-    b = load_onnx(smollm2_onnx, smollm2_gguf, n_ctx=1024, n_seq_max=8, n_batch=512, n_threads=2)
+    b = load_onnx(smollm2_onnx, smollm2_gguf, n_ctx=1024, n_seq_max=8, n_batch=512, n_threads=THREADS)
     yield b
     b.close()
 

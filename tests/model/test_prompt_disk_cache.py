@@ -24,6 +24,7 @@ from localserve.engine.prompt_disk import PromptDisk
 from localserve.protocol.requests import GenerationRequest, SamplingParams
 from localserve.store import prompt_cache
 from localserve.store.prompt_cache import PromptDiskCache
+from worker_locks import THREADS
 
 pytestmark = pytest.mark.model
 
@@ -33,7 +34,7 @@ KEY = state_key(kv_unified=False, kv_type="f16", flash_attention=False, exact_at
 
 @pytest.fixture(scope="module")
 def backend(smollm2_gguf):
-    b = LlamaCppBackend.load(smollm2_gguf, n_ctx=4 * 2048, n_seq_max=4, n_batch=256, n_threads=2,
+    b = LlamaCppBackend.load(smollm2_gguf, n_ctx=4 * 2048, n_seq_max=4, n_batch=256, n_threads=THREADS,
                              kv_unified=False, flash_attention=False)
     yield b
     b.close()

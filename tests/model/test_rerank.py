@@ -15,6 +15,7 @@ import pytest
 from localserve.store.cache import ModelStore
 from rerank_model import RERANK_TEMPLATE, with_rank_head
 from server_harness import MODEL, LiveServer, install_model, server_settings
+from worker_locks import THREADS
 
 RERANKER = "smollm2-rerank"  # with Qwen3-Reranker's rerank template
 PLAIN = "smollm2-rerank-plain"  # without: BOS query EOS SEP document EOS, as the vocabulary adds them
@@ -64,7 +65,7 @@ class DirectReranker:
         params.embeddings, params.kv_unified = True, True
         params.flash_attn_type = llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED
         params.pooling_type = llama_cpp.LLAMA_POOLING_TYPE_RANK
-        params.n_threads = params.n_threads_batch = 2
+        params.n_threads = params.n_threads_batch = THREADS
         self.ctx = llama_cpp.llama_init_from_model(self.model, params)
         template = llama_cpp.llama_model_chat_template(self.model, b"rerank")
         self.template = template.decode() if template else None

@@ -20,6 +20,7 @@ from localserve.batching.kv_ops import KVCopy, KVMove
 from localserve.batching.prefix_cache import common_prefix
 from onnx_helpers import smollm2_onnx  # noqa: F401  (a fixture)
 from scheduler_harness import Harness, as_call, backend_calls, used_cells
+from worker_locks import THREADS
 
 N_CTX = 512  # KV cells of the shared pools (fake, ONNX)
 N_SEQ = 8
@@ -45,13 +46,13 @@ def backend(request: pytest.FixtureRequest) -> Iterator[Backend]:
         from localserve.backends.llamacpp.backend import LlamaCppBackend
 
         # Streams of 2048 / 8 = 256 cells each: room for every prompt here and its answer.
-        b: Backend = LlamaCppBackend.load(gguf, n_ctx=2048, n_seq_max=N_SEQ, n_batch=N_BATCH, n_threads=2,
+        b: Backend = LlamaCppBackend.load(gguf, n_ctx=2048, n_seq_max=N_SEQ, n_batch=N_BATCH, n_threads=THREADS,
                                           kv_unified=False, flash_attention=False)
     else:
         from localserve.backends.onnx.load import load_onnx
 
         b = load_onnx(request.getfixturevalue("smollm2_onnx"), gguf, n_ctx=N_CTX, n_seq_max=N_SEQ,
-                             n_batch=N_BATCH, n_threads=2)
+                             n_batch=N_BATCH, n_threads=THREADS)
     yield b
     b.close()
     _alone.clear()

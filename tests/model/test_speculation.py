@@ -28,6 +28,7 @@ from fake_backend import FakeBackend
 from scheduler_harness import Harness
 from server_harness import MODEL, model_server
 from test_engine_llamacpp import chat, run, running_engine
+from worker_locks import THREADS
 
 GREEDY = SamplingParams(temperature=0.0)
 SOURCES = ["localserve/batching/step_clock.py", "localserve/batching/lanes.py", "localserve/batching/kv_ops.py",
@@ -44,7 +45,7 @@ def edit_prompt(backend, path: str, lines: int = 24) -> list[int]:
 
 @pytest.fixture(scope="module")
 def streams(smollm2_gguf):
-    b = LlamaCppBackend.load(smollm2_gguf, n_ctx=8 * 2048, n_seq_max=16, n_batch=512, n_threads=2,
+    b = LlamaCppBackend.load(smollm2_gguf, n_ctx=8 * 2048, n_seq_max=16, n_batch=512, n_threads=THREADS,
                              kv_unified=False, flash_attention=False)
     yield b
     b.close()

@@ -28,6 +28,7 @@ from localserve.protocol.requests import GenerationRequest, SamplingParams
 
 import vision_model
 from test_engine_llamacpp import run, running_engine  # its step budget (48) and defaults
+from worker_locks import THREADS
 
 GREEDY = SamplingParams(temperature=0.0)
 
@@ -46,7 +47,7 @@ def vision_files(smollm2_gguf, tmp_path_factory):
 @pytest.fixture(scope="module")
 def backend(vision_files):
     model, projector = vision_files
-    b = LlamaCppBackend.load(model, n_ctx=16 * 1024, n_seq_max=16, n_batch=512, n_threads=2,
+    b = LlamaCppBackend.load(model, n_ctx=16 * 1024, n_seq_max=16, n_batch=512, n_threads=THREADS,
                              kv_unified=False, flash_attention=False, mmproj=projector)
     yield b
     b.close()

@@ -31,7 +31,7 @@ INSTALL = REPO / "installer" / "install.sh"
 
 def _env(home: Path, **extra: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("LOCALSERVE_", "XDG_", "VIRTUAL_ENV"))}
-    env.update(HOME=str(home), PATH="/usr/local/bin:/usr/bin:/bin", LOCALSERVE_THREADS="2",
+    env.update(HOME=str(home), PATH="/usr/local/bin:/usr/bin:/bin", LOCALSERVE_THREADS=str(THREADS),
                LOCALSERVE_CONTEXT_LENGTH="1024", LOCALSERVE_MAX_SEQUENCES="4", LOCALSERVE_SHUTDOWN_TIMEOUT="3")
     # The machine's pip cache (dependencies' wheels), not the fresh HOME's empty one.
     env["PIP_CACHE_DIR"] = os.environ.get("PIP_CACHE_DIR") or str(Path.home() / ".cache" / "pip")

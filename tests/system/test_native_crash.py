@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from daemon_util import REPO, cli_env, free_port, register_model, serving, stop_quietly, wait_published
+from worker_locks import THREADS
 
 pytestmark = pytest.mark.model
 
@@ -140,7 +141,7 @@ def test_the_fallback_load_gives_the_full_builds_greedy_tokens(smollm2_gguf: Pat
     def greedy(extra_buffers: bool) -> list[int]:
         import numpy as np
 
-        with LlamaCppBackend.load(smollm2_gguf, n_ctx=256, n_seq_max=1, n_batch=64, n_threads=2,
+        with LlamaCppBackend.load(smollm2_gguf, n_ctx=256, n_seq_max=1, n_batch=64, n_threads=THREADS,
                                   extra_buffers=extra_buffers, kv_unified=False, flash_attention=False) as b:
             tokens = b.tokenize("The capital of France is")
             out: list[int] = []

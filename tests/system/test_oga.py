@@ -33,6 +33,7 @@ from localserve.store.cache import ModelStore  # noqa: E402
 from onnx_helpers import (TINY, cached_folder, chat, greedy, reference_logits, tie_gap_at_divergence,  # noqa: E402
                           tiny_weights, write_tiny_gguf)
 from server_harness import LiveServer, server_settings  # noqa: E402
+from worker_locks import THREADS  # noqa: E402
 
 PROMPTS = ["What is the capital of France?", "Write a haiku about the sea.", "List three prime numbers.",
            "Explain photosynthesis in one sentence.", "Translate 'good morning' to Spanish.",
@@ -191,7 +192,7 @@ def test_greedy_answers_equal_oga_direct_and_agree_with_llama_cpp(engine, oga_di
     prompts = [chat(vocab, p) for p in PROMPTS]
     served = [run_all(engine, [greedy_request(ids, 8)])[0][0] for ids in prompts]
     assert served[:3] == [until_eog(oga_direct(oga_dir, ids, 8)) for ids in prompts[:3]]
-    backend = LlamaCppBackend.load(smollm2_gguf, n_ctx=1024, n_seq_max=2, n_batch=256, n_threads=2,
+    backend = LlamaCppBackend.load(smollm2_gguf, n_ctx=1024, n_seq_max=2, n_batch=256, n_threads=THREADS,
                                    exact_attention=True)
     try:
         llama = [until_eog(greedy(backend, ids)) for ids in prompts]

@@ -25,6 +25,7 @@ from localserve.store.cache import ModelStore  # noqa: E402
 from server_harness import LiveServer  # noqa: E402
 from test_oga import converted_smollm2_oga  # noqa: E402
 from test_pull import FAST_RETRY, LocalServer, Served, hub_listing, make_settings, run_cli  # noqa: E402
+from worker_locks import THREADS
 
 LFS = ("model.onnx", "model.onnx.data", "tokenizer.json")  # as a Hub repo's .gitattributes would put in LFS
 REPO = "Vendor/SmolLM2-ONNX"
@@ -103,7 +104,7 @@ def test_an_oga_repo_is_pulled_as_the_oga_variant_listed_and_served(tmp_path, se
     assert again.returncode == 0 and "already up to date" in again.stderr
     assert len(file_requests(server)) == requested  # only the listing was asked again
 
-    with LiveServer(replace(settings, threads=2, context_length=1024)) as live:
+    with LiveServer(replace(settings, threads=THREADS, context_length=1024)) as live:
         status, answer = live.json("POST", "/v1/chat/completions", {
             "model": f"hf.co/{REPO}", "temperature": 0, "max_tokens": 24,
             "messages": [{"role": "user", "content": "What is the capital of France?"}]})
@@ -205,7 +206,7 @@ def test_a_repo_with_two_folders_needs_a_choice(tmp_path, server, oga_files):
 def test_over_the_api_a_missing_choice_is_an_error_in_its_format(tmp_path, server, oga_files):
     small = {name: data for name, data in oga_files.items() if name != "model.onnx.data"}
     publish(server, REPO, {"cpu": small, "npu": small})
-    with LiveServer(replace(make_settings(tmp_path, server), threads=2)) as live:
+    with LiveServer(replace(make_settings(tmp_path, server), threads=THREADS)) as live:
         status, body = live.json("POST", "/api/pull", {"model": f"hf.co/{REPO}", "stream": False})
     assert status == 404, body
     assert body["error"] == (f"hf.co/{REPO} holds 2 onnxruntime-genai folders; name one "
@@ -299,7 +300,7 @@ def test_over_the_api_a_config_naming_a_library_is_refused_before_the_weights(tm
     config = oga_config(custom_ops_library="/usr/lib/libls3ops.so")
     publish(server, ATTACKER, {"npu": {"genai_config.json": json.dumps(config).encode(), "model.onnx": b"\x08\x09",
                                        "model.onnx.data": bytes(65536), "tokenizer.json": b"{}"}})
-    with LiveServer(replace(make_settings(tmp_path, server), threads=2)) as live:
+    with LiveServer(replace(make_settings(tmp_path, server), threads=THREADS)) as live:
         status, body = live.json("POST", "/api/pull", {"model": f"hf.co/{ATTACKER}:npu", "stream": False})
         assert status == 400, body
         assert "custom_ops_library is not allowed" in body["error"] and str(tmp_path) not in body["error"]
