@@ -33,8 +33,12 @@ class Rates:
         """(end, busy seconds, decode rows, prompt rows) of the window's steps that ended after `since`."""
         return [s for s in self._steps.copy() if s[0] > since]
 
-    def tokens_per_s(self) -> tuple[float, float]:
-        steps = list(self._steps)
+    def tokens_per_s(self, now: float | None = None) -> tuple[float, float]:
+        """Decode and prompt tokens per busy second over the window before `now` (default: this
+        moment). The window is cut at reading time too, not only when a step arrives: an engine
+        that went idle after a load showed that load's rate for as long as it stayed idle."""
+        since = (time.monotonic() if now is None else now) - RATE_WINDOW_S
+        steps = [s for s in self._steps.copy() if s[0] >= since]
         busy = sum(s[1] for s in steps)
         if busy <= 0:
             return 0.0, 0.0

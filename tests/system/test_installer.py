@@ -23,6 +23,7 @@ import pytest
 
 from daemon_util import cli_env, free_port, register_model, serving, stop_quietly, wait_published
 from wheel_cache import wheel_of_this_build
+from worker_locks import THREADS
 from localserve.desktop.service import ServiceSpec, launch_agent, systemd_unit
 
 REPO = Path(__file__).resolve().parents[2]

@@ -33,6 +33,9 @@ def default_home(tmp_path_factory: pytest.TempPathFactory, smollm2_gguf: Path) -
     env = cli_env(home, free_port())
     for name in ("LOCALSERVE_CONTEXT_LENGTH", "LOCALSERVE_MAX_SEQUENCES"):
         env.pop(name)
+    # The defaults follow the cores (limits.py: 8 sequences on 2); the figures are this
+    # 2-core machine's, whatever share of it an xdist worker gets.
+    env["LOCALSERVE_THREADS"] = "2"
     register_model(env, smollm2_gguf, MODEL)
     return {"env": env, "home": home}
 
