@@ -15,9 +15,11 @@ from server_harness import MODEL, model_server
 
 pytestmark = pytest.mark.model
 
-PING_S = 0.2
-GUARD_S = 2.0  # the client's idle guard (Qwen Code's 240 s), 10 pings: room for a loaded 2-core machine
-LONG = "The quick brown fox jumps over the lazy dog near the river bank. " * 220  # ~3,000 tokens
+PING_S = 0.1
+# The client's idle guard (Qwen Code's 240 s) scaled down, so the prefill that must outlast it twice
+# costs seconds of compute, not minutes: 12 pings, room for a loaded 2-core machine.
+GUARD_S = 1.2
+LONG = "The quick brown fox jumps over the lazy dog near the river bank. " * 90  # ~1,250 tokens
 
 
 def ask(dialect: str) -> list[dict[str, str]]:
@@ -28,7 +30,7 @@ def ask(dialect: str) -> list[dict[str, str]]:
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory, smollm2_gguf: Path):
     # Small prompt steps, so the prefill takes seconds on any machine.
-    with model_server(tmp_path_factory.mktemp("home"), smollm2_gguf, context_length=4096, batch_tokens=32,
+    with model_server(tmp_path_factory.mktemp("home"), smollm2_gguf, context_length=2048, batch_tokens=16,
                       max_sequences=1, sse_ping_interval=PING_S) as live:
         live.backend_class(MODEL)  # loaded before any test times its stream
         yield live
