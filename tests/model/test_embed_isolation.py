@@ -20,7 +20,7 @@ from server_harness import MODEL, LiveServer, install_model, server_settings
 
 # The configured cap (the default is 300k): small enough that a maximal request embeds in well
 # under the per-test timeout on a 2-core machine.
-MAX_EMBED_TOKENS = 3_000
+MAX_EMBED_TOKENS = 2_000
 BAN_EOS = {"0": -100, "1": -100, "2": -100}  # SmolLM2's end tokens: the chat runs to max_tokens
 
 
@@ -83,7 +83,7 @@ def test_token_cap_is_checked_before_any_work(server):
     # whatever the total, since no split of the request would help it; with truncate it counts as
     # cut (see test_a_truncated_input_counts_as_cut).
     part = "hello world " * 450  # 901 tokens
-    status, body = server.json("POST", "/v1/embeddings", {"model": MODEL, "input": [part] * 4})  # 3,604
+    status, body = server.json("POST", "/v1/embeddings", {"model": MODEL, "input": [part] * 3})  # 2,703
     assert status == 400 and body["error"]["param"] == "input" and body["error"]["type"] == "invalid_request_error"
     assert str(MAX_EMBED_TOKENS) in body["error"]["message"] and "max_embed_tokens" in body["error"]["message"]
     status, body = server.json("POST", "/v1/embeddings", {"model": MODEL, "input": "hello world " * 7000})
@@ -92,14 +92,14 @@ def test_token_cap_is_checked_before_any_work(server):
     engine = _engine(server)
     counter = _count_embed_steps(engine)
     try:
-        status, body = server.json("POST", "/api/embed", {"model": MODEL, "input": ["hi there"] + [part] * 4})
+        status, body = server.json("POST", "/api/embed", {"model": MODEL, "input": ["hi there"] + [part] * 3})
         assert status == 400 and isinstance(body["error"], str) and str(MAX_EMBED_TOKENS) in body["error"]
-        status, body = server.json("POST", "/v1/embeddings", {"model": MODEL, "input": [[60] * 1000] * 4})
+        status, body = server.json("POST", "/v1/embeddings", {"model": MODEL, "input": [[60] * 1000] * 3})
         assert status == 400
         assert counter[0] == 0  # nothing was embedded for the refused requests
-        status, body = server.json("POST", "/v1/embeddings", {"model": MODEL, "input": [[60] * 1000] * 3},
+        status, body = server.json("POST", "/v1/embeddings", {"model": MODEL, "input": [[60] * 1000] * 2},
                                    timeout=280)
-        assert status == 200 and len(body["data"]) == 3 and counter[0] > 0  # exactly the cap passes
+        assert status == 200 and len(body["data"]) == 2 and counter[0] > 0  # exactly the cap passes
     finally:
         del engine.backend.embed_steps
 
@@ -108,9 +108,9 @@ def test_a_truncated_input_counts_as_cut(server):
     """Ollama's truncate (on by default) cuts each input to the context: what is embedded, and so
     what the cap counts, is 1024 tokens an input, however long the texts were."""
     long_text = "hello world " * 3000  # 6,001 tokens: one is past the cap before truncation
-    status, body = server.json("POST", "/api/embed", {"model": MODEL, "input": [long_text] * 2})
-    assert status == 200 and len(body["embeddings"]) == 2 and body["prompt_eval_count"] == 2 * 1024
-    status, body = server.json("POST", "/api/embed", {"model": MODEL, "input": [long_text] * 3})  # 3,072
+    status, body = server.json("POST", "/api/embed", {"model": MODEL, "input": [long_text]})
+    assert status == 200 and len(body["embeddings"]) == 1 and body["prompt_eval_count"] == 1024
+    status, body = server.json("POST", "/api/embed", {"model": MODEL, "input": [long_text] * 2})  # 2,048
     assert status == 400 and str(MAX_EMBED_TOKENS) in body["error"]
     status, body = server.json("POST", "/api/embed", {"model": MODEL, "input": long_text, "truncate": False})
     assert status == 400 and "6001 tokens" in body["error"]
@@ -154,7 +154,7 @@ def test_maximal_embeddings_request_while_a_chat_streams(server):
     during = [t for t in chat_times if start < t < end]
     # Before, the whole request was one job on the engine thread and the chat got nothing until it
     # ended; now decode steps run between its embedding decodes.
-    assert len(during) >= 10, (len(during), end - start, len(chat_times))
+    assert len(during) >= 5, (len(during), end - start, len(chat_times))  # 11 here: ~one a step
     assert b'"finish_reason":"length"' in replies[0]  # and the chat ran to its end (400 tokens)
 
 
