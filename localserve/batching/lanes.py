@@ -48,6 +48,12 @@ def prompt_key(seq: "Sequence", step: int, aging_steps: int) -> tuple[int, int, 
     return rank, seq.due_step, order
 
 
+def arrival_key(lane_rank: int, prompt_tokens: int, step: int, budget: int) -> tuple[int, int]:
+    """prompt_key's (rank, due step) for a request arriving at `step`, its whole prompt counted as
+    work (the prefix cache may hold some: then it is due earlier than this says)."""
+    return lane_rank, due_step(step, prompt_tokens, budget)
+
+
 class LaneQueues:
     """Waiting sequences by lane, in arrival order (preempted ones back at the front of theirs);
     `peek` picks by the key it is given."""

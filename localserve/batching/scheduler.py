@@ -143,8 +143,20 @@ class Scheduler(Admission):
         for seq, n in feeds:
             if seq.status is Status.RUNNING:
                 self._feed(plan, seq, n)
-        plan.interruptible = self.caps.interruptible and all(s.request.lane == "batch" for s, _ in plan.scheduled)
+        plan.interruptible, plan.yields_to = self._interruptible(plan)
         return plan
+
+    def _interruptible(self, plan: StepPlan) -> tuple[bool, tuple[int, int] | None]:
+        """Whether an arrival may stop the step, and which (step_plan.py): batch work alone stops
+        for any better lane; prompt rows alone, where no stream waits for a token, for a prompt
+        that would be read before the step's first."""
+        if not self.caps.interruptible or not plan.scheduled:
+            return False, None
+        if all(s.request.lane == "batch" for s, _ in plan.scheduled):
+            return True, None
+        if plan.decode_tokens or plan.draft_tokens:
+            return False, None
+        return True, min(self.prompt_key(s)[:2] for s, _ in plan.scheduled)
 
     def _feed_decoders(self, order: list[Sequence], fed: "_Feeds") -> list[Sequence]:
         decoders = [s for s in order if s.pending == 1]
@@ -233,7 +245,7 @@ class Scheduler(Admission):
             self.on_kv_full(plan)
             return
         if result.outcome == "interrupted":
-            # A better lane's request arrived: the next plan has it; this step's work is redone.
+            # A request that goes first arrived (step_plan.py): the next plan has it; this step is redone.
             log.debug("step %d interrupted after %.1f ms", self.step, result.seconds * 1000)
             self._rollback(plan)
             self.interrupted_steps += 1

@@ -31,8 +31,14 @@ class StepPlan:
     decode_tokens: int = 0
     prompt_tokens: int = 0
     draft_tokens: int = 0  # rows verifying drafts (speculation.py), beside the decodes they ride on
-    # Only batch-lane work: the backend may stop it for a better lane's arrival (Backend.interrupt).
+    # The backend may stop this step for an arrival that goes first (Backend.interrupt): a step of
+    # batch-lane work alone, for any better lane's arrival; a step of prompt rows alone, for an
+    # arrival whose prompt order (lanes.arrival_key) is before `yields_to`, the order of the step's
+    # first prompt. A rolled-back prompt chunk costs its prompt the part of a step it had done; the
+    # arrival then waits for none of it (issue 48: a 600-token prompt 1 s behind a 7,500-token one
+    # waited out a 256-row chunk of it, its TTFT 1.5x its TTFT alone).
     interruptible: bool = False
+    yields_to: tuple[int, int] | None = None
     # The LoRA adapters every fed sequence runs with (adapter_turns.py): the backend runs the
     # decode with them.
     adapters: LoraSet = ()

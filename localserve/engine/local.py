@@ -29,7 +29,8 @@ from ..protocol.media import ImageInput
 from ..protocol.requests import LANES, GenerationRequest, Lane, check_request, lora_set
 from ..batching.scheduler import Scheduler
 from ..batching.sequence import Sequence
-from ..batching.step_plan import StepOutput
+from ..batching.lanes import arrival_key
+from ..batching.step_plan import StepOutput, StepPlan
 from . import step
 from ..protocol.engine import EngineStats, ModelInfo
 from ..errors import ContextLengthExceededError, InvalidRequestError, OverloadedError, QueueFullError
@@ -83,6 +84,7 @@ class Engine:
         self._stopping = False
         self._stopped = threading.Event()
         self._busy = False
+        self._in_flight: StepPlan | None = None  # the step being computed (read by submit's thread)
         self._n_cancelled = 0
         # Turns of the engine loop that did work (a step, an embeddings decode): a worker's
         # heartbeat sends it, and a count that stops moving while work is held is a hang.
@@ -144,10 +146,22 @@ class Engine:
         seq.stream = stream
         self._active[request.request_id] = seq
         self._inbox.append(seq)
-        if lane != "batch":  # a step of batch work alone stops for it (engine/step.py)
+        if self._goes_before_the_step(seq):
             self._backend.interrupt()
         self._wake()
         return stream
+
+    def _goes_before_the_step(self, seq: Sequence) -> bool:
+        """Whether `seq`, just submitted, should stop the step being computed (step_plan.py says
+        which steps stop for whom; the backend stops only a step planned as interruptible). Between
+        steps it says yes for any better lane: the flag is cleared when the next plan takes it in."""
+        if seq.request.lane == "batch":
+            return False
+        plan = self._in_flight
+        if plan is None or plan.yields_to is None:
+            return True
+        scheduler = self.scheduler
+        return arrival_key(seq.lane_rank, len(seq.tokens), scheduler.step, scheduler.budget) < plan.yields_to
 
     async def generate(self, request: GenerationRequest) -> RequestStream:
         """ModelEngine.generate: submit, with a constrained request's sampler built on a sampler
@@ -345,9 +359,11 @@ class Engine:
             self._threads.before_step()
         try:
             plan = self.scheduler.schedule()  # pure planning: KV operations, then which tokens
+            self._in_flight = plan
             try:
                 result = step.run(self._backend, plan)  # KV ops, decode, sample; failures as data
             finally:
+                self._in_flight = None
                 if self._threads is not None:
                     self._threads.after_step()  # our other engines may compute while we postprocess
             output = self.scheduler.postprocess(plan, result)  # advance, finish, or undo and make room

@@ -577,7 +577,9 @@ def test_batch_work_alone_gets_long_steps_on_an_interruptible_backend():
     while not chat.finish_reason:
         plan = h.step()
         fed = {seq.request_id: n for seq, n in plan.scheduled}
-        assert not plan.interruptible  # never a step that carries interactive work
+        # No arrival stops a step that carries interactive work for less than it: the chat's own
+        # prompt step yields only to a prompt read before the chat's (step_plan.py).
+        assert not plan.interruptible or plan.yields_to == h.sched.prompt_key(chat.seq)[:2]
         batch_chunks.append(fed.get(job.seq.request_id, 0))
     assert 0 < max(batch_chunks) <= 20
     h.run()
@@ -598,6 +600,40 @@ def test_batch_prompts_alone_go_whole_or_wait_for_a_step_of_their_own():
     h.run()
     for r in jobs:
         assert r.tokens == alone(r.seq.request.prompt_tokens, 4)
+    h.assert_drained()
+
+
+def test_a_step_of_prompt_rows_alone_yields_only_to_a_prompt_read_before_it():
+    # Issue 48: a 600-token prompt arriving 1 s behind a 7,500-token one waited out the long one's
+    # chunk in flight. A step of prompt rows alone (no stream waits on a token) now stops for an
+    # arrival that prompt order puts first, and for no other: a longer prompt would only be
+    # delayed by a redone chunk.
+    from localserve.batching.lanes import arrival_key
+
+    rng = random.Random(15)
+    h = Harness(FakeBackend(n_ctx=8192, n_batch=64, n_seq_max=16, interruptible=True), max_sequences=4)
+    long = h.submit(_prompt(rng, 1200), max_tokens=4)
+    plan = h.step()
+    assert plan.interruptible and plan.yields_to == (1, long.seq.due_step)
+    step, budget = h.sched.step, h.sched.budget
+    assert arrival_key(1, 100, step, budget) < plan.yields_to  # a short prompt of the lane goes first
+    assert arrival_key(0, 2000, step, budget) < plan.yields_to  # and any interactive one
+    assert not arrival_key(1, 2000, step, budget) < plan.yields_to  # a longer one does not
+    done = long.seq.num_computed
+    h.backend.interrupt()  # the short one's arrival during the next step, as the engine signals it
+    assert h.step().interruptible and h.sched.interrupted_steps == 1
+    assert long.seq.num_computed == done  # the long chunk was stopped: it is planned again
+    h.backend.clear_interrupt()
+    short = h.submit(_prompt(rng, 100), max_tokens=4)
+    plan = h.step()
+    assert plan.scheduled[0] == (short.seq, 64) and plan.interruptible
+    while not short.tokens:
+        h.step()
+    plan = h.step()  # the short one's next token beside the long one's chunk
+    assert plan.decode_tokens == 1 and not plan.interruptible  # a stream waits on it: no one stops it
+    h.run()
+    assert long.tokens == alone(long.seq.request.prompt_tokens, 4)
+    assert short.tokens == alone(short.seq.request.prompt_tokens, 4)
     h.assert_drained()
 
 
