@@ -157,11 +157,15 @@ class Engine:
         steps it says yes for any better lane: the flag is cleared when the next plan takes it in."""
         if seq.request.lane == "batch":
             return False
-        plan = self._in_flight
-        if plan is None or plan.yields_to is None:
+        yields_to = self._in_flight_yields_to()
+        if yields_to is None:
             return True
         scheduler = self.scheduler
-        return arrival_key(seq.lane_rank, len(seq.tokens), scheduler.step, scheduler.budget) < plan.yields_to
+        return arrival_key(seq.lane_rank, len(seq.tokens), scheduler.step, scheduler.budget) < yields_to
+
+    def _in_flight_yields_to(self) -> tuple[int, int] | None:
+        plan = self._in_flight  # read once: the engine thread replaces it
+        return None if plan is None else plan.yields_to
 
     async def generate(self, request: GenerationRequest) -> RequestStream:
         """ModelEngine.generate: submit, with a constrained request's sampler built on a sampler
@@ -231,7 +235,10 @@ class Engine:
             raise OverloadedError("the model is not running; retry shortly")
         job = _EmbedJob(steps(inputs), future)
         self._embeds.append(job)
-        if lane != "batch":  # the batch runner's embeddings lines must not keep stopping a chat batch
+        # Only a step of batch work alone stops for it: the batch runner's embeddings lines must not
+        # keep stopping a chat batch, and an editor's stream of embeddings must not keep stopping a
+        # long prompt's chunks (each would be redone: the prompt would never be read).
+        if lane != "batch" and self._in_flight_yields_to() is None:
             self._backend.interrupt()
         self._wake()
         try:
