@@ -238,3 +238,27 @@ def test_shutdown_before_start_finishes_submitted_streams():
         assert events[-1].finish_reason == "cancelled"
 
     asyncio.run(main())
+
+
+async def test_an_arrival_stops_a_prompt_step_only_if_its_prompt_is_read_first():
+    """Engine.submit's side of StepPlan.yields_to: a step of prompt rows alone stops for a prompt
+    that prompt order reads first (a better lane, or due earlier), a batch-only step for any better
+    lane, and a batch arrival stops nothing."""
+    from localserve.batching.step_plan import StepPlan
+
+    backend = FakeBackend(n_ctx=8192, n_batch=64, n_seq_max=16, interruptible=True)
+    engine = Engine(backend, EngineLimits(max_sequences=4, batch_tokens=64, n_ctx=8192, n_ctx_seq=8192), name="fake")
+
+    def stops(prompt_len: int, lane: str = "default") -> bool:
+        backend.interrupted = False
+        engine.submit(_request([5] * prompt_len, 4, lane=lane))
+        return backend.interrupted
+
+    # Not started: the step in flight is set as the engine thread sets it, a default-lane prompt
+    # due at step 40 (at step 0 a prompt of n tokens is due at 4 x its 64-row steps).
+    engine._in_flight = StepPlan(interruptible=True, yields_to=(1, 40))
+    assert stops(100)  # due at 8
+    assert not stops(1000)  # due at 64: it would be read after, and the chunk would be redone for nothing
+    assert stops(1000, "interactive") and not stops(10, "batch")
+    engine._in_flight = StepPlan(interruptible=True)  # batch work alone
+    assert stops(1000) and not stops(10, "batch")
