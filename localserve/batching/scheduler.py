@@ -27,7 +27,7 @@ from .admission import Admission
 from .drafting import add_drafts, feed_draft, keep_verified, take_verified
 from .encode_charge import before_encode, encode_charge
 from .kvpool import KVPool
-from .lanes import LaneQueues, due_step, priority_key, prompt_key
+from .lanes import LaneQueues, arrival_key, due_step, priority_key, prompt_key
 from .limits import EngineLimits
 from .prefix_cache import PrefixCache
 from .prompt_rooms import PromptRooms
@@ -107,6 +107,17 @@ class Scheduler(Admission):
         _, hit = self.cache.lookup(seq.tokens, self.running, seq.adapters)
         seq.due_step = due_step(self.step, len(seq.tokens) - hit, self.budget)
         self.lanes.push(seq)
+
+    def goes_before(self, seq: Sequence, yields_to: tuple[int, int] | None) -> bool:
+        """Whether `seq`, arriving now, goes before a step planned to yield to `yields_to`
+        (step_plan.py): any better lane before a step of batch work alone (None), and before a step
+        of prompt rows alone a prompt read first. Read from the submitting thread: `step` and
+        `budget` are ints it may read while the engine thread plans."""
+        if seq.request.lane == "batch":
+            return False
+        if yields_to is None:
+            return True
+        return arrival_key(seq.lane_rank, len(seq.tokens), self.step, self.budget) < yields_to
 
     def has_work(self) -> bool:
         return bool(self.running) or len(self.lanes) > 0

@@ -29,7 +29,6 @@ from ..protocol.media import ImageInput
 from ..protocol.requests import LANES, GenerationRequest, Lane, check_request, lora_set
 from ..batching.scheduler import Scheduler
 from ..batching.sequence import Sequence
-from ..batching.lanes import arrival_key
 from ..batching.step_plan import StepOutput, StepPlan
 from . import step
 from ..protocol.engine import EngineStats, ModelInfo
@@ -152,16 +151,10 @@ class Engine:
         return stream
 
     def _goes_before_the_step(self, seq: Sequence) -> bool:
-        """Whether `seq`, just submitted, should stop the step being computed (step_plan.py says
-        which steps stop for whom; the backend stops only a step planned as interruptible). Between
-        steps it says yes for any better lane: the flag is cleared when the next plan takes it in."""
-        if seq.request.lane == "batch":
-            return False
-        yields_to = self._in_flight_yields_to()
-        if yields_to is None:
-            return True
-        scheduler = self.scheduler
-        return arrival_key(seq.lane_rank, len(seq.tokens), scheduler.step, scheduler.budget) < yields_to
+        """Whether `seq`, just submitted, should stop the step being computed (the backend stops
+        only a step planned as interruptible). Between steps: as for a step of batch work alone,
+        and the flag is cleared when the next plan takes `seq` in."""
+        return self.scheduler.goes_before(seq, self._in_flight_yields_to())
 
     def _in_flight_yields_to(self) -> tuple[int, int] | None:
         plan = self._in_flight  # read once: the engine thread replaces it
