@@ -13,11 +13,9 @@ installed from the npm registry into .test-cache/npm by the test itself.
 from __future__ import annotations
 
 import asyncio
-import json
 import mimetypes
 import shutil
 import socket
-import subprocess
 import threading
 from pathlib import Path
 from typing import Any, Iterator
@@ -28,14 +26,11 @@ from aiohttp import web
 
 from browser_util import CHROMEDRIVER, CHROMIUM, chromium
 from daemon_util import cli_env, free_port, register_model, serving, stop_quietly, wait_published
-from worker_locks import filling
+import prefetch
 
 pytestmark = pytest.mark.model
 
-REPO = Path(__file__).resolve().parents[2]
 PAGE_DIR = Path(__file__).resolve().parents[1] / "fixtures" / "browser"
-NPM_DIR = REPO / ".test-cache" / "npm"
-OPENAI_JS = "openai@7"  # the major the page is written for
 MODEL = "smollm2-135m"
 N_EMBD = 576  # SmolLM2-135M's embedding width
 API_KEY = "browser-test-key"
@@ -49,14 +44,7 @@ if not (CHROMIUM and CHROMEDRIVER and NPM):
 @pytest.fixture(scope="module")
 def openai_js() -> Path:
     """node_modules/openai, installed once per cache by npm itself."""
-    package = NPM_DIR / "node_modules" / "openai"
-    manifest = package / "package.json"
-    major = OPENAI_JS.split("@")[1]
-    with filling("npm"):
-        if not (manifest.exists() and json.loads(manifest.read_text())["version"].split(".")[0] == major):
-            NPM_DIR.mkdir(parents=True, exist_ok=True)
-            subprocess.run([NPM, "install", "--prefix", str(NPM_DIR), "--no-audit", "--no-fund", "--loglevel=error",
-                            OPENAI_JS], check=True, timeout=300)
+    package = prefetch.openai_js()
     assert (package / "index.mjs").is_file()
     return package
 

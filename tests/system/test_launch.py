@@ -22,17 +22,12 @@ from pathlib import Path
 
 import pytest
 
-from worker_locks import filling
-from daemon_util import REPO, cli, cli_env, free_port, register_model, stop_quietly, wait_published, start_serve
+from prefetch import agent_bin
+from daemon_util import cli, cli_env, free_port, register_model, stop_quietly, wait_published, start_serve
 from localserve.commands.launch import AgentOverriddenError, refuse_overrides, run_agent, run_files
 from localserve.desktop.agents import (AGENTS, CLAUDE_PROVIDER_SWITCHES, CODEX_TOKEN_VAR, Target,
                                        claude_managed_overrides, context_warning)
 
-AGENTS_DIR = REPO / ".test-cache" / "agents"
-PACKAGES = {"copilot": "@github/copilot@1", "codex": "@openai/codex@0", "claude": "@anthropic-ai/claude-code@2",
-            # Kilo 7.8.1's platform binaries are not published; Qwen Code 0.16+ needs Node 22.
-            "opencode": "opencode-ai@1", "kilo": "@kilocode/cli@7.7.7", "cline": "cline@3",
-            "qwen": "@qwen-code/qwen-code@0.15", "cn": "@continuedev/cli@1"}
 TARGET = Target("http://127.0.0.1:5555", "tok", "smollm2-135m:Q4_1", 8192)
 
 
@@ -143,15 +138,9 @@ def test_a_missing_agent_says_how_to_install_it(tmp_path: Path) -> None:
 
 def installed_agent(name: str) -> Path:
     """The agent's executable from .test-cache/agents, installed there by npm on first use."""
-    npm = shutil.which("npm")
-    if npm is None:
+    if shutil.which("npm") is None:
         pytest.skip("needs npm (apt-get install npm)")
-    executable = AGENTS_DIR / "node_modules" / ".bin" / AGENTS[name].executable
-    with filling("agents"):
-        if not executable.exists():
-            AGENTS_DIR.mkdir(parents=True, exist_ok=True)
-            subprocess.run([npm, "install", "--prefix", str(AGENTS_DIR), "--no-audit", "--no-fund", "--loglevel=error",
-                            PACKAGES[name]], check=True, timeout=600)
+    executable = agent_bin(name) / AGENTS[name].executable
     assert executable.exists()
     return executable
 

@@ -27,8 +27,8 @@ import pytest
 
 from daemon_util import cli_env, free_port, register_model, start_serve, stop_quietly, wait_published
 from localserve.desktop.agents import AGENTS
-from test_launch import AGENTS_DIR, installed_agent
-from worker_locks import filling
+from prefetch import aider
+from test_launch import installed_agent
 
 API_KEY = "ls-key-5d2e-chat-agents-never-in-argv"
 CONTEXT = 1536
@@ -199,18 +199,6 @@ def test_a_fake_agent_reads_the_working_form_for_one_run(daemon: dict[str, str],
 # --- the real agents -----------------------------------------------------------------------------
 
 
-def installed_aider() -> Path:
-    """aider-chat in a venv under .test-cache/agents, installed by pip on first use."""
-    venv = AGENTS_DIR / "aider-venv"
-    executable = venv / "bin" / "aider"
-    with filling("agents"):
-        if not executable.exists():
-            subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
-            subprocess.run([str(venv / "bin" / "python"), "-m", "pip", "install", "-q", "aider-chat==0.86.2"],
-                           check=True, timeout=1200)
-    return executable
-
-
 def daemon_log(env: dict[str, str]) -> str:
     return (Path(env["LOCALSERVE_HOME"]) / "logs" / "localserve.log").read_text()
 
@@ -258,7 +246,7 @@ def test_real_cn_gets_an_answer_from_the_local_model(daemon: dict[str, str]) -> 
 
 def test_real_aider_answers_from_the_local_model(daemon: dict[str, str]) -> None:
     """The user's ~/.aider.conf.yml names another model and gateway, their ~/.env another key."""
-    result = launch(daemon, "aider", installed_aider().parent, "--message", "Say hello", "--no-git", "--yes-always")
+    result = launch(daemon, "aider", aider().parent, "--message", "Say hello", "--no-git", "--yes-always")
     out = result.stdout + result.stderr
     assert result.returncode == 0, out
     assert f"Model: openai/{MODEL}" in out and "Tokens: " in out, out
