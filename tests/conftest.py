@@ -50,6 +50,32 @@ def pulled(ref: str, sha256: str) -> Path:
     return model.path
 
 
+# The heaviest test files, heaviest first (their tests' seconds summed, a full run of 2026-12-07:
+# 143 s down to 29 s). xdist hands out whole files in collection order (pyproject turns off its own
+# reorder by test count, which put these last): they go first, and the many short files fill the end
+# of the run, where one long file started last would keep a worker busy while the other sits idle.
+HEAVY_FIRST = (
+    "system/test_launch_chat_agents.py", "system/test_launch.py", "model/test_kv_pages.py",
+    "model/test_speculation.py", "system/test_dashboard_browser.py", "system/test_engine_workers.py",
+    "model/test_server_openai.py", "model/test_engine_llamacpp.py", "system/test_oga.py",
+    "model/test_rerank.py", "model/test_embed_isolation.py", "model/test_convert_nbits.py",
+    "system/test_run_cli.py", "model/test_reasoning_budget.py", "model/test_structured_json.py",
+    "model/test_server_ollama.py", "system/test_installer.py", "model/test_prefill_keepalive.py",
+    "system/test_daemon.py", "model/test_backend_llamacpp.py",
+)
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    rank = {name: i for i, name in enumerate(HEAVY_FIRST)}
+    tests = Path(__file__).resolve().parent
+
+    def place(item: pytest.Item) -> int:
+        return rank.get(item.path.relative_to(tests).as_posix(), len(rank)) if item.path.is_relative_to(tests) \
+            else len(rank)
+
+    items.sort(key=place)  # stable: the others keep their order, as does each file's own
+
+
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None):
     """Under `pytest -n 2` each test takes its turn (worker_locks.py): shared, or alone when marked."""

@@ -24,3 +24,10 @@ def test_no_benchmark_script_shadows_an_installed_module():
     path = [p for p in sys.path if Path(p).resolve() != (TESTS.parent / "benchmarks").resolve()]
     scripts = [p.stem for p in (TESTS.parent / "benchmarks").glob("*.py")]
     assert [s for s in scripts if importlib.machinery.PathFinder.find_spec(s, path) is not None] == []
+
+
+def test_the_heavy_files_that_go_first_exist():
+    """conftest's HEAVY_FIRST names files by path: a renamed one would silently fall back in line."""
+    from conftest import HEAVY_FIRST
+
+    assert [name for name in HEAVY_FIRST if not (TESTS / name).is_file()] == []
