@@ -111,7 +111,7 @@ async def wait_for_new_file(home: Path, before: set[Path], timeout: float = 120)
 async def system_prompt(url: str, tokens: int) -> str:
     """Tool descriptions, cut to about `tokens` tokens by the daemon's own /tokenize."""
     text = "".join(TOOL.format(n=n, name=NAMES[n % len(NAMES)] + f"_{n}") for n in range(tokens // 40))
-    count = len((await post(url, "/tokenize", {"content": text}))["tokens"])
+    count = len((await post(url, "/tokenize", {"model": MODEL, "content": text}))["tokens"])
     return text[: int(len(text) * min(1.0, tokens / count))]
 
 
