@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import signal
 import subprocess
@@ -31,7 +30,7 @@ import aiohttp
 import psutil
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from serve import REPO, free_port, start_llama_server, stop, wait_ready  # noqa: E402
+from serve import REPO, free_port, start_llama_server, stop, stream_chat, wait_ready  # noqa: E402
 
 GEMMA3 = REPO / ".test-cache/home/models/gemma3-270m/Q4_K_M/gemma-3-270m-q4_k_m.gguf"
 MODEL = "bench"
@@ -74,25 +73,11 @@ async def turn(url: str, messages: list[dict[str, str]]) -> dict:
     """One streamed, greedy turn: its TTFT, its text and its usage."""
     body = {"model": MODEL, "messages": messages, "max_tokens": 16, "temperature": 0.0, "stream": True,
             "stream_options": {"include_usage": True}}
-    start, first, text, usage = time.perf_counter(), None, "", {}
-    timeout = aiohttp.ClientTimeout(total=1800)
-    async with aiohttp.ClientSession(timeout=timeout) as session, \
-            session.post(url + "/v1/chat/completions", json=body) as resp:
-        if resp.status != 200:
-            raise SystemExit(f"HTTP {resp.status}: {(await resp.text())[:300]}")
-        async for raw in resp.content:
-            line = raw.decode("utf-8", "replace").strip()
-            if not line.startswith("data:") or line[5:].strip() == "[DONE]":
-                continue
-            event = json.loads(line[5:])
-            usage = event.get("usage") or usage
-            for choice in event.get("choices") or []:
-                if (choice.get("delta") or {}).get("content"):
-                    first = first or time.perf_counter()
-                    text += choice["delta"]["content"]
-    cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
-    return {"ttft": (first or time.perf_counter()) - start, "text": text,
-            "prompt_tokens": usage.get("prompt_tokens", 0), "cached": cached}
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=1800)) as session:
+        answer = await stream_chat(session, url, body)
+    usage = answer["usage"]
+    return {"ttft": answer["ttft"], "text": answer["text"], "prompt_tokens": usage.get("prompt_tokens", 0),
+            "cached": (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)}
 
 
 def parked_files(home: Path) -> set[Path]:

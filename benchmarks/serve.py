@@ -158,6 +158,29 @@ async def one_request(session: aiohttp.ClientSession, url: str, body: dict[str, 
     return Result(True, output_tokens=usage_tokens or chunks, ttft=first - start, latency=end - start, itl=itl)
 
 
+async def stream_chat(session: aiohttp.ClientSession, url: str, body: dict[str, Any]) -> dict[str, Any]:
+    """One streamed chat: its text, completion tokens, TTFT, decode seconds and last usage."""
+    start = time.perf_counter()
+    first, text, usage = None, [], {}
+    async with session.post(f"{url}/v1/chat/completions", json=body) as resp:
+        if resp.status != 200:
+            raise SystemExit(f"HTTP {resp.status}: {(await resp.text())[:300]}")
+        async for raw in resp.content:
+            line = raw.decode("utf-8", "replace").strip()
+            if not line.startswith("data:") or line[5:].strip() == "[DONE]":
+                continue
+            event = json.loads(line[5:])
+            usage = event.get("usage") or usage
+            for choice in event.get("choices") or []:
+                piece = (choice.get("delta") or {}).get("content")
+                if piece:
+                    first = first or time.perf_counter()
+                    text.append(piece)
+    end = time.perf_counter()
+    return {"text": "".join(text), "tokens": usage.get("completion_tokens", 0), "ttft": (first or end) - start,
+            "decode_s": end - (first or end), "usage": usage}
+
+
 async def run_load(
     url: str, model: str, prompts: list[str] | list[list[dict[str, str]]], *, concurrency: int, request_rate: float,
     max_tokens: int, seed: int, api_key: str | None, extra: dict[str, Any],

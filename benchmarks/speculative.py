@@ -46,7 +46,8 @@ from typing import Any
 import aiohttp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from serve import (LOADS, REPO, eog_bias, make_chats, percentile, start_llama_server, start_localserve, stop,  # noqa: E402
+from serve import (LOADS, REPO, eog_bias, make_chats, percentile, start_llama_server, start_localserve, stop,
+                   stream_chat,  # noqa: E402
                    wait_ready)
 
 # (launcher, extra) per server name: localserve's env, llama-server's flags.
@@ -89,29 +90,6 @@ def edit_messages(source: str, i: int) -> list[dict[str, str]]:
     name = RENAMES[i % len(RENAMES)]
     return [{"role": "user", "content": f"Rename `{name}` to `{name}_{i}` in this Python file and return the "
                                         f"whole file, nothing else:\n\n{source}"}]
-
-
-async def stream_chat(session: aiohttp.ClientSession, url: str, body: dict[str, Any]) -> dict[str, Any]:
-    start = time.perf_counter()
-    first, text, tokens = None, [], 0
-    async with session.post(f"{url}/v1/chat/completions", json=body) as resp:
-        if resp.status != 200:
-            raise SystemExit(f"HTTP {resp.status}: {(await resp.text())[:300]}")
-        async for raw in resp.content:
-            line = raw.decode("utf-8", "replace").strip()
-            if not line.startswith("data:") or line[5:].strip() == "[DONE]":
-                continue
-            event = json.loads(line[5:])
-            if event.get("usage"):
-                tokens = event["usage"].get("completion_tokens") or tokens
-            for choice in event.get("choices") or []:
-                piece = (choice.get("delta") or {}).get("content")
-                if piece:
-                    first = first or time.perf_counter()
-                    text.append(piece)
-    end = time.perf_counter()
-    return {"text": "".join(text), "tokens": tokens, "ttft": (first or end) - start,
-            "decode_s": end - (first or end)}
 
 
 async def wave(url: str, model: str, conversations: list[list[dict[str, str]]], max_tokens: int,
