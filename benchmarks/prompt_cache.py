@@ -30,7 +30,8 @@ import aiohttp
 import psutil
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from serve import REPO, free_port, start_llama_server, stop, stream_chat, wait_ready  # noqa: E402
+from serve import (REPO, localserve_env, serve_localserve, start_llama_server, start_localserve,  # noqa: E402
+                   stop, stream_chat, wait_ready)
 
 GEMMA3 = REPO / ".test-cache/home/models/gemma3-270m/Q4_K_M/gemma-3-270m-q4_k_m.gguf"
 MODEL = "bench"
@@ -45,18 +46,8 @@ QUESTIONS = ("Which tool reads a file?", "And which one runs the tests?", "Can g
              "Summarise the tools in one line.")
 
 
-def daemon_env(work: Path, threads: int) -> dict[str, str]:
-    return dict(os.environ, LOCALSERVE_HOME=str(work / "home"), LOCALSERVE_THREADS=str(threads),
-                LOCALSERVE_MAX_SEQUENCES="2", LOCALSERVE_CONTEXT_LENGTH=str(CONTEXT),
-                LOCALSERVE_CONFIG=str(work / "none.toml"))
-
-
-async def start_daemon(env: dict[str, str], work: Path) -> tuple[subprocess.Popen[bytes], str]:
-    port = free_port()
-    log = open(work / "localserve.out", "ab")
-    proc = subprocess.Popen([sys.executable, "-m", "localserve", "serve", "--port", str(port)],
-                            env=env, cwd=REPO, stdout=log, stderr=log)
-    url = f"http://127.0.0.1:{port}"
+async def serve(env: dict[str, str], work: Path) -> tuple[subprocess.Popen[bytes], str]:
+    proc, url = serve_localserve(env, work)
     await wait_ready(url, "/health", proc)
     return proc, url
 
@@ -110,12 +101,12 @@ def show(name: str, t: dict, cold: float) -> None:
 
 
 async def localserve_turns(model_path: Path, args: argparse.Namespace, work: Path) -> list[dict[str, str]]:
-    env = daemon_env(work, args.threads)
+    extra = {"LOCALSERVE_CONTEXT_LENGTH": str(CONTEXT)}
+    env = localserve_env(args.threads, 2, work, extra)
     home = work / "home"
-    subprocess.run([sys.executable, "-m", "localserve", "add", str(model_path), "--name", MODEL],
-                   env=env, check=True, cwd=REPO, stdout=subprocess.DEVNULL)
     print(f"{'localserve, turn':42} {'prompt':>7} {'cached':>8} {'TTFT s':>8} {'of cold':>10}", flush=True)
-    proc, url = await start_daemon(env, work)
+    proc, url, _ = start_localserve(model_path, args.threads, 2, work, extra)
+    await wait_ready(url, "/health", proc)
     try:
         conversation = [{"role": "system", "content": await system_prompt(url, args.tokens)},
                         {"role": "user", "content": QUESTIONS[0]}]
@@ -126,7 +117,7 @@ async def localserve_turns(model_path: Path, args: argparse.Namespace, work: Pat
         await wait_for_new_file(home, set())
         stop(proc)
 
-        proc, url = await start_daemon(env, work)
+        proc, url = await serve(env, work)
         for n, (why, question) in enumerate(zip(AFTER, QUESTIONS[1:]), start=2):
             if why == "unload":
                 await post(url, "/api/generate", {"model": MODEL, "keep_alive": 0})

@@ -314,23 +314,34 @@ def stop(proc: subprocess.Popen[bytes]) -> None:
             proc.wait()
 
 
+def localserve_env(threads: int, sequences: int, work: Path, extra_env: dict[str, str] | None = None) -> dict[str, str]:
+    """The environment of a benchmark's daemon: a fresh LOCALSERVE_HOME under `work`, no config file."""
+    # Sequences decoded together = the benchmark's concurrency, as llama-server's --parallel would be
+    # set; the automatic default ties it to the thread count.
+    return dict(os.environ, LOCALSERVE_HOME=str(work / "home"), LOCALSERVE_THREADS=str(threads),
+                LOCALSERVE_MAX_SEQUENCES=str(sequences),
+                LOCALSERVE_CONFIG=str(work / "none.toml"), **(extra_env or {}))
+
+
 def start_localserve(model_path: Path | None, threads: int, sequences: int, work: Path,
                      extra_env: dict[str, str] | None = None) -> tuple[subprocess.Popen[bytes], str, str]:
     """A daemon in a fresh LOCALSERVE_HOME under `work`, serving model_path as "bench"; without a
     model_path it has no local model (upstream_vllm.py gives it an upstream in extra_env)."""
-    # Sequences decoded together = the benchmark's concurrency, as llama-server's --parallel would be
-    # set; the automatic default ties it to the thread count.
-    env = dict(os.environ, LOCALSERVE_HOME=str(work / "home"), LOCALSERVE_THREADS=str(threads),
-               LOCALSERVE_MAX_SEQUENCES=str(sequences),
-               LOCALSERVE_CONFIG=str(work / "none.toml"), **(extra_env or {}))
+    env = localserve_env(threads, sequences, work, extra_env)
     if model_path is not None:
         subprocess.run([sys.executable, "-m", "localserve", "add", str(model_path), "--name", "bench"],
                        env=env, check=True, cwd=REPO, stdout=subprocess.DEVNULL)
+    return (*serve_localserve(env, work), "bench")
+
+
+def serve_localserve(env: dict[str, str], work: Path) -> tuple[subprocess.Popen[bytes], str]:
+    """`localserve serve` in `env` on a free port (start_localserve's, or again after a stop), its
+    output appended to work/localserve.out."""
     port = free_port()
-    log = open(work / "localserve.out", "wb")
+    log = open(work / "localserve.out", "ab")
     proc = subprocess.Popen([sys.executable, "-m", "localserve", "serve", "--port", str(port)],
                             env=env, cwd=REPO, stdout=log, stderr=log)
-    return proc, f"http://127.0.0.1:{port}", "bench"
+    return proc, f"http://127.0.0.1:{port}"
 
 
 def start_llama_server(model_path: Path, threads: int, sequences: int, work: Path,

@@ -46,9 +46,8 @@ from typing import Any
 import aiohttp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from serve import (LOADS, REPO, eog_bias, make_chats, percentile, start_llama_server, start_localserve, stop,
-                   stream_chat,  # noqa: E402
-                   wait_ready)
+from serve import (LOADS, REPO, eog_bias, make_chats, percentile, start_llama_server, start_localserve, stop,  # noqa: E402
+                   stream_chat, wait_ready)
 
 # (launcher, extra) per server name: localserve's env, llama-server's flags.
 SERVERS: dict[str, tuple[str, Any]] = {

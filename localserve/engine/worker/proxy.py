@@ -46,7 +46,7 @@ from ..streams import EventQueue, post_events
 from .channel import Channel
 from .exits import HangReason, describe_exit, native_tail, telling_line, tail_lines
 from .rss import rss_bytes
-from .vocab import VocabCalls, open_vocab
+from .vocab import VocabCalls, open_vocab, yield_the_cores
 
 log = logging.getLogger(__name__)
 
@@ -187,6 +187,7 @@ class WorkerEngine(VocabCalls):
                 return engine
 
     def _open_vocab(self, gguf: Path) -> None:
+        yield_the_cores()  # this thread only: the worker's first step runs now
         self._vocab = open_vocab(gguf)
 
     def resident_bytes(self) -> int | None:

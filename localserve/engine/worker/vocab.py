@@ -15,12 +15,9 @@ log = logging.getLogger(__name__)
 
 
 def open_vocab(gguf: Path | None) -> Any:
-    """The GGUF's tokenizer in this process, or None (then the worker tokenizes). Called on a
-    thread of its own right after the worker is ready, so it runs beside the first request's first
-    step: it lowers its own thread's priority first (below)."""
+    """The GGUF's tokenizer in this process, or None (then the worker tokenizes)."""
     if gguf is None:
         return None
-    _yield_the_cores()
     from ...backends.llamacpp.vocab import LlamaVocab  # not at import time: loads llama.cpp
 
     try:
@@ -55,12 +52,13 @@ class VocabCalls:
         return self._wait("token_pieces", tokens)
 
 
-def _yield_the_cores() -> None:
-    """Lowest CPU priority for this thread. Opening the vocab is ~0.25 s of native work on 2 cores,
-    and the worker's first step runs at the same moment on threads that spin at every barrier: side
-    by side, a 31-token first step took 220-260 ms instead of 106-122 ms (2026-12-07, cold first
-    token 0.56-0.59 s, 0.38-0.48 s niced). Linux only: there a thread is a task of its own for
-    setpriority; elsewhere the number is no pid, and could name another process."""
+def yield_the_cores() -> None:
+    """Lowest CPU priority for the calling thread: proxy.py's vocab thread, which opens the vocab
+    (~0.25 s of native work on 2 cores) right after the worker is ready, as the worker's first step
+    runs on threads that spin at every barrier. Side by side, a 31-token first step took 220-260 ms
+    instead of 106-122 ms (2026-12-07, cold first token 0.56-0.59 s, 0.38-0.48 s niced). Linux only:
+    there a thread is a task of its own for setpriority; elsewhere the number is no pid, and could
+    name another process."""
     if sys.platform.startswith("linux"):
         try:
             os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
