@@ -17,6 +17,8 @@
     python benchmarks/serve.py --launch --servers localserve,localserve+dashboards --dashboards 4 --load B --no-ceiling ...
     # what the engine worker processes cost: models in a worker (the default) vs inside the daemon
     python benchmarks/serve.py --launch --servers localserve,localserve+inline,llama-server --load B --no-ceiling ...
+    # this checkout beside the daemon as it was at an older commit (same llama-cpp-python), and llama-server
+    python benchmarks/serve.py --launch --servers localserve@65abf1a,localserve,llama-server-fa-off --load A --no-ceiling ...
 
 Loads (--load), as issue 8 defines them: A prompts of 5-300 words, 64 tokens out; B 5-40 words,
 128 out; C the same ~1,000-token system prompt on every request, 5-40-word questions, 64 out.
@@ -324,24 +326,39 @@ def localserve_env(threads: int, sequences: int, work: Path, extra_env: dict[str
 
 
 def start_localserve(model_path: Path | None, threads: int, sequences: int, work: Path,
-                     extra_env: dict[str, str] | None = None) -> tuple[subprocess.Popen[bytes], str, str]:
+                     extra_env: dict[str, str] | None = None,
+                     tree: Path = REPO) -> tuple[subprocess.Popen[bytes], str, str]:
     """A daemon in a fresh LOCALSERVE_HOME under `work`, serving model_path as "bench"; without a
-    model_path it has no local model (upstream_vllm.py gives it an upstream in extra_env)."""
-    env = localserve_env(threads, sequences, work, extra_env)
+    model_path it has no local model (upstream_vllm.py gives it an upstream in extra_env). `tree`:
+    the source tree it runs from (another commit's, from commit_tree), this checkout's by default."""
+    env = localserve_env(threads, sequences, work, extra_env) | {"PYTHONPATH": str(tree)}
     if model_path is not None:
         subprocess.run([sys.executable, "-m", "localserve", "add", str(model_path), "--name", "bench"],
-                       env=env, check=True, cwd=REPO, stdout=subprocess.DEVNULL)
-    return (*serve_localserve(env, work), "bench")
+                       env=env, check=True, cwd=tree, stdout=subprocess.DEVNULL)
+    return (*serve_localserve(env, work, tree), "bench")
 
 
-def serve_localserve(env: dict[str, str], work: Path) -> tuple[subprocess.Popen[bytes], str]:
+def serve_localserve(env: dict[str, str], work: Path, tree: Path = REPO) -> tuple[subprocess.Popen[bytes], str]:
     """`localserve serve` in `env` on a free port (start_localserve's, or again after a stop), its
     output appended to work/localserve.out."""
     port = free_port()
     log = open(work / "localserve.out", "ab")
     proc = subprocess.Popen([sys.executable, "-m", "localserve", "serve", "--port", str(port)],
-                            env=env, cwd=REPO, stdout=log, stderr=log)
+                            env=env, cwd=tree, stdout=log, stderr=log)
     return proc, f"http://127.0.0.1:{port}"
+
+
+def commit_tree(rev: str, into: Path) -> Path:
+    """This repository's files at `rev`, unpacked under `into` (once per run), for a `localserve@REV`
+    server: an issue's "at least today's ratio" is read against the commit it was filed on, in the
+    same run on the same machine, rather than against a figure another machine measured. It runs on
+    this checkout's virtual environment, so `rev` must pin the same llama-cpp-python."""
+    tree = into / f"tree-{rev}"
+    if not tree.exists():
+        tree.mkdir(parents=True)
+        archive = subprocess.run(["git", "-C", str(REPO), "archive", rev], check=True, capture_output=True).stdout
+        subprocess.run(["tar", "-x", "-C", str(tree)], input=archive, check=True)
+    return tree
 
 
 def start_llama_server(model_path: Path, threads: int, sequences: int, work: Path,
@@ -378,11 +395,16 @@ INLINE = "localserve+inline"
 # choice on a CPU (load B 113.0 with it, 122.1 without, two runs of 2026-12-05), so this is the stronger anchor (not in the
 # default set, which keeps the anchor issue 8 defined)
 FA_OFF = "llama-server-fa-off"
+# localserve@REV: the daemon as it was at commit REV (commit_tree), beside this checkout's
+AT_COMMIT = "localserve@"
 READY = {"localserve": "/health", WITH_DASHBOARDS: "/health", INLINE: "/health", "llama-server": "/health",
          FA_OFF: "/health", "llama_cpp.server": "/v1/models"}
 
 
 def launch(name: str, args: argparse.Namespace, model_path: Path, work: Path) -> tuple[subprocess.Popen[bytes], str, str]:
+    if name.startswith(AT_COMMIT):
+        tree = commit_tree(name.removeprefix(AT_COMMIT), work.parent)
+        return start_localserve(model_path, args.threads, args.concurrency, work, dict(args.localserve_env), tree)
     if name in ("localserve", WITH_DASHBOARDS, INLINE):
         env = dict(args.localserve_env) | ({"LOCALSERVE_ENGINE_WORKERS": "0"} if name == INLINE else {})
         return start_localserve(model_path, args.threads, args.concurrency, work, env)
@@ -422,7 +444,7 @@ async def bench_one(name: str, args: argparse.Namespace, model_path: Path, work:
                     prompts: list[Any]) -> dict[str, float]:
     proc, url, model = launch(name, args, model_path, work)
     try:
-        await wait_ready(url, READY[name], proc)
+        await wait_ready(url, READY.get(name, "/health"), proc)
         # Warm-up: loads the model (localserve loads on first use) outside the measurement.
         await run_load(url, model, ["Hello"], concurrency=1, request_rate=math.inf, max_tokens=4,
                        seed=args.seed, api_key=None, extra={})
@@ -629,7 +651,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--api-key")
     p.add_argument("--launch", action="store_true", help="start the --servers one after another on --model-path")
     p.add_argument("--servers", type=lambda t: tuple(t.split(",")), default=None,
-                   help=f"comma-separated, of {','.join(SERVERS)}, {WITH_DASHBOARDS}, {INLINE}, {FA_OFF} "
+                   help=f"comma-separated, of {','.join(SERVERS)}, {WITH_DASHBOARDS}, {INLINE}, {FA_OFF}, {AT_COMMIT}REV "
                         "(default: the first three; --flood: the first two)")
     p.add_argument("--passes", type=int, default=2, help="alternating passes per server with --launch (default 2)")
     p.add_argument("--no-ceiling", dest="ceiling", action="store_false",
@@ -656,7 +678,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     # llama_cpp.server decodes one request at a time: a 16-request flood would only time its queue.
     args.servers = args.servers or (SERVERS[:2] if args.flood else SERVERS)
-    if unknown := set(args.servers) - set(SERVERS) - {WITH_DASHBOARDS, INLINE, FA_OFF}:
+    if unknown := {s for s in args.servers if not s.startswith(AT_COMMIT)} - set(SERVERS) - {WITH_DASHBOARDS, INLINE, FA_OFF}:
         p.error(f"unknown server(s): {', '.join(sorted(unknown))}")
     return args
 
