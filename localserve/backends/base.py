@@ -272,6 +272,12 @@ class Backend(ABC):
     def kv_pos_max(self, seq_id: int) -> int:
         """Highest position held for the sequence, -1 when empty."""
 
+    def release_idle_memory(self, now: float) -> float | None:
+        """Give back memory the cache has held unused for a while (llama.cpp: the pages of KV
+        streams left empty); the seconds until more is due, None when nothing waits. The engine
+        calls it before each step and wakes for it when idle."""
+        return None
+
     # --- tokenizer -----------------------------------------------------------------------
     @abstractmethod
     def tokenize(self, text: str, add_special: bool = True, parse_special: bool = True) -> list[int]: ...

@@ -322,14 +322,20 @@ class Engine:
     def _run(self) -> None:
         try:
             while True:
+                # Memory the cache left unused (KV streams empty for a while) goes back between steps.
+                memory_due = self._backend.release_idle_memory(time.monotonic())
+                memory_at = None if memory_due is None else time.monotonic() + memory_due
                 with self._cond:
                     while not (self._stopping or self._inbox or self._embeds or self.scheduler.has_work()):
                         if self._busy and self._threads is not None:
                             self._threads.idle()
                         self._busy = False
-                        # A timed wait only while a parked entry waits to be written or released:
-                        # idle is 0% CPU.
-                        due_in = self.scheduler.cache.next_idle_work_in(time.monotonic())
+                        # A timed wait only while a parked entry waits to be written or released,
+                        # or memory to be given back: idle is 0% CPU.
+                        now = time.monotonic()
+                        due = [d for d in (self.scheduler.cache.next_idle_work_in(now),
+                                           None if memory_at is None else memory_at - now) if d is not None]
+                        due_in = min(due, default=None)
                         if due_in is not None and due_in <= 0:
                             break
                         self._cond.wait(due_in)

@@ -460,6 +460,11 @@ class LlamaCppBackend(LlamaTokenizer, Backend):
         self._check_seq(seq_id)
         return llama_cpp.llama_memory_seq_pos_max(self.memory, seq_id)
 
+    def release_idle_memory(self, now: float) -> float | None:
+        if self._pages is None or self._closed:
+            return None
+        return self._pages.release_due(now)  # kv_pages.StreamKeeper: streams left empty
+
     def kv_pos_min(self, seq_id: int) -> int:
         self._check_open()
         self._check_seq(seq_id)

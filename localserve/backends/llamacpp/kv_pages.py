@@ -11,8 +11,9 @@ madvise(MADV_DONTNEED), read as zeros, which is exactly what the clear writes: s
 - while llama.cpp creates the context, its zero memsets of large private anonymous ranges drop the
   pages instead of writing them (`zeroing_by_release`: the memset slot of libggml-base's GOT points
   here for that call only), which records where the KV buffer is;
-- a stream whose sequence holds no cells any more gets its slice of every layer's K and V back the
-  same way (`KVPages.release_stream`), and a cleared cache all of it (`release_all`).
+- a stream whose sequence has held no cells for a few seconds gets its slice of every layer's K and
+  V back the same way (`KVPages.release_stream`, timed by `StreamKeeper`), and a cleared cache all
+  of it at once (`release_all`).
 
 Reading a page that was never written maps the kernel's shared zero page, so attention over empty
 (masked) cells costs no memory, and answers do not change: llama.cpp reads those cells only behind
@@ -35,6 +36,7 @@ import os
 import struct
 import sys
 import threading
+import time
 from dataclasses import dataclass
 from typing import Iterator
 
@@ -266,29 +268,35 @@ def resident_bytes(address: int, size: int) -> int:
 
 
 class StreamKeeper:
-    """Gives a stream's pages back when its sequence is emptied, once no copy still reads them.
+    """Gives a stream's pages back once its sequence has stayed empty for HOLD_S seconds, and no
+    copy still reads them.
+
+    Why not at once: writing a stream's pages again after they were given back costs page faults,
+    and on this 2-core VM a 1,000-token prefix copied into a given-back stream took 14 ms against
+    2.5 ms into pages still held (llama_state_seq_set_data, SmolLM2): load C, whose 32 requests
+    start in waves of 8 from one cached 1,000-token system prompt, ran 12% slower than when every
+    page stayed committed (benchmarks/serve.py, 2026-12-07). A busy engine reuses its streams within
+    milliseconds; one left empty for seconds is memory no request is using, and goes back.
 
     llama.cpp copies a whole stream (llama_memory_seq_cp across streams) lazily, at the start of
     the next llama_decode; a move (copy, then remove the source) empties the source before its
-    data was read, so such a stream is given back after the next decode instead, if still empty."""
+    data was read, so a source is never given back before the decode that reads it."""
+
+    HOLD_S = 5.0
 
     def __init__(self, pages: KVPages, memory) -> None:
         self.pages = pages
         self._memory = memory
         self._copying_from: set[int] = set()
-        self._after_decode: set[int] = set()
+        self._emptied: dict[int, float] = {}  # seq id -> when it was emptied
 
     def _empty(self, seq_id: int) -> bool:
         return llama_cpp.llama_memory_seq_pos_max(self._memory, seq_id) < 0
 
     def removed(self, seq_id: int) -> None:
         """Cells of `seq_id` were removed (it held some before)."""
-        if not self._empty(seq_id):
-            return
-        if seq_id in self._copying_from:
-            self._after_decode.add(seq_id)
-        else:
-            self.pages.release_stream(seq_id)
+        if self._empty(seq_id):
+            self._emptied.setdefault(seq_id, time.monotonic())
 
     def stream_copy(self, src: int) -> None:
         """A lazy whole-stream copy from `src` was asked for."""
@@ -297,14 +305,23 @@ class StreamKeeper:
     def decoded(self) -> None:
         """A llama_decode succeeded: pending stream copies have run."""
         self._copying_from.clear()
-        if self._after_decode:
-            for seq_id in self._after_decode:
-                if self._empty(seq_id):
-                    self.pages.release_stream(seq_id)
-            self._after_decode.clear()
+
+    def release_due(self, now: float) -> float | None:
+        """Give back the streams empty for HOLD_S (still empty, no copy pending); the seconds until
+        the next one is due, None when no stream waits."""
+        for seq_id, since in list(self._emptied.items()):
+            if not self._empty(seq_id):  # written again: its pages are in use
+                del self._emptied[seq_id]
+            elif since + self.HOLD_S <= now and seq_id not in self._copying_from:
+                self.pages.release_stream(seq_id)
+                del self._emptied[seq_id]
+        # A source a copy still reads waits for the next decode, which the step that asked for the
+        # copy runs: not counted, or an idle engine would wake for it at once, again and again.
+        return min((since + self.HOLD_S - now for seq_id, since in self._emptied.items()
+                    if seq_id not in self._copying_from), default=None)
 
     def cleared(self) -> None:
         """Every sequence was removed (llama_memory_clear without its data clear)."""
         self._copying_from.clear()
-        self._after_decode.clear()
+        self._emptied.clear()
         self.pages.release_all()
