@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -61,20 +62,55 @@ def write_text_model(smollm2: Path, out_dir: Path) -> Path:
     return out
 
 
+class SeededWeights:
+    """Random tensors from one seed, in the order asked: the same seed, the same projector."""
+
+    def __init__(self, seed: int) -> None:
+        self.rng = np.random.default_rng(seed)
+
+    def __call__(self, *shape: int, std: float = 0.05) -> np.ndarray:
+        return (self.rng.standard_normal(shape) * std).astype(np.float32)
+
+    def norm(self, width: int) -> tuple[np.ndarray, np.ndarray]:
+        """A layer norm's weight (about 1) and bias (about 0)."""
+        return (1.0 + self(width, std=0.02)), self(width, std=0.02)
+
+
+def write_gguf(writer: Any, tensors: dict[str, np.ndarray]) -> None:
+    """Add `tensors` to a gguf.GGUFWriter whose metadata is set, and write the file."""
+    for name, array in tensors.items():
+        writer.add_tensor(name, array)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def encoder_blocks(weight: SeededWeights, prefix: str, blocks: int, hidden: int, ffn: int,
+                   key_bias: bool = True) -> dict[str, np.ndarray]:
+    """The transformer blocks of a clip encoder (`v.blk.N...` for vision, `a.blk.N...` for audio):
+    attention, feed-forward and their layer norms, with biases (Whisper's key projection has none)."""
+    tensors = {}
+    for i in range(blocks):
+        blk = f"{prefix}.blk.{i}"
+        for name, (n_out, n_in) in {"attn_q": (hidden, hidden), "attn_k": (hidden, hidden),
+                                    "attn_v": (hidden, hidden), "attn_out": (hidden, hidden),
+                                    "ffn_up": (ffn, hidden), "ffn_down": (hidden, ffn)}.items():
+            tensors[f"{blk}.{name}.weight"] = weight(n_out, n_in, std=n_in ** -0.5)
+            if key_bias or name != "attn_k":
+                tensors[f"{blk}.{name}.bias"] = weight(n_out, std=0.02)
+        for ln in ("ln1", "ln2"):
+            tensors[f"{blk}.{ln}.weight"], tensors[f"{blk}.{ln}.bias"] = weight.norm(hidden)
+    return tensors
+
+
 def write_projector(out_dir: Path, seed: int = SEED) -> Path:
     """Write the projector GGUF into `out_dir`; returns its path."""
     import gguf
 
     out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / PROJECTOR_NAME
-    rng = np.random.default_rng(seed)
-
-    def weight(*shape: int, std: float = 0.05) -> np.ndarray:
-        return (rng.standard_normal(shape) * std).astype(np.float32)
-
-    def norm() -> tuple[np.ndarray, np.ndarray]:
-        return (1.0 + weight(HIDDEN, std=0.02)), weight(HIDDEN, std=0.02)
-
+    weight = SeededWeights(seed)
     w = gguf.GGUFWriter(str(path), arch="clip")
     w.add_name("localserve test SmolVLM projector")
     w.add_type(gguf.GGUFType.MMPROJ)
@@ -101,26 +137,13 @@ def write_projector(out_dir: Path, seed: int = SEED) -> Path:
         "v.patch_embd.bias": weight(HIDDEN, std=0.02),
         "v.position_embd.weight": weight(n_patches, HIDDEN, std=0.1),
     }
-    for i in range(BLOCKS):
-        blk = f"v.blk.{i}"
-        for name, (n_out, n_in) in {"attn_q": (HIDDEN, HIDDEN), "attn_k": (HIDDEN, HIDDEN),
-                                    "attn_v": (HIDDEN, HIDDEN), "attn_out": (HIDDEN, HIDDEN),
-                                    "ffn_up": (FFN, HIDDEN), "ffn_down": (HIDDEN, FFN)}.items():
-            tensors[f"{blk}.{name}.weight"] = weight(n_out, n_in, std=n_in ** -0.5)
-            tensors[f"{blk}.{name}.bias"] = weight(n_out, std=0.02)
-        for ln in ("ln1", "ln2"):
-            tensors[f"{blk}.{ln}.weight"], tensors[f"{blk}.{ln}.bias"] = norm()
-    tensors["v.post_ln.weight"], tensors["v.post_ln.bias"] = norm()
+    tensors |= encoder_blocks(weight, "v", BLOCKS, HIDDEN, FFN)
+    tensors["v.post_ln.weight"], tensors["v.post_ln.bias"] = weight.norm(HIDDEN)
     # Rows of about SmolLM2's token embeddings' size, so the image neither vanishes nor drowns
     # the text around it.
     fc_in = HIDDEN * SCALE_FACTOR**2
     tensors["mm.model.fc.weight"] = weight(TEXT_EMBD, fc_in, std=0.2 * fc_in ** -0.5)
-    for name, array in tensors.items():
-        w.add_tensor(name, array)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    write_gguf(w, tensors)
     return path
 
 

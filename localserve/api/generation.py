@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, AsyncIterator, Awaitable, Callable, Sequence, TypeVar
 
 from ..protocol.engine import EventStream, ModelEngine
-from ..protocol.media import ImageInput
+from ..protocol.media import MediaInput
 from ..errors import (ContextLengthExceededError, GenerationError, InvalidRequestError, RequestCancelledError,
                       SwapPreemptedError)
 from ..protocol.requests import GenerationEvent, GenerationRequest, Lane, TokenLogprob, Usage
@@ -45,22 +45,23 @@ def chat_template(engine: ModelEngine) -> ChatTemplate:
 
 
 def tokenize_prompt(engine: ModelEngine, text: str, template: ChatTemplate | None = None, *,
-                    add_special: bool = True, images: Sequence[ImageInput] = ()) -> list[int]:
+                    add_special: bool = True, images: Sequence[MediaInput] = ()) -> list[int]:
     """Tokens of a prompt. A rendered template that already starts with BOS must not get a second
     one from the tokenizer (a doubled BOS measurably degrades Llama-family answers); nor does a
     continuation (`add_special=False`), whose earlier turn already began with BOS.
 
     `images`: one per MEDIA_MARKER in `text`, in order; each takes its positions in the tokens
     (negative ids, the engine's own: the same image, the same ids, so the prefix cache reuses it).
-    Only an engine whose `info.vision` is true takes them (InvalidRequestError otherwise); with a
-    worker this is a round trip to it, where the projector is."""
+    Audio clips (AudioInput) likewise. Only an engine whose projector takes them (`info.vision`,
+    `info.audio`) does (InvalidRequestError otherwise); with a worker this is a round trip to it,
+    where the projector is."""
     has_bos = bool(template and template.bos_token and text.startswith(template.bos_token))
     add_special = add_special and not has_bos
     if not images:
         return list(engine.tokenize(text, add_special=add_special))
     tokenize_media = getattr(engine, "tokenize_media", None)
-    if tokenize_media is None or not engine.info.vision:
-        raise InvalidRequestError(f"the model {engine.name} does not take images", param="model")
+    if tokenize_media is None or not (engine.info.vision or engine.info.audio):
+        raise InvalidRequestError(f"the model {engine.name} does not take images or audio", param="model")
     return list(tokenize_media(text, list(images), add_special))
 
 
@@ -74,7 +75,7 @@ async def off_loop_if_long(chars: int, work: Callable[..., T], *args: Any, **kwa
 
 
 async def tokenize_async(engine: ModelEngine, text: str, template: ChatTemplate | None = None, *,
-                         add_special: bool = True, images: Sequence[ImageInput] = ()) -> list[int]:
+                         add_special: bool = True, images: Sequence[MediaInput] = ()) -> list[int]:
     # With images always off the loop: decoding and preprocessing them (in the engine's worker)
     # takes milliseconds to seconds.
     chars = LONG_PROMPT_CHARS + 1 if images else len(text)

@@ -197,7 +197,7 @@ def _multimodal_prompt(body: Body, images: ImageParts) -> Any:
     if not isinstance(raw, str):
         raise invalid(f"'{param}' needs a text prompt holding one {MEDIA_MARKER!r} per item", param)
     for j, item in enumerate(data):
-        images.add_base64(item, f"{param}[{j}]")
+        images.add_base64(item, f"{param}[{j}]", audio_too=True)
     if raw.count(MEDIA_MARKER) != len(data):
         raise invalid(f"'prompt' holds {raw.count(MEDIA_MARKER)} {MEDIA_MARKER!r} markers for {len(data)} "
                       f"'{param}' items: put one marker where each image goes", "prompt")
@@ -280,10 +280,10 @@ def chunk_object(call: NativeCall, text: str, tokens: list[int]) -> dict[str, An
 
 
 def props_body(model: str, context: int, slots: int, version: str, n_predict: int = 0, *,
-               vision: bool = False) -> dict[str, Any]:
+               vision: bool = False, audio: bool = False) -> dict[str, Any]:
     """GET /props: the served context and slots, the defaults a request gets (`n_predict`: the
     setting default_max_tokens, -1 for none, as llama-server shows its -n), whether it takes
-    images (`modalities.vision`, as llama-server says it), no filesystem path."""
+    images and audio (`modalities`, as llama-server says it), no filesystem path."""
     d = SamplingParams()
     return {
         "default_generation_settings": {
@@ -294,6 +294,6 @@ def props_body(model: str, context: int, slots: int, version: str, n_predict: in
         "total_slots": slots,
         "model_alias": model,
         "model_path": model,  # llama-server gives the file's path; a model name tells a client as much
-        "modalities": {"vision": vision, "audio": False},
+        "modalities": {"vision": vision, "audio": audio},
         "build_info": f"localserve {version}",
     }

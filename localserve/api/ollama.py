@@ -36,10 +36,10 @@ def version_body(own_version: str) -> dict[str, str]:
     return {"version": OLLAMA_API_VERSION, "localserve": own_version}
 
 
-def capabilities(template: str, fim: bool, vision: bool = False) -> list[str]:
+def capabilities(template: str, fim: bool, vision: bool = False, audio: bool = False) -> list[str]:
     """What the plugins look for: tools, insert (fill-in-the-middle from the model's own FIM
     tokens), thinking, vision (a projector: GitHub Copilot's Ollama provider sends images only to a
-    model that lists it). Tools are served for every model: in its own
+    model that lists it), audio (a projector that hears, as Ollama lists it for Gemma 3n). Tools are served for every model: in its own
     template's way, or described in a system prompt (templates.py) for a template without them;
     listing them only for the first kind made llm-ollama refuse tools that work."""
     found = ["completion", "tools"]
@@ -49,6 +49,8 @@ def capabilities(template: str, fim: bool, vision: bool = False) -> list[str]:
         found.append("thinking")
     if vision:
         found.append("vision")
+    if audio:
+        found.append("audio")
     return found
 
 
@@ -59,7 +61,8 @@ FIM_TEMPLATE_NOTE = "{{- /* fill-in-the-middle: /api/generate takes a suffix ({{
 
 
 def show_body(model: InstalledModel, served_context: int, modified_at: str, fim: bool, *,
-              vision: bool = False, loras: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+              vision: bool = False, audio: bool = False,
+              loras: list[dict[str, Any]] | None = None) -> dict[str, Any]:
     """/api/show for `model`, whose requests get `served_context` tokens of prompt and answer;
     `loras`: its LoRA adapters as GET /lora-adapters lists them (Modelfile ADAPTER lines too)."""
     facts = model.facts
@@ -88,7 +91,7 @@ def show_body(model: InstalledModel, served_context: int, modified_at: str, fim:
         "license": facts.get("license") or "",
         "details": details(model),
         "model_info": {k: v for k, v in info.items() if v is not None},
-        "capabilities": capabilities(template, fim, vision),
+        "capabilities": capabilities(template, fim, vision, audio),
         "modified_at": modified_at,
         "lora_adapters": loras or [],
     }

@@ -14,9 +14,10 @@ the same conversation: consecutive function calls join the assistant message bef
 `tool_calls`, an output becomes a `tool` message.
 Reasoning items (Codex sends its earlier ones back) carry nothing the model here can use: they are
 accepted and left out.
-A user message's `input_image` parts (`image_url`: a data: URL or an https link) are kept in its
-canonical content between its text parts, stored with it, and become one MEDIA_MARKER each in
-the chat message's text and an image of the request's ImageParts (api/images.py).
+A user message's `input_image` parts (`image_url`: a data: URL or an https link) and `input_audio`
+parts (`input_audio`: base64 `data` and a `format`, wav or mp3) are kept in its canonical content
+between its text parts, stored with it, and become one MEDIA_MARKER each in the chat message's text
+and an image or clip of the request's ImageParts (api/images.py).
 """
 
 from __future__ import annotations
@@ -24,10 +25,12 @@ from __future__ import annotations
 import uuid
 from typing import Any
 
+from .audio_checks import FORMATS as AUDIO_FORMATS
 from .images import ImageParts
 from .validation import MAX_MESSAGES, invalid, type_name
 
 MESSAGE_ROLES = ("user", "system", "developer", "assistant")
+MEDIA_PARTS = ("input_image", "input_audio")
 TEXT_PARTS = ("input_text", "output_text", "text")
 MAX_CALL_ID = 512
 MAX_ITEM_ID = 256
@@ -53,7 +56,7 @@ def _text_of(value: Any, param: str) -> str:
             continue
         if kind not in TEXT_PARTS:
             raise invalid(f"'{p}': only text content is supported here (got {str(kind)[:30]!r}); this server "
-                          "reads no files or audio, and images only as input_image parts of user messages", p)
+                          "reads no files, and images and audio only as input_image and input_audio parts of user messages", p)
         if not isinstance(part.get("text"), str):
             raise invalid(f"'{p}.text' must be a string", f"{p}.text")
         texts.append(part["text"])
@@ -75,17 +78,31 @@ def _image_part(part: dict[str, Any], param: str, role: str) -> dict[str, Any]:
     return kept
 
 
+def _audio_part(part: dict[str, Any], param: str, role: str) -> dict[str, Any]:
+    """An `input_audio` part as stored: its base64 data and format (decoded and checked as audio in
+    chat_messages)."""
+    if role != "user":
+        raise invalid(f"'{param}': audio goes in user messages (this is a {role} message)", param)
+    audio = part.get("input_audio")
+    if not isinstance(audio, dict) or not isinstance(audio.get("data"), str) or audio.get("format") not in AUDIO_FORMATS:
+        raise invalid(f"'{param}.input_audio' must be an object with 'data' (base64) and 'format' (\"wav\" or "
+                      "\"mp3\")", f"{param}.input_audio")
+    return {"type": "input_audio", "input_audio": {"data": audio["data"], "format": audio["format"]}}
+
+
 def _message_content(value: Any, param: str, role: str) -> list[dict[str, Any]]:
-    """A message's canonical content: its text as one part, or with images its text runs and
-    `input_image` parts in their order."""
+    """A message's canonical content: its text as one part, or with images or audio its text runs
+    and `input_image` / `input_audio` parts in their order."""
     kind = "output_text" if role == "assistant" else "input_text"
-    if not isinstance(value, list) or not any(isinstance(p, dict) and p.get("type") == "input_image" for p in value):
+    if not isinstance(value, list) or not any(isinstance(p, dict) and p.get("type") in MEDIA_PARTS for p in value):
         part: dict[str, Any] = {"type": kind, "text": _text_of(value, param)}
         return [part | {"annotations": []} if role == "assistant" else part]
     out: list[dict[str, Any]] = []
     for j, part in enumerate(value):
         if isinstance(part, dict) and part.get("type") == "input_image":
             out.append(_image_part(part, f"{param}[{j}]", role))
+        elif isinstance(part, dict) and part.get("type") == "input_audio":
+            out.append(_audio_part(part, f"{param}[{j}]", role))
         else:
             out.append({"type": kind, "text": _text_of([part], f"{param}[{j}]")})
     return out
@@ -159,10 +176,15 @@ def _own_id(item: dict[str, Any], prefix: str, taken: set[str]) -> str:
 
 def _message_text(item: dict[str, Any], param: str | None, images: ImageParts) -> str:
     """`param`: the item's `input[i]`, None for a stored turn's (its images named previous_response_id)."""
-    return "".join(images.add_url(part["image_url"], f"{param}.content[{j}].image_url" if param else
+    def text(j: int, part: dict[str, Any]) -> str:
+        if part.get("type") == "input_image":
+            return images.add_url(part["image_url"], f"{param}.content[{j}].image_url" if param else
                                   "previous_response_id")
-                   if part.get("type") == "input_image" else part.get("text", "")
-                   for j, part in enumerate(item["content"]))
+        if part.get("type") == "input_audio":
+            return images.add_audio(part["input_audio"], f"{param}.content[{j}].input_audio" if param else
+                                    "previous_response_id")
+        return str(part.get("text", ""))
+    return "".join(text(j, part) for j, part in enumerate(item["content"]))
 
 
 def chat_messages(instructions: str | None, items: list[dict[str, Any]], images: ImageParts | None = None,

@@ -278,7 +278,8 @@ def parse_n(body: Body) -> int:
 
 def parse_content(value: Any, param: str, images: "ImageParts | None" = None) -> str:
     """Message content: a string, null, or OpenAI's array of parts: text parts, and with `images`
-    image parts (`image_url`), each one MEDIA_MARKER in the text where it stood (api/images.py)."""
+    image parts (`image_url`) and audio parts (`input_audio`), each one MEDIA_MARKER in the text
+    where it stood (api/images.py)."""
     if value is None:
         return ""
     if isinstance(value, str):
@@ -293,8 +294,11 @@ def parse_content(value: Any, param: str, images: "ImageParts | None" = None) ->
             if kind == "image_url" and images is not None:
                 texts.append(_image_url_part(part, f"{param}[{i}]", images))
                 continue
+            if kind == "input_audio" and images is not None:
+                texts.append(images.add_audio(part.get("input_audio"), f"{param}[{i}].input_audio"))
+                continue
             if kind not in ("text", "input_text"):
-                raise invalid(f"'{param}[{i}]': only text{' and image' if images is not None else ''} content is "
+                raise invalid(f"'{param}[{i}]': only text{', image and audio' if images is not None else ''} content is "
                               f"supported (got {str(kind)[:30]!r})", f"{param}[{i}]")
             text = part.get("text")
             if not isinstance(text, str):

@@ -25,7 +25,7 @@ from ..config.kv_cache import kv_element_bytes
 from ..protocol.engine import ModelInfo
 from ..protocol.requests import LoraSet, SamplingParams, TokenLogprob
 from ..errors import BackendError, InvalidRequestError
-from ..protocol.media import ImageInput
+from ..protocol.media import MediaInput
 
 
 class KVFullError(BackendError):
@@ -292,12 +292,12 @@ class Backend(ABC):
         """End of generation (EOS, EOT, ...)."""
 
     # --- images (a projector beside the model: llamacpp/media.py) ------------------------------
-    def tokenize_media(self, text: str, images: Sequence[ImageInput], add_special: bool = True) -> list[int]:
+    def tokenize_media(self, text: str, images: Sequence[MediaInput], add_special: bool = True) -> list[int]:
         """The ids of a prompt whose text holds one MEDIA_MARKER per image: its text tokens, and
         negative ids for the images' positions (the same image, the same ids)."""
         raise InvalidRequestError(f"{self.info.name} takes no images", param="model")
 
-    def hold_media(self, tokens: Sequence[int], images: Sequence[ImageInput]) -> object:
+    def hold_media(self, tokens: Sequence[int], images: Sequence[MediaInput]) -> object:
         """Keep what decoding `tokens`' image positions needs until `release_media(held)`."""
         raise InvalidRequestError(f"{self.info.name} takes no images", param="model")
 

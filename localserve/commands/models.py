@@ -27,6 +27,7 @@ from ..errors import InvalidRequestError
 from ..pull import PullEvent, pull_model
 from ..runtime.describe import describe_model, summary
 from ..store.cache import ModelStore
+from ..store.projector import kinds
 
 
 def register(subparsers: argparse._SubParsersAction, common: argparse.ArgumentParser) -> None:
@@ -154,6 +155,13 @@ def _engine_line(engine: dict[str, Any]) -> str:
                    f"{engine['kv_cells']} cells)")
 
 
+def _projector_row(mmproj: Any, kind: str) -> str:
+    """`show`'s vision / audio line: yes with the projector that takes it, or why not."""
+    if mmproj is None:
+        return "no (no projector)"
+    return f"yes: projector {mmproj}" if kind in kinds(mmproj) else f"no (its projector takes no {kind})"
+
+
 def _kv_saved(mem: dict[str, Any], kv_type: str) -> str:
     """' (q8_0/f16: 3.2 MiB less than f16)' where the KV types are smaller than f16."""
     from ..runtime.memory import format_bytes
@@ -213,7 +221,8 @@ def run_show(args: argparse.Namespace, settings: Settings) -> int:
         ("size", _size(model.size)),
         ("sha256", str(model.sha256)),
         ("file", str(model.path) + ("  (registered in place)" if model.in_place else "")),
-        ("vision", f"yes: projector {model.mmproj}" if model.mmproj is not None else "no (no projector)"),
+        ("vision", _projector_row(model.mmproj, "vision")),
+        ("audio", _projector_row(model.mmproj, "audio")),
         ("LoRA adapters", "; ".join(f"{i}: {p}" for i, p in enumerate(info["loras"])) or "none"),
         ("source", str(info["source"] or "")),
         ("engine", _engine_line(info["engine"])),

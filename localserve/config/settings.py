@@ -171,6 +171,12 @@ class Settings:
     max_image_bytes: int = 20 * 1024 * 1024
     max_image_pixels: int = 25_000_000
     image_fetch_timeout: float = 20.0
+    # Seconds of audio in one request's `input_audio` clips together, read from each file's header
+    # or frames (api/audio_checks.py). The model hears audio in 30-second windows, each a fixed run
+    # of prompt positions (375 on the test projector, ~190 on Ultravox), so this bounds the encoder's
+    # work and the prompt a request brings; clips count toward max_images_per_request and
+    # max_image_bytes (10 minutes of 16 kHz 16-bit mono WAV is 19 MB).
+    max_audio_seconds: float = 600.0
     # Documents of one rerank request (/v1/rerank; Cohere recommends at most 1,000), and the tokens
     # of all its query + document pairs together, as ranked (the query is counted once per pair).
     # As with embeddings, time bounds them: the pairs are scored between generation steps.

@@ -25,7 +25,7 @@ from typing import Any, Callable, Generator
 from ..backends.common import sampler_thread
 from ..backends.base import Backend, Sampler, declared_capabilities
 from ..batching.limits import EngineLimits
-from ..protocol.media import ImageInput
+from ..protocol.media import MediaInput
 from ..protocol.requests import LANES, GenerationRequest, Lane, check_request, lora_set
 from ..batching.scheduler import Scheduler
 from ..batching.sequence import Sequence
@@ -243,7 +243,7 @@ class Engine:
     def tokenize(self, text: str, add_special: bool = True) -> list[int]:
         return self._backend.tokenize(text, add_special=add_special)
 
-    def tokenize_media(self, text: str, images: list[ImageInput], add_special: bool = True) -> list[int]:
+    def tokenize_media(self, text: str, images: list[MediaInput], add_special: bool = True) -> list[int]:
         """A prompt with one MEDIA_MARKER per image: its ids, each image's positions negative ids
         (backends/llamacpp/media.py). InvalidRequestError for a model that takes no images."""
         return self._backend.tokenize_media(text, images, add_special)

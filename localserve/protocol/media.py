@@ -1,11 +1,12 @@
-"""Images (and later audio) inside a prompt: the neutral form every dialect's parser produces and
+"""Images and audio clips inside a prompt: the neutral form every dialect's parser produces and
 the engine consumes (issue 43).
 
-A dialect's parser (api/) turns each image part of a message into one ImageInput, checked and
-bounded before any model work, and puts one MEDIA_MARKER in the message's text where the image
-stood; the chat template renders that text as it renders any other. The engine that holds the
-model's projector turns marker + image into the image's embedding positions (llama.cpp's mtmd
-library uses the same marker by default, so the rendered prompt goes to it unchanged).
+A dialect's parser (api/) turns each image or audio part of a message into one ImageInput or
+AudioInput, checked and bounded before any model work, and puts one MEDIA_MARKER in the message's
+text where it stood; the chat template renders that text as it renders any other. The engine that
+holds the model's projector turns marker + file into its embedding positions (llama.cpp's mtmd
+library uses the same marker by default, so the rendered prompt goes to it unchanged, and it tells
+an audio file from an image by its bytes).
 """
 
 from __future__ import annotations
@@ -27,3 +28,19 @@ class ImageInput:
     width: int
     height: int
     format: str  # "png", "jpeg", ... as the header says
+
+
+@dataclass(frozen=True)
+class AudioInput:
+    """One audio clip as the client sent it, already checked: WAV or MP3, whole (no truncated
+    frames), its length read from its header or frames within the bounds. `sha256` keys the prefix
+    cache as an image's does."""
+
+    data: bytes  # the encoded file, exactly as sent
+    sha256: str  # hex digest of data
+    seconds: float
+    format: str  # "wav" or "mp3"
+
+
+# What a prompt's MEDIA_MARKERs stand for, in order.
+MediaInput = ImageInput | AudioInput

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Literal
 
 from ..errors import ContextLengthExceededError, InvalidRequestError, LocalserveError
-from .media import ImageInput
+from .media import MediaInput
 
 Lane = Literal["interactive", "default", "batch"]
 LANES: tuple[Lane, ...] = ("interactive", "default", "batch")  # highest priority first
@@ -157,9 +157,9 @@ class GenerationRequest:
     request_id: str = field(default_factory=lambda: f"req-{next(_request_ids)}")
     text: TextPrompt | None = None  # set for TextEngines only
     speculative: bool = True  # False: never drafted for, whatever the model's setting says
-    # The prompt's images in order, one per MEDIA_MARKER the prompt text held (protocol/media.py);
-    # only a model whose ModelInfo.vision is true takes any.
-    images: list[ImageInput] = field(default_factory=list)
+    # The prompt's images and audio clips in order, one per MEDIA_MARKER the prompt text held
+    # (protocol/media.py); only a model whose projector takes them (ModelInfo.vision, .audio).
+    images: list[MediaInput] = field(default_factory=list)
     thinking: Thinking | None = None  # set where the chat template reasons (api/think_budget.py)
     # The LoRA adapters named, as (id, scale) pairs; None: the model's own (lora_set). The engine
     # replaces it with the checked LoraSet at submit.

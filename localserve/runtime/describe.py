@@ -13,6 +13,7 @@ from typing import Any
 from ..config.settings import Settings
 from ..errors import InvalidRequestError
 from ..store.cache import InstalledModel
+from ..store.projector import kinds
 from .adapters import lora_files
 
 
@@ -28,10 +29,11 @@ def summary(m: InstalledModel) -> dict[str, Any]:
         "modified": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(m.modified)),
         "path": str(m.path),
         "in_place": m.in_place,
-        # The vision projector stored with the tag (what a load takes as `mmproj`); `vision` is
-        # what the store promises: the loaded engine's ModelInfo.vision says whether it loaded.
+        # The projector stored with the tag (what a load takes as `mmproj`); `vision` and `audio`
+        # are what its header promises: the loaded engine's ModelInfo says whether it loaded.
         "mmproj": str(m.mmproj) if m.mmproj is not None else None,
-        "vision": m.mmproj is not None,
+        "vision": "vision" in kinds(m.mmproj),
+        "audio": "audio" in kinds(m.mmproj),
         "variants": {fmt: {"path": str(v.path), "size": v.size, "sha256": v.sha256, "available": v.available,
                            **({"files": len(v.files)} if v.files else {})}
                      for fmt, v in m.variants.items()},

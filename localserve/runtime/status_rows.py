@@ -46,8 +46,9 @@ def loaded_row(m: LoadedModel, stats: dict[str, Any], load_wait: dict[str, Any],
         "reason": (f"making room for {m.making_room_for}" if m.making_room_for else load_wait.get("reason", "")),
         # What the engine was sized to: tokens per request and requests decoding at once.
         "context_length": m.engine.n_ctx_per_seq,
-        # Whether its projector loaded (issue 43): /api/show's "vision" for a loaded model.
+        # What its projector takes, as loaded (issue 43): /api/show's "vision" and "audio" for a loaded model.
         "vision": bool(getattr(m.engine.info, "vision", False)),
+        "audio": bool(getattr(m.engine.info, "audio", False)),
         "max_sequences": stats.get("max_sequences", 0),
         **_offload_row(m.engine),
         "worker": _worker_row(m.engine, now),

@@ -47,7 +47,8 @@ async def props(request: web.Request) -> web.Response:
     model = await asyncio.to_thread(request.app[STORE_KEY].find, name)
     limits = await served(request, model)
     return web.json_response(props_body(model.ref, limits.context, limits.slots, __version__,
-                                        request.app[SETTINGS_KEY].default_max_tokens, vision=limits.vision),
+                                        request.app[SETTINGS_KEY].default_max_tokens, vision=limits.vision,
+                                        audio=limits.audio),
                              dumps=json_dumps)
 
 

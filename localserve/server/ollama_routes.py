@@ -207,7 +207,7 @@ async def show(request: web.Request) -> web.Response:
     limits = await served(request, model)
     fim = await asyncio.to_thread(fim_capable, model)
     show = show_body(model, limits.context, now_iso(created.modified if created else model.modified), fim,
-                     vision=limits.vision, loras=lora_adapters(request, model))
+                     vision=limits.vision, audio=limits.audio, loras=lora_adapters(request, model))
     return web.json_response(show_overlay(show, created) if created else show, dumps=json_dumps)
 
 

@@ -32,6 +32,7 @@ from .sse import DONE, data_frame, open_sse, send_sse
 from ..api.openai import ApiEnv, Options, chat_completion, completion, observe, parse_chat, parse_completion, start
 from ..api.openai_embeddings import embeddings, parse_embeddings
 from ..api.openai_shapes import CHAT_PREFIX, COMPLETION_PREFIX, Head, chat_logprobs, completion_logprobs, finish_reason
+from ..store.projector import kinds
 from .state import MANAGER_KEY, METRICS_KEY, SETTINGS_KEY, STORE_KEY
 from ..api.tools import ToolCallStream
 from .body import read_json
@@ -205,9 +206,11 @@ async def create_embeddings(request: web.Request) -> web.Response:
 
 # --- models --------------------------------------------------------------------------------------
 def model_entry(model: Any) -> dict[str, Any]:
-    """An installed model; `vision`: it has a projector in the store (takes images once loaded)."""
+    """An installed model; `vision` / `audio`: its projector in the store takes images / audio
+    (once loaded; store/projector.py `kinds`)."""
+    takes = kinds(model.mmproj)
     return {"id": model.ref, "object": "model", "created": int(model.modified), "owned_by": "localserve",
-            "vision": model.mmproj is not None}
+            "vision": "vision" in takes, "audio": "audio" in takes}
 
 
 def remote_entry(name: str, upstreams: list[str]) -> dict[str, Any]:

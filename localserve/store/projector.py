@@ -1,4 +1,5 @@
-"""A model's vision projector (llama.cpp's `mmproj` GGUF) stored as part of its tag (issue 43).
+"""A model's projector (llama.cpp's `mmproj` GGUF: vision, audio or both) stored as part of its tag
+(issue 43).
 
 The ggml-org GGUF repos publish a vision model as its language model and, beside it, the projector
 that turns an image into embeddings in that model's space: `mmproj-<Model>-f16.gguf` (some repos
@@ -9,16 +10,21 @@ registers one in place; either way the tag's manifest records it under MANIFEST_
 
 A projector is checked as any pulled file (sha256 against the listing's), and must be a GGUF whose
 `general.architecture` is `clip` (llama.cpp's name for every projector type): a language model
-given as a projector would fail only deep inside the engine worker's load.
+given as a projector would fail only deep inside the engine worker's load. What it takes (`kinds`)
+is read from its header: what `show`, /api/show and /props say before a load.
 """
 
 from __future__ import annotations
 
+import functools
 import re
 from pathlib import Path
 from typing import Any
 
 from ..errors import GGUFError
+
+# The header flags llama.cpp's clip loader reads to know what a projector file holds.
+_ENCODER_FLAGS = {"vision": "clip.has_vision_encoder", "audio": "clip.has_audio_encoder"}
 
 MANIFEST_KEY = "mmproj"
 PROJECTOR_ARCH = "clip"
@@ -58,6 +64,29 @@ def check_projector(path: Path, label: str) -> None:
     if arch != PROJECTOR_ARCH:
         raise GGUFError(f"{label} is not a vision projector (its GGUF architecture is {str(arch)[:40]!r}, "
                         f"not {PROJECTOR_ARCH!r})")
+
+
+def kinds(path: Path | None) -> frozenset[str]:
+    """What the projector at `path` takes, "vision" and/or "audio", from its header; empty for
+    None or a file that cannot be read (its load would fail the same way)."""
+    if path is None:
+        return frozenset()
+    try:
+        stat = path.stat()
+    except OSError:
+        return frozenset()
+    return _kinds(path, stat.st_mtime_ns, stat.st_size)
+
+
+@functools.lru_cache(maxsize=64)
+def _kinds(path: Path, mtime_ns: int, size: int) -> frozenset[str]:  # keyed by the file's version
+    from .gguf_facts import read_gguf_metadata
+
+    try:
+        meta = read_gguf_metadata(path)
+    except (GGUFError, OSError):
+        return frozenset()
+    return frozenset(kind for kind, flag in _ENCODER_FLAGS.items() if meta.get(flag) is True)
 
 
 def projector_path(manifest: dict[str, Any], tag_dir: Path) -> Path | None:

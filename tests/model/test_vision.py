@@ -23,7 +23,7 @@ from localserve.backends.llamacpp.backend import LlamaCppBackend
 from localserve.batching.limits import EngineLimits
 from localserve.engine.local import Engine
 from localserve.errors import InvalidRequestError
-from localserve.protocol.media import MEDIA_MARKER, ImageInput
+from localserve.protocol.media import MEDIA_MARKER, ImageInput, MediaInput
 from localserve.protocol.requests import GenerationRequest, SamplingParams
 
 import vision_model
@@ -118,42 +118,52 @@ async def test_a_different_image_shares_no_cells_and_answers_from_its_own(backen
     assert one != two
 
 
+def logits_after(backend: LlamaCppBackend, question: str, media: MediaInput) -> np.ndarray:
+    """The logits after a one-image (or one-clip) prompt, decoded on sequence 0 and removed after."""
+    from llamacpp_helpers import prompt_batch
+
+    tokens = backend.tokenize_media(prompt(question), [media])
+    held = backend.hold_media(tokens, [media])
+    try:
+        backend.kv_remove(0)
+        backend.decode(prompt_batch(tokens, 0))
+        return backend.logits(len(tokens) - 1)
+    finally:
+        backend.release_media(held)
+        backend.kv_remove(0)
+
+
 def test_different_images_give_different_logits(backend):
     """Below the answer: the logits after the prompt differ with the image (its embeddings really
     entered the sequence), and are the same for the same image."""
-    def logits_after(img: ImageInput) -> np.ndarray:
-        tokens = backend.tokenize_media(prompt("Describe the picture."), [img])
-        held = backend.hold_media(tokens, [img])
-        try:
-            from llamacpp_helpers import prompt_batch
-
-            backend.kv_remove(0)
-            backend.decode(prompt_batch(tokens, 0))
-            return backend.logits(len(tokens) - 1)
-        finally:
-            backend.release_media(held)
-            backend.kv_remove(0)
-
-    a, b, a_again = logits_after(image(1)), logits_after(image(4)), logits_after(image(1))
+    a, b, a_again = (logits_after(backend, "Describe the picture.", image(seed)) for seed in (1, 4, 1))
     assert np.array_equal(a, a_again)
     assert float(np.abs(a - b).max()) > 0.1
 
 
-async def test_an_image_alone_and_beside_four_running_chats_answers_alike(backend):
+async def beside_four_chats(backend: LlamaCppBackend, question: str, media: MediaInput,
+                            max_tokens: int) -> tuple[list[int], object]:
+    """The answer's tokens and last event for a one-image (or one-clip) question asked while four
+    48-token chats decode (no prefix cache: nothing read from an earlier answer)."""
     chats = [backend.tokenize(f"<|im_start|>user\nTell me a long story about {topic}.<|im_end|>\n"
                               "<|im_start|>assistant\n") for topic in ("rivers", "bread", "owls", "tea")]
-    with running_engine(backend, prefix_cache=False) as engine:
-        alone, _, _ = await run(engine, image_request(engine, "Describe the picture.", [image(5)], max_tokens=16))
     with running_engine(backend, prefix_cache=False) as engine:
         running = [asyncio.ensure_future(run(engine, GenerationRequest(c, GREEDY, max_tokens=48, ignore_eos=True)))
                    for c in chats]
         while engine.stats().running < 4:
             await asyncio.sleep(0.01)
-        beside, _, last = await run(engine, image_request(engine, "Describe the picture.", [image(5)], max_tokens=16))
+        beside, _, last = await run(engine, image_request(engine, question, [media], max_tokens=max_tokens))
         stories = await asyncio.gather(*running)
         assert engine.stats().running == 0
-    assert beside == alone
     assert all(len(tokens) == 48 for tokens, _, _ in stories)
+    return beside, last
+
+
+async def test_an_image_alone_and_beside_four_running_chats_answers_alike(backend):
+    with running_engine(backend, prefix_cache=False) as engine:
+        alone, _, _ = await run(engine, image_request(engine, "Describe the picture.", [image(5)], max_tokens=16))
+    beside, last = await beside_four_chats(backend, "Describe the picture.", image(5), max_tokens=16)
+    assert beside == alone
     assert last.finish_reason == "length"
 
 

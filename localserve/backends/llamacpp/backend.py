@@ -28,7 +28,7 @@ import numpy as np
 
 from ...protocol.requests import LoraSet, SamplingParams
 from ...errors import BackendError, InvalidRequestError
-from ...protocol.media import ImageInput
+from ...protocol.media import AudioInput, ImageInput, MediaInput
 from ..base import Backend, BatchToken, Capabilities, DecodeInterrupted, KVFullError, KVRequest, KVSizing
 from .batch import PackedBatch, media_calls, stream_groups
 from ..common.grammar import GRAMMAR_CONSTRAINTS
@@ -382,23 +382,29 @@ class LlamaCppBackend(LlamaTokenizer, Backend):
         return LlamaCppSampler(self, params, prompt_tokens)
 
     # --- images (media.py) -------------------------------------------------------------------
-    def tokenize_media(self, text: str, images: Sequence[ImageInput], add_special: bool = True) -> list[int]:
-        return self._vision().tokenize(text, images, add_special)
+    def tokenize_media(self, text: str, images: Sequence[MediaInput], add_special: bool = True) -> list[int]:
+        return self._projector_for(images).tokenize(text, images, add_special)
 
-    def hold_media(self, tokens: Sequence[int], images: Sequence[ImageInput]) -> object:
-        return self._vision().hold(tokens, images)
+    def hold_media(self, tokens: Sequence[int], images: Sequence[MediaInput]) -> object:
+        return self._projector_for(images).hold(tokens, images)
 
     def release_media(self, held: object) -> None:
         projector = self._projector_box[0]
         if projector is not None and isinstance(held, list):
             projector.release(held)
 
-    def _vision(self) -> Projector:
+    def _projector_for(self, media: Sequence[MediaInput]) -> Projector:
+        """The projector, where it takes every kind in `media`; InvalidRequestError naming the kind."""
         self._check_open()
         projector = self._projector_box[0]
-        if projector is None or not projector.vision:
+        if any(isinstance(m, ImageInput) for m in media) and not (projector and projector.vision):
             raise InvalidRequestError(f"{self.info.name} takes no images: it was loaded without a projector "
                                       "that sees", param="model")
+        if any(isinstance(m, AudioInput) for m in media) and not (projector and projector.audio):
+            raise InvalidRequestError(f"{self.info.name} takes no audio: it was loaded without a projector "
+                                      "that hears", param="model")
+        if projector is None:
+            raise InvalidRequestError(f"{self.info.name} was loaded without a projector", param="model")
         return projector
 
     def embed(self, inputs: Sequence[Sequence[int]]) -> list[list[float]]:

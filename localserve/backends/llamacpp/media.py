@@ -1,5 +1,7 @@
 """A model's projector (mmproj) through llama.cpp's mtmd library: a prompt's images become positions
-of its token list, and those positions the embeddings a decode reads (issue 43).
+of its token list, and those positions the embeddings a decode reads (issue 43). Audio clips take
+the same path: mtmd cuts a clip into 30-second windows, each a chunk like an image's tile, so
+"image" below reads "image or clip" throughout.
 
 **Images as prompt positions.** `tokenize` runs mtmd's tokenizer over the rendered prompt (one
 MEDIA_MARKER per image) and returns one flat list: text tokens as they are, and for each image chunk
@@ -39,7 +41,7 @@ import numpy as np
 from llama_cpp import mtmd_cpp as mtmd
 
 from ...errors import BackendError, InvalidRequestError
-from ...protocol.media import MEDIA_MARKER, ImageInput
+from ...protocol.media import MEDIA_MARKER, AudioInput, MediaInput
 from ...protocol.media_ids import ROW_BITS, ROW_MASK, media_ids
 from .runtime import captured_log
 
@@ -144,7 +146,7 @@ class Projector:
         return projector
 
     # --- prompts -----------------------------------------------------------------------------
-    def tokenize(self, text: str, images: Sequence[ImageInput], add_special: bool = True) -> list[int]:
+    def tokenize(self, text: str, images: Sequence[MediaInput], add_special: bool = True) -> list[int]:
         """The prompt's ids: text tokens, and each image's positions as media ids (module doc).
         InvalidRequestError when the markers and images do not pair up or mtmd refuses an image."""
         with self._lock:
@@ -167,11 +169,14 @@ class Projector:
                 for bitmap in bitmaps:
                     mtmd.mtmd_bitmap_free(bitmap)
 
-    def _bitmap(self, image: ImageInput) -> Any:
+    def _bitmap(self, image: MediaInput) -> Any:
+        # mtmd's helper tells audio (WAV, MP3, FLAC: miniaudio, resampled to the projector's rate)
+        # from an image (stb_image) by the bytes.
         buf = (ctypes.c_uint8 * len(image.data)).from_buffer_copy(image.data)
         bitmap = mtmd.mtmd_helper_bitmap_init_from_buf(self.ctx, buf, len(image.data), False)
         if not bitmap:
-            raise InvalidRequestError(f"an image ({image.format}, {len(image.data)} bytes) could not be decoded",
+            what = "an audio clip" if isinstance(image, AudioInput) else "an image"
+            raise InvalidRequestError(f"{what} ({image.format}, {len(image.data)} bytes) could not be decoded",
                                       param="messages")
         mtmd.mtmd_bitmap_set_id(bitmap, image.sha256.encode())
         return bitmap
@@ -202,7 +207,7 @@ class Projector:
         return tokens
 
     # --- requests ----------------------------------------------------------------------------
-    def hold(self, tokens: Sequence[int], images: Sequence[ImageInput]) -> list[int]:
+    def hold(self, tokens: Sequence[int], images: Sequence[MediaInput]) -> list[int]:
         """Keep the chunks of `tokens`' media ids for a request (until `release`); a chunk this
         process does not know (its tokenizer ran in another process, or the entry was dropped) is
         prepared again from `images`. InvalidRequestError for ids no image of the request makes."""

@@ -38,7 +38,7 @@ from typing import Any, Callable
 
 from ...errors import EngineCrashedError, OverloadedError, redact_paths
 from ...protocol.engine import EngineStats, ModelInfo
-from ...protocol.media import ImageInput
+from ...protocol.media import MediaInput
 from ...protocol.requests import GenerationEvent, GenerationRequest, Lane
 from .. import core_share
 from ..core_share import worker_context
@@ -236,7 +236,7 @@ class WorkerEngine(VocabCalls):
     def cancel(self, request_id: str) -> None:
         self._channel.send("cancel", request_id)
 
-    def tokenize_media(self, text: str, images: list[ImageInput], add_special: bool = True) -> list[int]:
+    def tokenize_media(self, text: str, images: list[MediaInput], add_special: bool = True) -> list[int]:
         """In the worker, which holds the projector: each image's positions depend on it."""
         return self._wait("tokenize_media", text, images, add_special)
 
