@@ -442,6 +442,27 @@ def test_a_short_prompt_behind_a_long_one_generates_before_the_long_prompt_is_re
     h.assert_drained()
 
 
+def test_a_prompt_sharing_a_prefix_still_being_read_waits_for_it_instead_of_computing_it_again():
+    """Eight requests with one system prompt arriving while the first is reading it (load C's first
+    wave): each later one is due no earlier than the first, so it starts on the first's whole prefix
+    and computes only its own tail, not the part the first was about to share."""
+    rng = random.Random(23)
+    system, budget = _prompt(rng, 1000), 64
+    h = Harness(FakeBackend(n_ctx=16384, n_batch=budget, n_seq_max=16), max_sequences=8)
+    prompts = [system + _prompt(rng, 20 + i) for i in range(8)]
+    first = h.submit(prompts[0], max_tokens=2)
+    for _ in range(8):
+        h.step()  # 512 of its 1,020 tokens read: the others' cache hit is half of what they share
+    rest = [h.submit(p, max_tokens=2) for p in prompts[1:]]
+    assert all(r.seq.due_step >= first.seq.due_step for r in rest)
+    h.run()
+    prompt_rows = sum(len(batch) for batch in h.backend.batches) - 8  # less each one's decode of its 2nd token
+    # The first's whole prompt, and of each other only what follows the shared prefix's last chunk.
+    assert prompt_rows <= sum(len(p) for p in prompts) - 7 * (1000 - budget)
+    assert all(r.tokens == alone(p, 2) for r, p in zip([first, *rest], prompts))
+    h.assert_drained()
+
+
 def test_a_long_prompt_is_not_starved_by_a_stream_of_short_ones():
     rng = random.Random(22)
     budget, long_tokens = 32, 640  # 20 steps alone
