@@ -322,8 +322,7 @@ class Engine:
     def _run(self) -> None:
         try:
             while True:
-                # Memory the cache left unused (KV streams empty for a while) goes back between steps.
-                memory_due = self._backend.release_idle_memory(time.monotonic())
+                memory_due = self._backend.release_idle_memory(time.monotonic())  # KV streams left empty
                 memory_at = None if memory_due is None else time.monotonic() + memory_due
                 with self._cond:
                     while not (self._stopping or self._inbox or self._embeds or self.scheduler.has_work()):
