@@ -200,8 +200,10 @@ class ImageParts:
         if not self.refs:
             return []
         if isinstance(engine, TextEngine):  # a remote upstream: its request is relayed as text
-            raise refused(self.refs[0].param, f"is an image, and the remote model {engine.name!r} is sent text only "
-                                              "(images are not relayed to upstreams)")
+            ref = self.refs[0]
+            kind = "is audio" if ref.audio_format else "is an image or audio" if ref.audio_too else "is an image"
+            raise refused(ref.param, f"{kind}, and the remote model {engine.name!r} is sent text only "
+                                     "(images and audio are not relayed to upstreams)")
         if self.images is None:
             raise RuntimeError("ImageParts.for_model before resolve()")  # generation() resolves first
         for ref, item in zip(self.refs, self.images):

@@ -11,6 +11,7 @@ is up, least-outstanding breaking ties in config order); "solo-smol" by A only.
 
 from __future__ import annotations
 
+import base64
 import json
 import threading
 import time
@@ -19,7 +20,9 @@ from pathlib import Path
 
 import pytest
 
+import audio_model
 from daemon_util import cli, cli_env, free_port, http_get, register_model, start_serve, stop_quietly, wait_published
+import vision_model
 
 openai = pytest.importorskip("openai")
 
@@ -120,6 +123,14 @@ def test_upstream_refusal_reaches_the_client_in_our_shape_without_the_key(daemon
         front.chat.completions.create(model="solo-smol", messages=MESSAGES, tools=[
             {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}])
     assert err.value.body["param"] == "tools"
+    # Images and audio are not relayed: a 400 naming the part and what it is.
+    png, wav = (base64.b64encode(data).decode() for data in (vision_model.test_image(1), audio_model.test_audio(1)))
+    for part, kind in (({"type": "image_url", "image_url": {"url": f"data:image/png;base64,{png}"}}, "is an image"),
+                       ({"type": "input_audio", "input_audio": {"data": wav, "format": "wav"}}, "is audio")):
+        with pytest.raises(openai.BadRequestError) as err:
+            front.chat.completions.create(model="solo-smol", messages=[{"role": "user", "content": [part]}])
+        assert f"{kind}, and the remote model 'solo-smol' is sent text only" in err.value.body["message"]
+        assert err.value.body["param"].startswith("messages[0].content[0]")
     # The Ollama dialect needs our tokenizer: a clear 400 in Ollama's shape.
     req = urllib.request.Request(daemons["front"] + "/api/generate", method="POST",
                                  data=json.dumps({"model": "solo-smol", "prompt": "hi"}).encode())
