@@ -51,7 +51,7 @@ PROMPTS = [
 
 # --- child: runs inside one environment, prints one JSON object --------------------------------
 
-def _greedy(backend, prompt: str, n_tokens: int) -> tuple[list[int], float, float]:
+def greedy(backend, prompt: str, n_tokens: int) -> tuple[list[int], float, float]:
     """Greedy continuation of `prompt`: (tokens, prompt seconds, generation seconds)."""
     import numpy as np
 
@@ -77,7 +77,7 @@ def _answers(gguf: str, n_gpu_layers: int, prompts: list[str], n_tokens: int, th
                                    n_threads=threads, kv_unified=False, flash_attention=False)
     load_s = time.perf_counter() - t0
     try:
-        runs = [_greedy(backend, p, n_tokens) for p in prompts]
+        runs = [greedy(backend, p, n_tokens) for p in prompts]
         facts = backend.offload
         prompt_tokens = sum(len(backend.tokenize(p)) for p in prompts)
         return {

@@ -90,8 +90,12 @@ def test_ps_prints_each_cards_memory() -> None:
                             "load_tensors:        CUDA0 model buffer size = 20000.00 MiB",
                             "load_tensors:        CUDA1 model buffer size = 17000.00 MiB",
                             "llama_kv_cache:      CUDA0 KV buffer size =  1000.00 MiB",
-                            "llama_kv_cache:      CUDA1 KV buffer size =   800.00 MiB"])
+                            "llama_kv_cache:      CUDA1 KV buffer size =   800.00 MiB",
+                            "load_tensors: layer   0 assigned to device CUDA0, is_swa = 0",
+                            "load_tensors: layer   1 assigned to device CUDA0, is_swa = 0",
+                            "load_tensors: layer   2 assigned to device CUDA1, is_swa = 0"])
     assert facts.bytes_by_device == {"CUDA0": 21000 * MiB, "CUDA1": 17800 * MiB}
+    assert facts.layers_by_device == {"CUDA0": 2, "CUDA1": 1}
     row = {"size": 38800 * MiB, "size_vram": 38800 * MiB, "gpu_layers": 81, "offloadable_layers": 81,
            "size_vram_by_device": facts.bytes_by_device}
     assert _processor(row) == "100% GPU (81/81 layers); CUDA0 20.5 GiB, CUDA1 17.4 GiB"

@@ -19,6 +19,9 @@ _BUFFER = re.compile(r":\s+(\S+)\s+(model|KV|compute|output|RS) buffer size = +(
 # A debug line per weight a buffer-type override moved (moe.py): "tensor blk.0.ffn_up_exps.weight
 # (0 MiB f16) buffer type overridden to CPU" (CPU_REPACK where a repacked layout was chosen).
 _OVERRIDDEN = re.compile(r"tensor (\S+) \(\d+ MiB \S+\) buffer type overridden to (\S+)")
+# A debug line per layer, the output layer counted as one (as "offloaded N/M" counts it):
+# "load_tensors: layer  12 assigned to device Vulkan1, is_swa = 0".
+_LAYER_DEVICE = re.compile(r"layer +\d+ assigned to device (\S+?),")
 
 
 def _on_device(buffer: str) -> bool:
@@ -37,6 +40,7 @@ class OffloadFacts:
     devices: list[str] = field(default_factory=list)  # buffer names seen on devices ("Vulkan0")
     bytes_by_device: dict[str, int] = field(default_factory=dict)  # all kinds, per device ("CUDA1")
     overridden: dict[str, str] = field(default_factory=dict)  # weight -> buffer type an override chose
+    layers_by_device: dict[str, int] = field(default_factory=dict)  # layers per device ("CPU" too)
 
     @property
     def moe_layers_in_ram(self) -> int:
@@ -55,6 +59,8 @@ def parse_load_log(lines: Iterable[str]) -> OffloadFacts:
     for line in lines:
         if m := _OVERRIDDEN.search(line):
             facts.overridden[m.group(1)] = m.group(2)
+        elif m := _LAYER_DEVICE.search(line):
+            facts.layers_by_device[m.group(1)] = facts.layers_by_device.get(m.group(1), 0) + 1
         elif m := _OFFLOADED.search(line):
             requested, facts.offloadable_layers = int(m.group(1)), int(m.group(2))
         elif (m := _BUFFER.search(line)) and _on_device(m.group(1)):
