@@ -9,6 +9,11 @@ placed before the text they come with, as Ollama places them (api/images.py chec
 Both calls answer in Ollama's shapes: a streamed line per piece of text, then a final line with
 `done_reason` and nanosecond durations; /api/generate's final line carries `context` (the prompt
 and answer tokens a client sends back to continue), /api/chat's the tool calls the model made.
+
+A request that sets `think` (true or a level) gets a reasoning model's thinking in
+`message.thinking` / `thinking` and only the answer in `content` / `response`, as Ollama answers it
+(reasoning.Thoughts); without `think` the text stays as the model wrote it, tags and all, as
+Ollama's older releases gave it.
 """
 
 from __future__ import annotations
@@ -26,7 +31,7 @@ from .chat_history import answer_room, fit_history
 from .ollama import (answer_length, build_request, context_note, final_fields, fim_request_tokens, model_name, now_iso,
                      request_context, request_options)
 from .templates import ChatTemplate
-from .ollama_thinking import Thoughts
+from .reasoning import Thoughts
 from .think_budget import engine_thinking, ollama_think
 from .tools import ToolCallStream, forced_call_schema, parse_tool_calls, tool_choice_plan
 from .validation import Body, invalid, parse_json_format, parse_keep_alive, parse_messages, parse_tools

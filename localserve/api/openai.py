@@ -40,7 +40,8 @@ from .lora import checked_lora, parse_lora, refuse_remote_lora
 from .metrics import Metrics
 from .openai_shapes import CHAT_PREFIX, COMPLETION_PREFIX, Head, chat_logprobs, completion_logprobs, finish_reason
 from .templates import ChatTemplate
-from .think_budget import chat_reasoning, engine_thinking
+from .reasoning import REASONING_FORMATS, Thoughts
+from .think_budget import chat_reasoning, engine_thinking, think_tags
 from .tools import forced_call_schema, parse_tool_calls, tool_choice_plan
 from .validation import (
     MAX_PROMPTS,
@@ -192,6 +193,11 @@ class ChatCall:
     prompt: str = ""
     images: ImageParts = field(default_factory=ImageParts)  # the messages' images, in prompt order
     think_budget: int | None = None  # thinking tokens before the engine closes the block (think_budget.py)
+    # `reasoning_format` (llama-server's field): "none" keeps a reasoning model's thinking in the
+    # content as written; else it comes apart in `reasoning_content`. think_inside, set by
+    # prepare where it comes apart: whether the prompt opened the think block (reasoning.Thoughts).
+    reasoning_apart: bool = True
+    think_inside: bool | None = None
 
     async def render(self, engine: ModelEngine, template: ChatTemplate | None = None) -> str:
         """The prompt the model's chat template makes of the conversation (kept in `prompt`)."""
@@ -223,7 +229,10 @@ class ChatCall:
             base.sampling.json_schema = forced_call_schema(self.forced)
             base.sampling.constraint_param = "tools"
         if base.sampling.json_schema is None and base.sampling.grammar is None:  # a grammar shapes all of it
-            base.thinking = engine_thinking(engine, chat_template(engine), self.prompt, self.think_budget)
+            template = chat_template(engine)
+            base.thinking = engine_thinking(engine, template, self.prompt, self.think_budget)
+            if self.reasoning_apart and base.thinking is not None and think_tags(template.source):
+                self.think_inside = not base.thinking.start
         return [with_seed_offset(base, i) for i in range(self.opts.n)]
 
 
@@ -237,15 +246,19 @@ def parse_chat(body: Body, env: ApiEnv, images: ImageParts | None = None) -> Cha
     tools = parse_tools(body.raw("tools"))
     served, forced = tool_choice_plan(body.raw("tool_choice"), tools, opts.json_schema, "response_format")
     budget, template_args = chat_reasoning(body)
+    apart = body.get_str("reasoning_format", "auto", choices=REASONING_FORMATS) != "none"
     return ChatCall(body, opts, messages, served, forced, images=images, template_args=template_args,
-                    think_budget=budget)
+                    think_budget=budget, reasoning_apart=apart)
 
 
 def chat_response(call: ChatCall, head: Head, choices: Sequence[Choice]) -> dict[str, Any]:
     out = []
     for i, choice in enumerate(choices):
-        content, calls = parse_tool_calls(choice.text, call.tools) if call.tools else (choice.text, [])
+        thinking, answer = Thoughts(call.think_inside).whole(choice.text)
+        content, calls = parse_tool_calls(answer, call.tools) if call.tools else (answer, [])
         message: dict[str, Any] = {"role": "assistant", "content": content if (content or not calls) else None}
+        if thinking:
+            message["reasoning_content"] = thinking
         if calls:
             message["tool_calls"] = [c.openai() for c in calls]
         out.append({

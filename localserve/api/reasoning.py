@@ -1,8 +1,8 @@
 """A reasoning model's thinking, told apart from its answer as the text streams.
 
 Reasoning models (Qwen3, DeepSeek-R1 distills, QwQ) start their answer with `<think>...</think>`.
-A dialect with a place for it (the Responses API's reasoning item) shows it there and the answer
-without it. `ThinkSplit` reads the text delta by delta and says which piece is which, holding back
+A dialect with a place for it (the Responses API's reasoning item, OpenAI chat's
+`reasoning_content`, Ollama's `thinking`) shows it there and the answer without it. `ThinkSplit` reads the text delta by delta and says which piece is which, holding back
 only what may still turn out to be a tag (`<thi` at the start, `</thi` inside), so thinking
 streams as it comes; a whole answer goes through the same object (`split_thinking`), so a
 streamed and a collected answer split alike. An answer that does not start with `<think>` is all
@@ -16,6 +16,9 @@ from __future__ import annotations
 from typing import Literal
 
 OPEN, CLOSE = "<think>", "</think>"
+# OpenAI chat's `reasoning_format`, llama-server's field and values: "auto" (the default) and
+# "deepseek" give the thinking apart in `reasoning_content`, "none" leaves it in the content.
+REASONING_FORMATS = ("auto", "deepseek", "none")
 Piece = tuple[Literal["reasoning", "text"], str]
 
 
@@ -80,3 +83,30 @@ def split_thinking(text: str, inside: bool = False) -> tuple[str | None, str]:
     thinking = "".join(p for kind, p in pieces if kind == "reasoning")
     answer = "".join(p for kind, p in pieces if kind == "text")
     return (thinking if split.thought else None), answer
+
+
+def _joined(pieces: list[Piece]) -> tuple[str, str]:
+    return ("".join(p for kind, p in pieces if kind == "reasoning"),
+            "".join(p for kind, p in pieces if kind == "text"))
+
+
+class Thoughts:
+    """(thinking, answer) of each delta, and of a whole answer alike; `inside`: the prompt opened
+    the think block (None: the request keeps the text as the model wrote it, and every delta is
+    answer)."""
+
+    def __init__(self, inside: bool | None):
+        self.inside = inside
+        self._split = ThinkSplit(inside) if inside is not None else None
+
+    def feed(self, text: str) -> tuple[str, str]:
+        return _joined(self._split.feed(text)) if self._split is not None else ("", text)
+
+    def finish(self) -> tuple[str, str]:
+        return _joined(self._split.finish()) if self._split is not None else ("", "")
+
+    def whole(self, text: str) -> tuple[str, str]:
+        if self.inside is None:
+            return "", text
+        thinking, answer = split_thinking(text, self.inside)
+        return thinking or "", answer

@@ -79,6 +79,12 @@ def _tags(template: str) -> tuple[str, str]:
     return _HARMONY if _HARMONY[0] in template else (THINK_OPEN, THINK_CLOSE)
 
 
+def think_tags(template: str) -> bool:
+    """Whether the template's model thinks in `<think>` tags (what reasoning.ThinkSplit reads),
+    not in gpt-oss's channels."""
+    return _tags(template)[0] == THINK_OPEN
+
+
 def engine_thinking(engine: ModelEngine, template: ChatTemplate, prompt: str, budget: int | None) -> Thinking | None:
     """The request's Thinking for a rendered prompt: None where the template does not reason or
     closed the block already (thinking off); else the model's tags as its tokens and the budget."""

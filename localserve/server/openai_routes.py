@@ -34,6 +34,7 @@ from ..api.openai_embeddings import embeddings, parse_embeddings
 from ..api.openai_shapes import CHAT_PREFIX, COMPLETION_PREFIX, Head, chat_logprobs, completion_logprobs, finish_reason
 from ..store.projector import kinds
 from .state import MANAGER_KEY, METRICS_KEY, SETTINGS_KEY, STORE_KEY
+from ..api.reasoning import Thoughts
 from ..api.tools import ToolCallStream
 from .body import read_json
 
@@ -53,7 +54,8 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     if not call.opts.stream:
         return web.json_response(await guard_disconnect(request, chat_completion(call, env)), dumps=json_dumps)
     async with start(call, env) as run:
-        return await _Reply(request, env, Head(run.model, CHAT_PREFIX), call.opts, call.tools).stream_chat(run.streams)
+        reply = _Reply(request, env, Head(run.model, CHAT_PREFIX), call.opts, call.tools, call.think_inside)
+        return await reply.stream_chat(run.streams)
 
 
 @routes.post("/v1/completions")
@@ -72,7 +74,8 @@ async def completions(request: web.Request) -> web.StreamResponse:
 class _Reply:
     """SSE writing shared by the streamed chat and completion handlers."""
 
-    def __init__(self, request: web.Request, env: ApiEnv, head: Head, opts: Options, tools: list[dict]):
+    def __init__(self, request: web.Request, env: ApiEnv, head: Head, opts: Options, tools: list[dict],
+                 think_inside: bool | None = None):
         self.request = request
         self.env = env
         self.head = head
@@ -80,6 +83,7 @@ class _Reply:
         self.id = head.id
         self.opts = opts
         self.tools = tools
+        self.think_inside = think_inside  # the thinking apart in reasoning_content (openai.ChatCall)
         self.metrics = request.app[METRICS_KEY]
         self.obj = "chat.completion.chunk" if head.prefix == CHAT_PREFIX else "text_completion"
         self.open_choices: list[int] = []  # the choices whose finish_reason has not been sent
@@ -135,6 +139,7 @@ class _Reply:
     async def _chat_body(self, out: HeldStream, streams: list[EventStream]) -> None:
         k = self.opts.logprobs
         filters = [ToolCallStream(self.tools) if self.tools else None for _ in streams]
+        thoughts = [Thoughts(self.think_inside) for _ in streams]
         usages: list[Usage | None] = [None] * len(streams)
         timer = self.metrics.token_timer(self.model)
         for i in range(len(streams)):
@@ -143,8 +148,15 @@ class _Reply:
         async for i, event in merge(streams):
             raise_if_failed(event)
             timer.tokens(len(event.token_ids))
-            text = filters[i].feed(event.text) if filters[i] else event.text
+            thinking, text = thoughts[i].feed(event.text)
+            if event.finish_reason is not None:  # what the split held back, a possible tag's start
+                held_thinking, held_text = thoughts[i].finish()
+                thinking, text = thinking + held_thinking, text + held_text
+            text = filters[i].feed(text) if filters[i] else text
             lps = chat_logprobs(event.logprobs, k) if k is not None and event.logprobs else None
+            if thinking:  # llama-server's delta for it: reasoning_content alone
+                await send_sse(out, self.chunk([
+                    {"index": i, "delta": {"reasoning_content": thinking}, "logprobs": None, "finish_reason": None}]))
             if text or lps:
                 await send_sse(out, self.chunk([
                     {"index": i, "delta": {"content": text}, "logprobs": lps, "finish_reason": None}]))

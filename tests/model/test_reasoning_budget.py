@@ -4,7 +4,10 @@ The model is SmolLM2 with a think-tag chat template (tests/reasoning_model.py): 
 `<think>`, and greedy SmolLM2 never closes it, so the only end its thinking gets is the one a
 budget forces. So a budget of N must give exactly N thinking tokens: the greedy answer without a
 budget, cut at N tokens (`thought(N)`), then `</think>`, then the answer, and usage counts N
-reasoning tokens, in every dialect, with each one's official client where the suite has it.
+reasoning tokens, in every dialect, with each one's official client where the suite has it. Each
+dialect gives the thinking apart from the answer where it has a place for it: OpenAI chat's
+`reasoning_content` (as llama-server answers it; `reasoning_format: "none"` keeps the text as
+written), the Responses API's reasoning item, Anthropic's thinking block, Ollama's `thinking`.
 """
 
 from __future__ import annotations
@@ -47,8 +50,9 @@ def thought(live):
                                    {"model": MODEL, "messages": ASK, "temperature": 0, "max_tokens": n})
         assert status == 200, answer
         assert answer["usage"]["completion_tokens_details"]["reasoning_tokens"] == n  # it never closed it itself
-        assert CLOSE not in answer["choices"][0]["message"]["content"]
-        return answer["choices"][0]["message"]["content"]
+        message = answer["choices"][0]["message"]
+        assert message["content"] == "" and CLOSE not in message["reasoning_content"]  # all thinking
+        return message["reasoning_content"]
 
     return first
 
@@ -65,8 +69,9 @@ def test_llamacpp_reasoning_budget_tokens_ends_thinking_at_n_tokens(live, though
         status, answer = live.json("POST", "/v1/chat/completions", {
             "model": MODEL, "messages": ASK, "temperature": 0, "max_tokens": n + 24, "reasoning_budget_tokens": n})
         assert status == 200, answer
-        answer_text = closed_at(answer["choices"][0]["message"]["content"], thought(n))
-        assert answer_text.strip()  # the answer follows the close
+        message = answer["choices"][0]["message"]
+        assert message["reasoning_content"] == thought(n)
+        assert message["content"].strip() and CLOSE not in message["content"]  # the answer follows the close
         usage = answer["usage"]
         assert usage["completion_tokens_details"]["reasoning_tokens"] == n
         assert usage["completion_tokens"] == n + 24
@@ -77,24 +82,37 @@ def test_llamacpp_reasoning_budget_tokens_ends_thinking_at_n_tokens(live, though
         "model": MODEL, "messages": ASK, "temperature": 0, "max_tokens": 24, "reasoning_budget_tokens": 0})
     assert status == 200 and answer["usage"]["completion_tokens_details"]["reasoning_tokens"] == 0
     assert CLOSE not in answer["choices"][0]["message"]["content"]
+    assert "reasoning_content" not in answer["choices"][0]["message"]
     assert answer["usage"]["prompt_tokens"] > prompt_tokens[1]
     # -1 is llama-server's "no limit": the model thinks on to max_tokens.
     status, answer = live.json("POST", "/v1/chat/completions", {
         "model": MODEL, "messages": ASK, "temperature": 0, "max_tokens": 20, "reasoning_budget_tokens": -1})
-    assert status == 200 and answer["choices"][0]["message"]["content"] == thought(20)
+    assert status == 200 and answer["choices"][0]["message"]["reasoning_content"] == thought(20)
+    # reasoning_format "none": the text as the model wrote it, the forced tag inside.
+    status, answer = live.json("POST", "/v1/chat/completions", {
+        "model": MODEL, "messages": ASK, "temperature": 0, "max_tokens": 24, "reasoning_budget_tokens": 12,
+        "reasoning_format": "none"})
+    assert status == 200 and closed_at(answer["choices"][0]["message"]["content"], thought(12)).strip()
+    assert "reasoning_content" not in answer["choices"][0]["message"]
 
 
 def test_openai_sdk_reasoning_effort_streamed_and_whole(oai, thought):
     n = EFFORT_BUDGETS["minimal"]
     whole = oai.chat.completions.create(model=MODEL, messages=ASK, temperature=0, max_tokens=n + 16,
                                         reasoning_effort="minimal")
-    assert closed_at(whole.choices[0].message.content, thought(n)).strip()
+    assert whole.choices[0].message.model_extra["reasoning_content"] == thought(n)
+    assert whole.choices[0].message.content.strip() and CLOSE not in whole.choices[0].message.content
     assert whole.usage.completion_tokens_details.reasoning_tokens == n
     chunks = list(oai.chat.completions.create(model=MODEL, messages=ASK, temperature=0, max_tokens=n + 16,
                                               reasoning_effort="minimal", stream=True,
                                               stream_options={"include_usage": True}))
-    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
-    assert text == whole.choices[0].message.content
+    deltas = [c.choices[0].delta for c in chunks if c.choices]
+    assert "".join(d.content or "" for d in deltas) == whole.choices[0].message.content
+    assert "".join((d.model_extra or {}).get("reasoning_content") or "" for d in deltas) == thought(n)
+    # the thinking streams as it comes: many pieces, every one before the answer's first
+    kinds = ["thinking" if (d.model_extra or {}).get("reasoning_content") else "answer" for d in deltas if
+             d.content or (d.model_extra or {}).get("reasoning_content")]
+    assert kinds.count("thinking") > 3 and "thinking" not in kinds[kinds.index("answer"):]
     assert chunks[-1].usage.completion_tokens_details.reasoning_tokens == n
 
 
@@ -105,7 +123,9 @@ def test_a_stop_string_and_a_budget_together(live, thought):
         "stop": ["think>"]})
     assert status == 200, answer
     choice = answer["choices"][0]
-    assert choice["finish_reason"] == "stop" and choice["message"]["content"] == thought(10) + "</"
+    # the stop cut the tag: what was held back as its possible start ends the thinking
+    assert choice["finish_reason"] == "stop" and choice["message"]["reasoning_content"] == thought(10) + "</"
+    assert choice["message"]["content"] == ""
 
 
 def test_responses_reasoning_effort_is_a_reasoning_item_of_n_tokens(oai, thought):
@@ -170,6 +190,7 @@ def test_ollama_client_think_levels(live, thought):
     ("/v1/chat/completions", {"reasoning_effort": "enormous"}, "reasoning_effort"),
     ("/v1/chat/completions", {"reasoning_budget_tokens": -2}, "reasoning_budget_tokens"),
     ("/v1/chat/completions", {"reasoning_budget": "lots"}, "reasoning_budget"),
+    ("/v1/chat/completions", {"reasoning_format": "verbose"}, "reasoning_format"),
     ("/v1/responses", {"reasoning": {"effort": "enormous"}}, "reasoning.effort"),
     ("/v1/messages", {"thinking": {"type": "enabled", "budget_tokens": -5}}, "thinking.budget_tokens"),
 ])
@@ -205,7 +226,8 @@ def test_a_budget_holds_while_speculative_decoding_drafts(smollm2_gguf, tmp_path
     with model_server(tmp_path / "home", gguf, speculative="ngram", context_length=2048) as server:
         for n in (40, 97):
             status, answer = server.json("POST", "/v1/chat/completions", {
-                "model": MODEL, "messages": copy, "temperature": 0, "max_tokens": n + 40, "reasoning_budget_tokens": n})
+                "model": MODEL, "messages": copy, "temperature": 0, "max_tokens": n + 40, "reasoning_budget_tokens": n,
+                "reasoning_format": "none"})  # the text as written: the tag where the budget put it
             assert status == 200, answer
             text = answer["choices"][0]["message"]["content"]
             assert text.count(CLOSE) == 1 and answer["usage"]["completion_tokens_details"]["reasoning_tokens"] == n
@@ -213,7 +235,7 @@ def test_a_budget_holds_while_speculative_decoding_drafts(smollm2_gguf, tmp_path
             # Against the drafted answer without a budget: drafting alone may part from plain decoding at
             # a near-tie (test_speculation.py), and at 97 tokens on this prompt it does.
             status, free = server.json("POST", "/v1/chat/completions", {
-                "model": MODEL, "messages": copy, "temperature": 0, "max_tokens": n})
+                "model": MODEL, "messages": copy, "temperature": 0, "max_tokens": n, "reasoning_format": "none"})
             assert status == 200 and text.startswith(free["choices"][0]["message"]["content"] + CLOSE)
         drafted, accepted = draft_counts(server)
         assert drafted >= accepted > 0
