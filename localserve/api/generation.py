@@ -23,8 +23,8 @@ from typing import TYPE_CHECKING, Any, AsyncIterator, Awaitable, Callable, Seque
 
 from ..protocol.engine import EventStream, ModelEngine
 from ..protocol.media import MediaInput
-from ..errors import (ContextLengthExceededError, GenerationError, InvalidRequestError, RequestCancelledError,
-                      SwapPreemptedError)
+from ..errors import (ContextLengthExceededError, EngineCrashedError, GenerationError, InvalidRequestError,
+                      RequestCancelledError, SwapPreemptedError)
 from ..protocol.requests import GenerationEvent, GenerationRequest, Lane, TokenLogprob, Usage
 from .errors import ClientGone
 from .live import ORIGIN, cancelled_by
@@ -192,27 +192,38 @@ async def generation(manager: "ModelManager", model: str, keep_alive: float | No
     The request's `images` are decoded, fetched and checked first: bad ones never cost a load."""
     if images is not None:
         await images.resolve()
-    async with manager.use(model, keep_alive=keep_alive, lane=lane) as lease:
-        if clock is not None:
-            clock.mark_loaded()
-        requests = await prepare(lease.engine)
-        streams = await submit_all(lease.engine, requests)
-        lease.attach(streams)  # so a swap can end batch-lane work at a step boundary
-        origin = ORIGIN.get()
-        tracked: list[str] = []
-        if origin is not None and origin.tracker is not None and requests:
-            origin.lane = requests[0].lane  # the latency figures are kept per lane
-            tracked = origin.tracker.track(origin, lease.name, lease.engine, streams)  # the dashboard's rows
-        try:
-            yield Run(lease.name, lease.engine, requests, streams)
-        except RequestCancelledError:
-            if lease.preempted:
-                raise SwapPreemptedError(lease.name) from None
-            raise
-        finally:
-            cancel_all(streams)
-            if tracked:
-                origin.tracker.untrack(tracked)
+    for attempt in range(2):
+        async with manager.use(model, keep_alive=keep_alive, lane=lane) as lease:
+            if clock is not None:
+                clock.mark_loaded()
+            requests = await prepare(lease.engine)
+            try:
+                streams = await submit_all(lease.engine, requests)
+            except EngineCrashedError:
+                # Its worker had died when these came (a moment before, the manager not yet told:
+                # it hears from the worker's reader thread): none of them ran, so they go once
+                # more, to the model loaded again. A crash under running requests ends those.
+                if attempt or getattr(lease.engine, "alive", True):
+                    raise
+                log.info("%s: its engine had stopped; the request goes to the model loaded again", lease.name)
+                continue
+            lease.attach(streams)  # so a swap can end batch-lane work at a step boundary
+            origin = ORIGIN.get()
+            tracked: list[str] = []
+            if origin is not None and origin.tracker is not None and requests:
+                origin.lane = requests[0].lane  # the latency figures are kept per lane
+                tracked = origin.tracker.track(origin, lease.name, lease.engine, streams)  # the dashboard's rows
+            try:
+                yield Run(lease.name, lease.engine, requests, streams)
+            except RequestCancelledError:
+                if lease.preempted:
+                    raise SwapPreemptedError(lease.name) from None
+                raise
+            finally:
+                cancel_all(streams)
+                if tracked:
+                    origin.tracker.untrack(tracked)
+            return
 
 
 def with_seed_offset(request: GenerationRequest, offset: int) -> GenerationRequest:

@@ -49,6 +49,7 @@ log = logging.getLogger(__name__)
 Loader = Callable[[InstalledModel, Settings], ModelEngine]
 UNLOAD_TIMEOUT = 10.0  # seconds an engine gets to stop its step loop and free its memory
 BUSY_RETRY_AFTER = 2.0  # Retry-After while shutting down, and after a wait for a load timed out
+DEATH_NOTICE_S = 2.0  # the most a request waits for the loop to hear that a model's worker died
 
 
 class ModelManager:
@@ -171,6 +172,8 @@ class ModelManager:
         self._reaper.ensure_running()
         key = installed.ref
         model = self._loaded.get(key)
+        if model is not None and not getattr(model.engine, "alive", True):
+            model = await self._forgotten(model)
         if model is not None and swaps.admits(model.draining_for, lane):
             return self._new_lease(model, lane, hold)
         plan = await self._plan(installed)
@@ -190,6 +193,15 @@ class ModelManager:
             raise OverloadedError(f"{key} waited {timeout:.0f} s to be loaded ({waiter.reason or 'no room'}); "
                                   "try again later", retry_after=BUSY_RETRY_AFTER)
         return waiter.future.result()  # a failed load raises its error here
+
+    async def _forgotten(self, model: LoadedModel) -> LoadedModel | None:
+        """What is loaded under `model`'s name once the loop has heard that its worker died: the
+        reader thread that saw it posts _engine_died to this loop, and a request that came in
+        between must load the model again, not lease the dead engine."""
+        deadline = time.monotonic() + DEATH_NOTICE_S
+        while self._loaded.get(model.name) is model and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+        return self._loaded.get(model.name)
 
     async def _wait(self, waiter: swaps.Waiter, timeout: float | None) -> None:
         """Until the waiter has its lease (or its load's error), or `timeout` seconds of waiting
