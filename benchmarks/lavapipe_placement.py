@@ -21,8 +21,9 @@ What it checks, each a line PASS or FAIL (exit status 1 on any FAIL):
   those shares (llama.cpp's load log, to a layer), each with buffers; split_mode none with main_gpu 1 puts the whole model on Vulkan1; greedy tokens equal
   the CPU build's (lavapipe's sums round differently from the CPU's: counted, and a FAIL only where
   the first tokens differ).
-- The daemon: `localserve serve` on the Vulkan build with cpu_moe=on, and with tensor_split=1,1 on two
-  devices; `localserve ps` says "experts of 3 layers in RAM", and each card's share.
+- The CLI and daemon on the Vulkan build with cpu_moe=on, and with tensor_split=1,1 on two devices:
+  `localserve show` says before a load where the experts and each card's share will be, and `localserve
+  ps` after an answer "experts of 3 layers in RAM", and each card's memory as llama.cpp allocated it.
 """
 
 from __future__ import annotations
@@ -97,8 +98,9 @@ def run_child(python: str, model: Path, loads: list[dict], args: argparse.Namesp
 
 # --- the daemon ---------------------------------------------------------------------------------
 
-def daemon_ps(python: str, gguf: Path, devices: str, **settings: str) -> str:
-    """`localserve ps` after one greedy answer from a daemon run on `python`'s build."""
+def show_and_ps(python: str, gguf: Path, devices: str, **settings: str) -> tuple[str, str]:
+    """`localserve show` before a load, and `localserve ps` after one greedy answer from a daemon,
+    both run on `python`'s build."""
     from daemon_util import cli, cli_env, free_port, http_post, stop_quietly, wait_published
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -109,6 +111,8 @@ def daemon_ps(python: str, gguf: Path, devices: str, **settings: str) -> str:
         added = cli(env, "add", str(gguf), "--name", "placed:vk")
         if added.returncode != 0:
             sys.exit(added.stderr)
+        show = subprocess.run([python, "-m", "localserve", "show", "placed:vk"], env=env, cwd=ROOT,
+                              capture_output=True, text=True, timeout=600, check=True).stdout
         proc = subprocess.Popen([python, "-m", "localserve", "serve"], env=env, cwd=ROOT,
                                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         try:
@@ -119,7 +123,7 @@ def daemon_ps(python: str, gguf: Path, devices: str, **settings: str) -> str:
                                      timeout=600)
             if status != 200:
                 sys.exit(f"the daemon answered {status}: {body}")
-            return cli(env, "ps").stdout
+            return show, cli(env, "ps").stdout
         finally:
             stop_quietly(env, proc)
 
@@ -190,12 +194,31 @@ def check_split(args: argparse.Namespace, check: Checks, model: Path) -> None:
               first == len(PROMPTS), f"{same}/{len(PROMPTS)} prompts all {args.tokens} tokens, {first} first tokens")
 
 
+def _row(show: str, name: str) -> str:
+    """A `show` row's text, its wrapped lines joined."""
+    lines = show.splitlines()
+    start = next((i for i, line in enumerate(lines) if line.strip().startswith(name)), None)
+    if start is None:
+        return ""
+    text = [lines[start].strip()[len(name):].strip()]
+    for line in lines[start + 1:]:
+        if line[:19].strip():  # the next row's name
+            break
+        text.append(line.strip())
+    return " ".join(text)
+
+
 def check_daemon(args: argparse.Namespace, check: Checks, moe: Path, model: Path) -> None:
-    ps = daemon_ps(args.vulkan_python, moe, "0", cpu_moe="on")
+    show, ps = show_and_ps(args.vulkan_python, moe, "0", cpu_moe="on")
     print(ps, end="")
+    in_ram = _row(show, "in RAM")
+    check("show, before a load: the MoE model's experts in RAM", in_ram.startswith("MoE experts of every layer"), in_ram)
     check("ps: the MoE model's experts in RAM", "experts of 3 layers in RAM" in ps)
-    ps = daemon_ps(args.vulkan_python, model, "0,0", tensor_split="1,1")
+    show, ps = show_and_ps(args.vulkan_python, model, "0,0", tensor_split="1,1")
     print(ps, end="")
+    per_gpu = _row(show, "per GPU")
+    check("show, before a load: the split model's planned share on each card", "gpu:0" in per_gpu and "gpu:1" in per_gpu,
+          per_gpu)
     check("ps: the split model's share on each card", "Vulkan0" in ps and "Vulkan1" in ps)
 
 
