@@ -257,9 +257,14 @@ def _choose_split(usable: list[tuple[int, GPUInfo]], estimate: MemoryEstimate | 
     shares = (tuple(split.shares) + (0.0,) * len(usable))[:len(usable)] if split.shares else tuple(map(float, budgets))
     if not any(shares):
         return None
-    weights = estimate.total_bytes - estimate.compute_bytes if estimate else 0
-    # Each card holds its share of the weights and KV, and a compute buffer of its own.
-    need = [round(weights * s / sum(shares)) + (estimate.compute_bytes if estimate and s else 0) for s in shares]
+    compute, head = (estimate.compute_bytes, estimate.non_layer_bytes) if estimate else (0, 0)
+    layers = estimate.total_bytes - compute - head if estimate else 0
+    last = max(k for k, s in enumerate(shares) if s > 0)
+    # Each card holds its share of the layers and their KV, and a compute buffer of its own; the
+    # output head goes with llama.cpp's last layer to the last card (on lavapipe's two devices,
+    # SmolLM2 at 1,1: 16/15 layers, 39 and 74 MiB), so that card is charged it whole.
+    need = [round(layers * s / sum(shares)) + (compute if s else 0) + (head if k == last else 0)
+            for k, s in enumerate(shares)]
     if estimate is not None and any(n > b for n, b in zip(need, budgets)):
         return None
     cards = [(i, g, n, b) for (i, g), n, b, s in zip(usable, need, budgets, shares) if s > 0]

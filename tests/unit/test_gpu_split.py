@@ -40,6 +40,13 @@ def test_a_model_one_card_cannot_hold_is_split_by_free_memory() -> None:
     assert all(n <= f for n, f in zip(choice.vram_per_device, free))
     assert choice.vram_per_device[0] > choice.vram_per_device[1]
     assert "all layers over 2 GPUs, layer split" in choice.reason
+    # Each card: its share of the layers and their KV, a compute buffer; the last card the output
+    # head too (llama.cpp puts it with the last layer).
+    est = _scaled(SMALL, 6.5)
+    layers = est.total_bytes - est.compute_bytes - est.non_layer_bytes
+    share = free[0] / sum(free)
+    assert choice.vram_per_device == pytest.approx(
+        (layers * share + est.compute_bytes, layers * (1 - share) + est.compute_bytes + est.non_layer_bytes), abs=1)
 
 
 def test_one_card_that_holds_it_keeps_it_and_llama_cpp_is_told() -> None:
