@@ -2,10 +2,11 @@
 
 Reasoning models (Qwen3, DeepSeek-R1 distills, QwQ) start their answer with `<think>...</think>`.
 A dialect with a place for it (the Responses API's reasoning item, OpenAI chat's
-`reasoning_content`, Ollama's `thinking`) shows it there and the answer without it. `ThinkSplit` reads the text delta by delta and says which piece is which, holding back
-only what may still turn out to be a tag (`<thi` at the start, `</thi` inside), so thinking
-streams as it comes; a whole answer goes through the same object (`split_thinking`), so a
-streamed and a collected answer split alike. An answer that does not start with `<think>` is all
+`reasoning_content`, Ollama's `thinking`) shows it there and the answer without it. `ThinkSplit`
+reads the text delta by delta and says which piece is which, holding back only what may still turn
+out to be a tag (`<thi` at the start, `</thi` inside), so thinking streams as it comes; a whole
+answer goes through the same object (`split_thinking`), so a streamed and a collected answer split
+alike. An answer that does not start with `<think>` is all
 answer, unchanged; a think block never closed (cut by max tokens) is all thinking. Templates that
 open the block themselves (DeepSeek-R1 distills end the prompt with `<think>`) start it inside
 (`inside=True`): the answer's text is thinking up to `</think>`.
