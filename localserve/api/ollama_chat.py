@@ -167,10 +167,7 @@ class GenerateAnswer:
 
     def line(self, event: GenerationEvent) -> dict[str, Any] | None:
         self._generated.extend(event.token_ids)
-        thinking, text = self._thoughts.feed(event.text)
-        if event.finish_reason is not None:
-            rest = self._thoughts.finish()
-            thinking, text = thinking + rest[0], text + rest[1]
+        thinking, text = self._thoughts.feed(event.text, last=event.finish_reason is not None)
         return self._text_line(text, thinking) if text or thinking else None
 
     def keepalive(self) -> dict[str, Any]:
@@ -267,10 +264,7 @@ class ChatAnswer:
         self._thoughts = Thoughts(call.think_inside)
 
     def line(self, event: GenerationEvent) -> dict[str, Any] | None:
-        thinking, text = self._thoughts.feed(event.text)
-        if event.finish_reason is not None:
-            rest = self._thoughts.finish()
-            thinking, text = thinking + rest[0], text + rest[1]
+        thinking, text = self._thoughts.feed(event.text, last=event.finish_reason is not None)
         text = self._calls.feed(text) if self._calls else text
         if not (text or thinking):
             return None

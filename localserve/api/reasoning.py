@@ -100,11 +100,12 @@ class Thoughts:
         self.inside = inside
         self._split = ThinkSplit(inside) if inside is not None else None
 
-    def feed(self, text: str) -> tuple[str, str]:
-        return _joined(self._split.feed(text)) if self._split is not None else ("", text)
-
-    def finish(self) -> tuple[str, str]:
-        return _joined(self._split.finish()) if self._split is not None else ("", "")
+    def feed(self, text: str, last: bool = False) -> tuple[str, str]:
+        """A delta's (thinking, answer); `last`: the answer's final delta, which also gives what
+        was held back as a possible tag's start."""
+        if self._split is None:
+            return "", text
+        return _joined(self._split.feed(text) + (self._split.finish() if last else []))
 
     def whole(self, text: str) -> tuple[str, str]:
         if self.inside is None:

@@ -148,10 +148,7 @@ class _Reply:
         async for i, event in merge(streams):
             raise_if_failed(event)
             timer.tokens(len(event.token_ids))
-            thinking, text = thoughts[i].feed(event.text)
-            if event.finish_reason is not None:  # what the split held back, a possible tag's start
-                held_thinking, held_text = thoughts[i].finish()
-                thinking, text = thinking + held_thinking, text + held_text
+            thinking, text = thoughts[i].feed(event.text, last=event.finish_reason is not None)
             text = filters[i].feed(text) if filters[i] else text
             lps = chat_logprobs(event.logprobs, k) if k is not None and event.logprobs else None
             if thinking:  # llama-server's delta for it: reasoning_content alone
